@@ -1,0 +1,70 @@
+// The collectives libfsdp issues, over a ProcessGroup, each with an async handle.
+//
+// Mirrors torch.distributed.{all_gather_into_tensor, reduce_scatter_tensor, all_reduce, broadcast,
+// barrier}. Every collective of the library goes through these functions, so a failure names the
+// collective, its sequence number on the group, the shapes and the rank.
+//
+// Averages are always computed as a SUM plus our own division: Gloo's ReduceOp::AVG has silently
+// been a SUM in some PyTorch releases (PyTorch issue 162338).
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "fsdp/distributed.h"
+
+namespace fsdp {
+
+/// Reduction of all_reduce and reduce_scatter_tensor. AVG = SUM, then divide by the group size.
+enum class ReduceOp { SUM, AVG, MAX, MIN, PRODUCT };
+
+/// Handle of an issued collective. wait() blocks until it is done, runs the completion step (e.g. the
+/// AVG division) once, and rethrows a failure as c10::Error with the collective's description.
+/// A default-constructed Work is already complete (used when no communication is needed).
+/// Mirrors torch.distributed.Work.
+class Work {
+ public:
+  Work() = default;
+  Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done = {});
+  /// Blocks until complete; idempotent. Throws c10::Error "<description> failed: <cause>".
+  void wait();
+  /// True once complete (does not run the completion step).
+  bool is_completed() const;
+  /// "all_gather_into_tensor #7 on ProcessGroup(...): input [5] Float, output [15] Float".
+  const std::string& description() const { return description_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string description_;
+  std::function<void()> on_done_;
+  bool done_ = true;
+};
+
+/// Gathers `input` (any shape, contiguous) of every rank into `output`, rank-major along dim 0.
+/// Requires output.numel() == group.size() * input.numel() and equal dtypes; `input` may be a view
+/// of `output` (in-place all-gather). Throws c10::Error naming the shapes otherwise.
+Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
+                            bool async_op = false);
+
+/// Reduces `input` over the group and leaves chunk `rank` (of size output.numel()) in `output`.
+/// Requires input.numel() == group.size() * output.numel(), equal dtypes, contiguous tensors.
+Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
+                           ReduceOp op = ReduceOp::SUM, bool async_op = false);
+
+/// Reduces `tensor` in place over the group.
+Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op = ReduceOp::SUM,
+                bool async_op = false);
+
+/// Copies `tensor` of group rank `src` to every rank, in place.
+Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool async_op = false);
+
+/// Blocks until every rank of the group has reached it.
+Work barrier(ProcessGroup& group, bool async_op = false);
+
+/// "[5, 3] Float" — used in error messages.
+std::string describe(const torch::Tensor& t);
+
+}  // namespace fsdp

@@ -1,0 +1,138 @@
+// Process groups: rank discovery from the launcher's environment, rendezvous on a c10d TCPStore,
+// and the c10d backend (Gloo on CPU, NCCL on CUDA) every other libfsdp API communicates through.
+//
+// Mirrors torch.distributed.init_process_group / new_group / get_rank / get_world_size.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace fsdp {
+
+/// Who launched us and where this process sits, as read from the environment.
+/// Sources, in order: torchrun/fsdprun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`) and Open MPI
+/// (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`).
+struct LaunchEnv {
+  int rank = 0;               ///< global rank, 0 <= rank < world_size
+  int world_size = 1;         ///< number of processes in the job
+  int local_rank = 0;         ///< rank within this node (selects the CUDA device)
+  int local_world_size = 1;   ///< processes on this node
+  std::string master_addr;    ///< host of the TCPStore
+  int master_port = 29500;    ///< port of the TCPStore
+  bool use_agent_store = false;  ///< `TORCHELASTIC_USE_AGENT_STORE=True`: the launcher hosts the store
+  int restart_count = 0;      ///< `TORCHELASTIC_RESTART_COUNT` (selects the store prefix with an agent store)
+  std::string source;         ///< "torchrun", "slurm" or "openmpi"
+};
+
+/// Reads `LaunchEnv` from the environment.
+/// Throws c10::Error naming the variable when a required one is missing or invalid, e.g.
+/// "init_process_group: WORLD_SIZE=0 is invalid: expected a positive integer".
+/// `MASTER_ADDR`/`MASTER_PORT` are required only when world_size > 1.
+LaunchEnv read_launch_env();
+
+/// Options of init_process_group. Every field is optional.
+struct InitOptions {
+  /// "gloo" or "nccl". (Default: "nccl" when `device` is CUDA, else "gloo")
+  std::optional<std::string> backend;
+  /// Device type to compute on: kCPU or kCUDA; with kCUDA each rank takes cuda:LOCAL_RANK.
+  /// (Default: kCPU)
+  torch::DeviceType device_type = torch::kCPU;
+  /// Timeout of the rendezvous and of every collective.
+  /// (Default: `FSDP_TIMEOUT_S` seconds from the environment if set, else 30 min, as PyTorch's)
+  std::optional<std::chrono::milliseconds> timeout;
+  /// Overrides the environment (e.g. for tests). (Default: from read_launch_env())
+  std::optional<LaunchEnv> env;
+  /// Gloo worker threads per group. (Default: 2)
+  int gloo_threads = 2;
+};
+
+/// A group of ranks and the c10d backend that runs their collectives.
+/// Mirrors torch.distributed.ProcessGroup for one device type. Cheap to share: hold it as
+/// `ProcessGroupPtr`. All collectives must be issued in the same order on every rank of the group.
+class ProcessGroup {
+ public:
+  /// Wraps an existing c10d backend (e.g. one the caller built). `global_ranks[i]` is the global rank
+  /// of group rank i (Default: 0..size-1). `store` (may be null) lets new_group() build sub-groups.
+  ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, torch::Device device,
+               c10::intrusive_ptr<c10d::Store> store = {}, std::vector<int> global_ranks = {},
+               std::chrono::milliseconds timeout = std::chrono::minutes(30), std::string name = "default");
+
+  int rank() const { return rank_; }            ///< this process's rank in the group
+  int size() const { return size_; }            ///< number of ranks in the group
+  torch::Device device() const { return device_; }  ///< the device this rank computes on
+  torch::DeviceType device_type() const { return device_.type(); }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const std::string& name() const { return name_; }  ///< e.g. "default", "mesh/shard/0"
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  /// Number of collectives issued on this group so far (identical on every rank when in sync).
+  uint64_t seq() const { return seq_; }
+  uint64_t next_seq() { return seq_++; }
+  /// Counter that names sub-groups (identical on every rank when they build groups in one order).
+  uint64_t next_subgroup_id() { return subgroups_++; }
+
+  /// "ProcessGroup(name=default, backend=gloo, rank=1, size=3)".
+  std::string str() const;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  torch::Device device_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::vector<int> global_ranks_;
+  std::chrono::milliseconds timeout_;
+  std::string name_;
+  int rank_ = 0;
+  int size_ = 1;
+  uint64_t seq_ = 0;
+  uint64_t subgroups_ = 0;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+/// Initialises the default process group from the launcher's environment: rendezvous on a c10d
+/// TCPStore at MASTER_ADDR:MASTER_PORT (a client of the launcher's store when
+/// `TORCHELASTIC_USE_AGENT_STORE=True`, else hosted by rank 0), then a Gloo (CPU) or NCCL (CUDA)
+/// backend. Honours `GLOO_SOCKET_IFNAME`. The returned group's device() is the device this rank must
+/// use (cuda:LOCAL_RANK on CUDA). Also sets it as the default group (see default_process_group()).
+/// Throws c10::Error when the environment is incomplete, the master is unreachable within
+/// `timeout`, CUDA is requested but unavailable, or there are fewer CUDA devices than local ranks.
+/// Mirrors torch.distributed.init_process_group.
+ProcessGroupPtr init_process_group(const InitOptions& options = {});
+
+/// Builds a Gloo group of `size` ranks over `store` (e.g. an in-memory c10d::HashStore shared by
+/// threads, as the test harness does). Used by init_process_group and new_group.
+ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                std::chrono::milliseconds timeout, std::vector<int> global_ranks = {},
+                                std::string name = "default", int threads = 2);
+
+/// Wraps a caller's c10d::ProcessGroup: its backend for `device.type()` is used.
+ProcessGroupPtr from_c10d(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, torch::Device device);
+
+/// Creates a sub-group of `parent` holding `ranks` (group ranks of `parent`, sorted, distinct).
+/// Must be called by exactly the ranks in `ranks` (unlike PyTorch, other ranks need not call it).
+/// Returns the group for this rank. Throws if this rank is not in `ranks` or `parent` has no store.
+/// Mirrors torch.distributed.new_group.
+ProcessGroupPtr new_group(const ProcessGroupPtr& parent, const std::vector<int>& ranks,
+                          const std::string& name);
+
+/// The group set by init_process_group (or set_default_process_group). Throws if none is set.
+/// The test harness sets a per-thread default, which takes precedence over the process-wide one.
+ProcessGroupPtr default_process_group();
+/// Sets the process-wide default group (null clears it).
+void set_default_process_group(ProcessGroupPtr group);
+/// Sets the default group of the calling thread only (used when ranks are threads; null clears it).
+void set_thread_default_process_group(ProcessGroupPtr group);
+/// True when a default group is set for this thread or process.
+bool is_initialized();
+
+}  // namespace fsdp

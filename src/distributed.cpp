@@ -1,0 +1,287 @@
+#include "fsdp/distributed.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/cuda.h>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace fsdp {
+namespace {
+
+std::optional<std::string> getenv_str(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+// Parses an integer environment variable; throws naming the variable on garbage.
+std::optional<long> getenv_int(const char* name) {
+  auto s = getenv_str(name);
+  if (!s) return std::nullopt;
+  char* end = nullptr;
+  long v = std::strtol(s->c_str(), &end, 10);
+  TORCH_CHECK(!s->empty() && end != nullptr && *end == '\0', "init_process_group: ", name, "=", *s,
+              " is not an integer");
+  return v;
+}
+
+std::mutex g_default_mutex;
+ProcessGroupPtr g_default_group;
+thread_local ProcessGroupPtr t_default_group;
+
+}  // namespace
+
+LaunchEnv read_launch_env() {
+  LaunchEnv env;
+  const char* rank_var = nullptr;
+  const char* size_var = nullptr;
+  const char* local_var = nullptr;
+  if (getenv_str("RANK") || getenv_str("WORLD_SIZE")) {
+    env.source = "torchrun";
+    rank_var = "RANK";
+    size_var = "WORLD_SIZE";
+    local_var = "LOCAL_RANK";
+  } else if (getenv_str("OMPI_COMM_WORLD_RANK")) {
+    env.source = "openmpi";
+    rank_var = "OMPI_COMM_WORLD_RANK";
+    size_var = "OMPI_COMM_WORLD_SIZE";
+    local_var = "OMPI_COMM_WORLD_LOCAL_RANK";
+  } else if (getenv_str("SLURM_PROCID")) {
+    env.source = "slurm";
+    rank_var = "SLURM_PROCID";
+    size_var = "SLURM_NTASKS";
+    local_var = "SLURM_LOCALID";
+  } else {
+    TORCH_CHECK(false,
+                "init_process_group: RANK is not set (nor SLURM_PROCID or OMPI_COMM_WORLD_RANK): expected the "
+                "environment of a launcher. Fix: start the program with `fsdprun --nproc-per-node N PROGRAM` "
+                "or `torchrun --no-python --nproc-per-node N PROGRAM`, or set RANK, WORLD_SIZE, MASTER_ADDR "
+                "and MASTER_PORT yourself");
+  }
+  auto rank = getenv_int(rank_var);
+  auto size = getenv_int(size_var);
+  TORCH_CHECK(rank.has_value(), "init_process_group: ", rank_var, " is not set (", size_var,
+              " is): expected this process's rank. Fix: launch with fsdprun or torchrun");
+  TORCH_CHECK(size.has_value(), "init_process_group: ", size_var, " is not set (", rank_var,
+              " is): expected the number of processes. Fix: launch with fsdprun or torchrun");
+  TORCH_CHECK(*size > 0, "init_process_group: ", size_var, "=", *size,
+              " is invalid: expected a positive number of processes");
+  TORCH_CHECK(*rank >= 0 && *rank < *size, "init_process_group: ", rank_var, "=", *rank,
+              " is out of range: expected 0 <= ", rank_var, " < ", size_var, "(", *size, ")");
+  env.rank = static_cast<int>(*rank);
+  env.world_size = static_cast<int>(*size);
+  env.local_rank = static_cast<int>(getenv_int(local_var).value_or(env.rank));
+  env.local_world_size = static_cast<int>(
+      getenv_int(env.source == "torchrun" ? "LOCAL_WORLD_SIZE"
+                 : env.source == "openmpi" ? "OMPI_COMM_WORLD_LOCAL_SIZE"
+                                           : "SLURM_NTASKS_PER_NODE")
+          .value_or(env.world_size));
+  env.use_agent_store = getenv_str("TORCHELASTIC_USE_AGENT_STORE").value_or("False") == "True";
+  env.restart_count = static_cast<int>(getenv_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
+
+  auto addr = getenv_str("MASTER_ADDR");
+  auto port = getenv_int("MASTER_PORT");
+  if (env.world_size > 1) {
+    TORCH_CHECK(addr.has_value() && !addr->empty(), "init_process_group: MASTER_ADDR is not set: expected the host of "
+                "rank 0 (", rank_var, "=", env.rank, ", ", size_var, "=", env.world_size,
+                "). Fix: launch with fsdprun/torchrun or export MASTER_ADDR=<host of rank 0>");
+    TORCH_CHECK(port.has_value(), "init_process_group: MASTER_PORT is not set: expected the TCP port of the "
+                "store on MASTER_ADDR(", *addr, "). Fix: launch with fsdprun/torchrun or export MASTER_PORT=29500");
+  }
+  env.master_addr = addr.value_or("127.0.0.1");
+  if (port) {
+    TORCH_CHECK(*port >= 0 && *port <= 65535, "init_process_group: MASTER_PORT=", *port,
+                " is invalid: expected 0..65535");
+    env.master_port = static_cast<int>(*port);
+  }
+  return env;
+}
+
+ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, torch::Device device,
+                           c10::intrusive_ptr<c10d::Store> store, std::vector<int> global_ranks,
+                           std::chrono::milliseconds timeout, std::string name)
+    : backend_(std::move(backend)),
+      device_(device),
+      store_(std::move(store)),
+      global_ranks_(std::move(global_ranks)),
+      timeout_(timeout),
+      name_(std::move(name)) {
+  TORCH_CHECK(backend_, "ProcessGroup: expected a c10d backend, got null");
+  rank_ = backend_->getRank();
+  size_ = backend_->getSize();
+  if (global_ranks_.empty()) {
+    for (int r = 0; r < size_; ++r) global_ranks_.push_back(r);
+  }
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "ProcessGroup: ", global_ranks_.size(),
+              " global ranks given for a backend of size ", size_);
+}
+
+std::string ProcessGroup::str() const {
+  std::ostringstream os;
+  os << "ProcessGroup(name=" << name_ << ", backend=" << backend_->getBackendName() << ", rank=" << rank_
+     << ", size=" << size_ << ")";
+  return os.str();
+}
+
+ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                std::chrono::milliseconds timeout, std::vector<int> global_ranks,
+                                std::string name, int threads) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  // GLOO_SOCKET_IFNAME (comma-separated) selects interfaces, as in PyTorch; otherwise loopback for a
+  // one-host job and the hostname's address otherwise.
+  if (auto ifnames = getenv_str("GLOO_SOCKET_IFNAME"); ifnames && !ifnames->empty()) {
+    std::stringstream ss(*ifnames);
+    std::string ifname;
+    while (std::getline(ss, ifname, ',')) {
+      if (!ifname.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    }
+  } else {
+    auto addr = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
+    bool local = addr == "127.0.0.1" || addr == "localhost" || addr == "::1";
+    opts->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  opts->threads = threads;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank,
+                " of ", size, " within ", timeout.count(), " ms: ", e.what(),
+                ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
+                "names a reachable interface");
+  }
+  return std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
+                                        timeout, std::move(name));
+}
+
+ProcessGroupPtr init_process_group(const InitOptions& options) {
+  LaunchEnv env = options.env ? *options.env : read_launch_env();
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  if (options.timeout) {
+    timeout = *options.timeout;
+  } else if (auto s = getenv_int("FSDP_TIMEOUT_S")) {
+    TORCH_CHECK(*s > 0, "init_process_group: FSDP_TIMEOUT_S=", *s, " is invalid: expected a positive number of seconds");
+    timeout = std::chrono::seconds(*s);
+  }
+  std::string backend_name = options.backend.value_or(options.device_type == torch::kCUDA ? "nccl" : "gloo");
+  TORCH_CHECK(backend_name == "gloo" || backend_name == "nccl", "init_process_group: unknown backend '",
+              backend_name, "': expected \"gloo\" (CPU) or \"nccl\" (CUDA)");
+
+  torch::Device device(torch::kCPU);
+  if (options.device_type == torch::kCUDA) {
+    TORCH_CHECK(torch::cuda::is_available(), "init_process_group: device type CUDA requested but this LibTorch "
+                "has no usable CUDA device. Fix: use device_type kCPU (backend gloo) or a CUDA build of LibTorch");
+    int n = static_cast<int>(torch::cuda::device_count());
+    TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
+                n, " CUDA device(s): expected --nproc-per-node <= ", n);
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  } else {
+    TORCH_CHECK(backend_name == "gloo", "init_process_group: backend nccl needs device type CUDA; got CPU");
+  }
+
+  // Rendezvous. With an agent store the launcher hosts the TCPStore and we are clients under the
+  // attempt's prefix (torchrun's contract); otherwise rank 0 hosts it.
+  c10::intrusive_ptr<c10d::Store> store;
+  c10d::TCPStoreOptions sopts;
+  sopts.port = static_cast<std::uint16_t>(env.master_port);
+  sopts.timeout = timeout;
+  sopts.isServer = !env.use_agent_store && env.rank == 0;
+  sopts.numWorkers = env.use_agent_store ? std::nullopt : std::optional<std::size_t>(env.world_size);
+  sopts.waitWorkers = !env.use_agent_store;
+  sopts.multiTenant = true;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
+                " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
+                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ",
+                timeout.count(), " ms: ", e.what(),
+                ". Fix: check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are reachable from this host");
+  }
+  if (env.use_agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
+  }
+  store = c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
+
+  ProcessGroupPtr group;
+  if (backend_name == "gloo") {
+    group = make_gloo_group(store, env.rank, env.world_size, timeout, {}, "default", options.gloo_threads);
+  } else {
+#ifdef USE_C10D_NCCL
+    auto nopts = c10d::ProcessGroupNCCL::Options::create();
+    nopts->timeout = timeout;
+    auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nopts);
+    group = std::make_shared<ProcessGroup>(backend, device, store, std::vector<int>{}, timeout, "default");
+#else
+    TORCH_CHECK(false, "init_process_group: backend nccl requested but this LibTorch was built without NCCL");
+#endif
+  }
+  set_default_process_group(group);
+  return group;
+}
+
+ProcessGroupPtr from_c10d(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, torch::Device device) {
+  TORCH_CHECK(pg, "from_c10d: expected a c10d::ProcessGroup, got null");
+  auto backend = pg->getBackend(device.type());
+  return std::make_shared<ProcessGroup>(backend, device, pg->getStore(), std::vector<int>{},
+                                        backend->getBackendOptions()->timeout, pg->getGroupName());
+}
+
+ProcessGroupPtr new_group(const ProcessGroupPtr& parent, const std::vector<int>& ranks, const std::string& name) {
+  TORCH_CHECK(parent, "new_group: parent group is null");
+  TORCH_CHECK(parent->store(), "new_group: ", parent->str(), " has no store to build sub-groups with");
+  int me = -1;
+  std::vector<int> global;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < parent->size(), "new_group: rank ", ranks[i], " is not in ",
+                parent->str());
+    TORCH_CHECK(i == 0 || ranks[i] > ranks[i - 1], "new_group: ranks must be sorted and distinct");
+    if (ranks[i] == parent->rank()) me = static_cast<int>(i);
+    global.push_back(parent->global_ranks()[ranks[i]]);
+  }
+  TORCH_CHECK(me >= 0, "new_group: rank ", parent->rank(), " of ", parent->str(), " is not in the new group '", name,
+              "'");
+  auto store = c10::make_intrusive<c10d::PrefixStore>(name, parent->store());
+  if (parent->device_type() == torch::kCPU) {
+    return make_gloo_group(store, me, static_cast<int>(ranks.size()), parent->timeout(), global, name);
+  }
+#ifdef USE_C10D_NCCL
+  auto nopts = c10d::ProcessGroupNCCL::Options::create();
+  nopts->timeout = parent->timeout();
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, me, static_cast<int>(ranks.size()), nopts);
+  return std::make_shared<ProcessGroup>(backend, parent->device(), store, global, parent->timeout(), name);
+#else
+  TORCH_CHECK(false, "new_group: device ", parent->device(), " needs NCCL, which this LibTorch lacks");
+#endif
+}
+
+ProcessGroupPtr default_process_group() {
+  if (t_default_group) return t_default_group;
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  TORCH_CHECK(g_default_group, "default_process_group: no process group is initialised. Fix: call "
+              "fsdp::init_process_group() first (or pass a mesh/group explicitly)");
+  return g_default_group;
+}
+
+void set_default_process_group(ProcessGroupPtr group) {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  g_default_group = std::move(group);
+}
+
+void set_thread_default_process_group(ProcessGroupPtr group) { t_default_group = std::move(group); }
+
+bool is_initialized() {
+  if (t_default_group) return true;
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  return g_default_group != nullptr;
+}
+
+}  // namespace fsdp
