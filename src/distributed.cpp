@@ -123,6 +123,11 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, torch::Dev
               " global ranks given for a backend of size ", size_);
 }
 
+uint64_t ProcessGroup::collective_count(const std::string& op) const {
+  auto it = counts_.find(op);
+  return it == counts_.end() ? 0 : it->second;
+}
+
 std::string ProcessGroup::str() const {
   std::ostringstream os;
   os << "ProcessGroup(name=" << name_ << ", backend=" << backend_->getBackendName() << ", rank=" << rank_

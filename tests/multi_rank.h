@@ -44,6 +44,8 @@ inline std::vector<std::string> run_ranks_collect(int world, const std::function
         auto group = make_gloo_group(store, r, world, collective_timeout);
         set_thread_default_process_group(group);
         fn(group);
+      } catch (const c10::Error& e) {
+        err = e.what_without_backtrace();
       } catch (const std::exception& e) {
         err = e.what();
         if (err.empty()) err = "exception with an empty message";

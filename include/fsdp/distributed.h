@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -79,6 +80,10 @@ class ProcessGroup {
   /// Number of collectives issued on this group so far (identical on every rank when in sync).
   uint64_t seq() const { return seq_; }
   uint64_t next_seq() { return seq_++; }
+  /// Number of collectives of kind `op` ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+  /// "broadcast", "barrier") that reached the backend (a group of size 1 never does).
+  uint64_t collective_count(const std::string& op) const;
+  void count_collective(const std::string& op) { ++counts_[op]; }
   /// Counter that names sub-groups (identical on every rank when they build groups in one order).
   uint64_t next_subgroup_id() { return subgroups_++; }
 
@@ -96,6 +101,7 @@ class ProcessGroup {
   int size_ = 1;
   uint64_t seq_ = 0;
   uint64_t subgroups_ = 0;
+  std::map<std::string, uint64_t> counts_;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 

@@ -1,0 +1,9 @@
+// libfsdp: PyTorch's FSDP2 for LibTorch. One include for the whole public API.
+#pragma once
+
+#include "fsdp/collectives.h"
+#include "fsdp/device_mesh.h"
+#include "fsdp/distributed.h"
+#include "fsdp/dtensor.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/policies.h"

@@ -1,0 +1,319 @@
+// fully_shard: FSDP2 parameter sharding for LibTorch modules.
+//
+//   struct GPTImpl : torch::nn::Module {
+//     std::vector<fsdp::FSDPModule<Block>> blocks;   // the one-line change: was std::vector<Block>
+//     ...
+//   };
+//   auto model = fsdp::FSDPModule<GPT>(GPT(cfg));
+//   for (auto& b : model->blocks) fsdp::fully_shard(b, opts);   // bottom-up
+//   fsdp::fully_shard(model, opts);                              // root last
+//   torch::optim::AdamW opt(model->parameters(), ...);          // sees local shards
+//
+// Every parameter of a fully_shard call (minus those of already-sharded submodules) forms one group:
+// sharded on dim 0 over the mesh (torch.chunk layout, zero padding, empty shards allowed), all-gathered
+// as one flat buffer before the module's forward and again before its backward, gradients
+// reduce-scattered (SUM, then divided by the number of data-parallel ranks) into sharded gradients.
+// The parameter tensors keep their identity: only their data is swapped between the local shard and
+// the unsharded tensor, so `model->parameters()`, an optimizer and the autograd graph all keep
+// pointing at the same objects.
+//
+// The C++ frontend has no forward hooks: a sharded module's forward must go through fsdp::FSDPModule
+// (declare the module as fsdp::FSDPModule<Block> instead of Block) or through fsdp::fsdp_forward() for
+// other entry points. A forward that bypasses FSDP fails with a message that says so.
+//
+// Mirrors torch.distributed.fsdp.fully_shard and FSDPModule (FSDP2).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include "fsdp/device_mesh.h"
+#include "fsdp/dtensor.h"
+#include "fsdp/policies.h"
+
+namespace fsdp {
+
+/// When to free the unsharded parameters after forward (FSDP2's `reshard_after_forward`).
+/// `true`: reshard to the full mesh (all-gather again in backward; least memory). `false`: keep them
+/// unsharded until after backward (no backward all-gather; ZeRO-2 memory). An int k (dividing the
+/// shard group size): keep a 1/k slice after forward and all-gather over groups of k consecutive ranks
+/// in backward. Unset: true for non-root modules, false for the root (current PyTorch).
+using ReshardAfterForward = std::variant<bool, int>;
+
+/// Options of fully_shard. Mirrors fully_shard's keyword arguments.
+struct FullyShardOptions {
+  /// Mesh to shard over: 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
+  /// (Default: null = a 1-D mesh over the default process group)
+  TORCH_ARG(DeviceMeshPtr, mesh) = nullptr;
+  /// See ReshardAfterForward. (Default: unset = true, false for the root)
+  TORCH_ARG(std::optional<ReshardAfterForward>, reshard_after_forward) = std::nullopt;
+  /// Dtypes of all-gather, compute and reduction. (Default: all original dtypes)
+  TORCH_ARG(MixedPrecisionPolicy, mp_policy) = {};
+  /// Keep shards, gradients and optimizer state on the CPU. (Default: none)
+  TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
+  /// Parameters left out of sharding (neither sharded nor reduced; their module must handle them).
+  /// (Default: none)
+  TORCH_ARG(std::vector<torch::Tensor>, ignored_params) = {};
+};
+
+namespace detail {
+class FSDPState;
+/// The FSDP state attached to `module` by fully_shard, or null.
+std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module);
+/// Hook entry points used by FSDPModule and fsdp_forward. `inputs` are the tensor arguments of the
+/// call; returns the tensors to call the module with (cast, and wrapped to run post-backward).
+std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs);
+/// Returns the outputs to hand back (pre-backward hooks registered, cast to output_dtype).
+std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Tensor> outputs);
+/// Called when the wrapped forward threw: leaves the group consistent and rethrows with context
+/// (e.g. naming modules whose forward bypassed FSDP).
+[[noreturn]] void forward_failed(FSDPState& state, std::exception_ptr error);
+
+// Collects the tensor arguments (by position) and rebuilds them after transformation.
+inline void collect(std::vector<torch::Tensor>& out, const torch::Tensor& t) { out.push_back(t); }
+template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, torch::Tensor>>>
+void collect(std::vector<torch::Tensor>&, const T&) {}
+inline torch::Tensor replace(const torch::Tensor&, const std::vector<torch::Tensor>& v, size_t& i) { return v[i++]; }
+template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, torch::Tensor>>>
+T&& replace(T&& x, const std::vector<torch::Tensor>&, size_t&) {
+  return std::forward<T>(x);
+}
+
+// Visits the tensors of an output: a Tensor, a std::vector<Tensor>, or a std::tuple/std::pair of those.
+inline void collect_out(std::vector<torch::Tensor>& v, const torch::Tensor& t) { v.push_back(t); }
+inline void collect_out(std::vector<torch::Tensor>& v, const std::vector<torch::Tensor>& ts) {
+  v.insert(v.end(), ts.begin(), ts.end());
+}
+template <typename T>
+void collect_out(std::vector<torch::Tensor>&, const T&) {}
+template <typename... Ts>
+void collect_out(std::vector<torch::Tensor>& v, const std::tuple<Ts...>& t) {
+  std::apply([&](const auto&... xs) { (collect_out(v, xs), ...); }, t);
+}
+template <typename A, typename B>
+void collect_out(std::vector<torch::Tensor>& v, const std::pair<A, B>& p) {
+  collect_out(v, p.first);
+  collect_out(v, p.second);
+}
+inline void restore_out(torch::Tensor& t, const std::vector<torch::Tensor>& v, size_t& i) { t = v[i++]; }
+inline void restore_out(std::vector<torch::Tensor>& ts, const std::vector<torch::Tensor>& v, size_t& i) {
+  for (auto& t : ts) t = v[i++];
+}
+template <typename T>
+void restore_out(T&, const std::vector<torch::Tensor>&, size_t&) {}
+template <typename... Ts>
+void restore_out(std::tuple<Ts...>& t, const std::vector<torch::Tensor>& v, size_t& i) {
+  std::apply([&](auto&... xs) { (restore_out(xs, v, i), ...); }, t);
+}
+template <typename A, typename B>
+void restore_out(std::pair<A, B>& p, const std::vector<torch::Tensor>& v, size_t& i) {
+  restore_out(p.first, v, i);
+  restore_out(p.second, v, i);
+}
+
+// Runs `call(args...)` between the FSDP pre- and post-forward of `state` (if any).
+template <typename Call, typename... Args>
+auto run_with_hooks(const std::shared_ptr<FSDPState>& state, Call&& call, Args&&... args) {
+  if (!state) return call(std::forward<Args>(args)...);
+  std::vector<torch::Tensor> ins;
+  (collect(ins, args), ...);
+  try {
+    auto new_ins = pre_forward(*state, std::move(ins));
+    size_t i = 0;
+    // Braced init keeps left-to-right evaluation of the replacements.
+    auto out = std::apply(call, std::tuple<decltype(replace(std::forward<Args>(args), new_ins, i))...>{
+                                    replace(std::forward<Args>(args), new_ins, i)...});
+    std::vector<torch::Tensor> outs;
+    collect_out(outs, out);
+    outs = post_forward(*state, std::move(outs));
+    size_t j = 0;
+    restore_out(out, outs, j);
+    return out;
+  } catch (...) {
+    forward_failed(*state, std::current_exception());
+  }
+}
+}  // namespace detail
+
+/// Handle of an explicit unshard; wait() completes it (copies the all-gather output into the
+/// unsharded parameters). Mirrors FSDP2's UnshardHandle.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  explicit UnshardHandle(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (wait_) std::exchange(wait_, nullptr)();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
+/// The FSDP2 API of a sharded module (FSDPModule's methods, usable on any sharded module).
+/// Throws c10::Error if `module` was not passed to fully_shard.
+class FSDPModuleAPI {
+ public:
+  explicit FSDPModuleAPI(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
+  /// All-gathers this module's parameters (not its children's). With async_op the returned handle
+  /// must be waited before the parameters are used. Mirrors FSDPModule.unshard().
+  UnshardHandle unshard(bool async_op = false);
+  /// Frees the unsharded parameters (not recursive). Mirrors FSDPModule.reshard().
+  void reshard();
+  /// Enables/disables the gradient reduce-scatter in backward (disable for all but the last
+  /// microbatch of gradient accumulation). Mirrors FSDPModule.set_requires_gradient_sync().
+  void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
+  /// Reshard after backward (default true). Mirrors FSDPModule.set_reshard_after_backward().
+  void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  /// Changes reshard_after_forward of this module (and, with recurse, its sharded submodules).
+  void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
+  /// Whether the next backward is the last of the step (false skips waiting for the reduce-scatters
+  /// at the end of backward). Mirrors FSDPModule.set_is_last_backward().
+  void set_is_last_backward(bool is_last_backward);
+  /// Modules whose all-gather this module's pre-forward issues (explicit forward prefetch; replaces
+  /// the implicit one). Mirrors FSDPModule.set_modules_to_forward_prefetch().
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Modules whose all-gather this module's pre-backward issues (replaces the implicit prefetch of
+  /// the module that ran before it in forward). Mirrors FSDPModule.set_modules_to_backward_prefetch().
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Reduced gradients are divided by `factor` instead of the number of data-parallel ranks.
+  /// Mirrors FSDPModule.set_gradient_divide_factor().
+  void set_gradient_divide_factor(double factor);
+  /// The mesh the parameters are sharded over.
+  DeviceMeshPtr mesh() const;
+  /// The sharded parameters of this module's group, keyed by fully qualified name relative to the
+  /// module fully_shard was called on (DTensors aliasing the parameter storage; no communication).
+  std::vector<std::pair<std::string, DTensor>> sharded_parameters() const;
+  detail::FSDPState& state() const { return *state_; }
+
+ private:
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+/// The FSDP API of a sharded module. Throws c10::Error naming the module type if it is not sharded.
+FSDPModuleAPI fsdp_api(const torch::nn::Module& module);
+inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
+
+/// Marks a module's forward as going through FSDP (fully_shard_tree wraps only such modules, and a
+/// failed forward names sharded modules without it). FSDPModule<T> holders do it when constructed;
+/// custom holders may call it.
+void mark_fsdp_forward(const torch::nn::Module& module);
+
+/// A module holder that routes the forward through FSDP. Declare `fsdp::FSDPModule<Block>` where you
+/// declared `Block` (a TORCH_MODULE holder); construct and call it exactly as before. Behaves as the
+/// holder it wraps (->, *, ptr(), register_module) and adds FSDPModule's methods. Until fully_shard is
+/// applied to it, calls go straight to the module.
+template <typename Holder>
+class FSDPModule : public Holder {
+ public:
+  /// Default-constructs the module, as `Holder()` does.
+  FSDPModule() : Holder() { mark(); }
+  /// An empty holder, as `Holder(nullptr)`.
+  FSDPModule(std::nullptr_t) : Holder(nullptr) {}  // NOLINT: implicit, as the holder's
+  /// Wraps an existing holder (shares its module). Implicit, so `blocks.push_back(Block(...))` works.
+  FSDPModule(Holder holder) : Holder(std::move(holder)) { mark(); }  // NOLINT
+  /// Constructs the module from the holder's arguments, e.g. FSDPModule<Block>(cfg).
+  template <typename Arg, typename... Args,
+            typename = std::enable_if_t<!std::is_same_v<std::decay_t<Arg>, FSDPModule> &&
+                                        !std::is_same_v<std::decay_t<Arg>, Holder> &&
+                                        !std::is_same_v<std::decay_t<Arg>, std::nullptr_t>>>
+  explicit FSDPModule(Arg&& arg, Args&&... args) : Holder(std::forward<Arg>(arg), std::forward<Args>(args)...) {
+    mark();
+  }
+
+  /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks).
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    auto* impl = this->get();
+    return detail::run_with_hooks(
+        detail::state_of(*impl), [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  FSDPModuleAPI fsdp() const { return fsdp_api(*this->get()); }
+  UnshardHandle unshard(bool async_op = false) { return fsdp().unshard(async_op); }
+  void reshard() { fsdp().reshard(); }
+  void set_requires_gradient_sync(bool v, bool recurse = true) { fsdp().set_requires_gradient_sync(v, recurse); }
+  void set_reshard_after_backward(bool v, bool recurse = true) { fsdp().set_reshard_after_backward(v, recurse); }
+  void set_reshard_after_forward(ReshardAfterForward v, bool recurse = true) {
+    fsdp().set_reshard_after_forward(v, recurse);
+  }
+  void set_is_last_backward(bool v) { fsdp().set_is_last_backward(v); }
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+    fsdp().set_modules_to_forward_prefetch(m);
+  }
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+    fsdp().set_modules_to_backward_prefetch(m);
+  }
+  void set_gradient_divide_factor(double f) { fsdp().set_gradient_divide_factor(f); }
+
+ private:
+  void mark() {
+    if (!this->is_empty()) mark_fsdp_forward(*this->get());
+  }
+};
+
+/// Runs another entry point of a sharded module (e.g. `generate`) through FSDP's forward hooks:
+///   auto y = fsdp::fsdp_forward(*model, [&] { return model->generate(x); });
+/// `fn` returns a Tensor, a std::vector<Tensor> or a tuple of them. The analogue of
+/// register_fsdp_forward_method. Tensor inputs captured by `fn` are not cast by mp_policy.
+template <typename Fn>
+auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
+  return detail::run_with_hooks(detail::state_of(module), std::forward<Fn>(fn));
+}
+
+/// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
+/// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module.
+/// Throws c10::Error (messages name the parameter's fully qualified name and the rank) for: a scalar
+/// or non-contiguous parameter, a parameter tied to one managed by another fully_shard call (shard
+/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters, a
+/// mesh of more than 2 dims, reshard_after_forward = k not dividing the shard group size, a module
+/// already sharded.
+FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
+/// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
+/// holds the group's state; the forward of each must go through FSDP.
+FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                          const FullyShardOptions& options = {});
+template <typename T>
+FSDPModuleAPI fully_shard(const torch::nn::ModuleHolder<T>& holder, const FullyShardOptions& options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), options);
+}
+
+/// Which modules fully_shard_tree wraps (besides the root, which is always wrapped last).
+struct AutoWrapPolicy {
+  /// Wrap modules whose type name is in this set: Module::name() ("my::BlockImpl") or its unqualified
+  /// form ("BlockImpl"). (Default: none)
+  TORCH_ARG(std::unordered_set<std::string>, module_types) = {};
+  /// Wrap modules whose not-yet-wrapped subtree holds at least this many parameter elements; 0 = off.
+  /// (Default: 0)
+  TORCH_ARG(int64_t, min_num_params) = 0;
+};
+
+/// Applies fully_shard bottom-up to every module of `root`'s tree that `policy` selects, then to
+/// `root` — the same result as the manual calls. Only modules whose forward goes through FSDP
+/// (declared as fsdp::FSDPModule<...>) can be wrapped: a selected module that is not is reported
+/// in the error with its fully qualified name. Returns the FQNs wrapped, bottom-up ("" is the root).
+std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
+                                          const AutoWrapPolicy& policy, const FullyShardOptions& options = {});
+template <typename T>
+std::vector<std::string> fully_shard_tree(const torch::nn::ModuleHolder<T>& root, const AutoWrapPolicy& policy,
+                                          const FullyShardOptions& options = {}) {
+  return fully_shard_tree(std::static_pointer_cast<torch::nn::Module>(root.ptr()), policy, options);
+}
+
+}  // namespace fsdp

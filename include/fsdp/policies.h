@@ -1,0 +1,37 @@
+// Policies of fully_shard: mixed precision and CPU offload.
+//
+// Mirrors torch.distributed.fsdp.{MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy}.
+#pragma once
+
+#include <optional>
+
+#include <torch/types.h>
+#include <torch/arg.h>
+
+namespace fsdp {
+
+/// Dtypes of the all-gather, compute and reduction of a fully_shard group.
+/// Shards are cast to `param_dtype` before the all-gather (half the bytes on the wire for bf16),
+/// forward and backward compute in it, the sharded parameters and the optimizer state stay in their
+/// original dtype (fp32 master weights); gradients are reduced in `reduce_dtype` and stored in the
+/// parameter's dtype. Buffers are never cast. Mirrors torch.distributed.fsdp.MixedPrecisionPolicy.
+struct MixedPrecisionPolicy {
+  /// Dtype of the unsharded parameters (all-gather and compute). (Default: none = the original dtype)
+  TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
+  /// Dtype of the gradient reduce-scatter. (Default: none = param_dtype, or the original dtype)
+  TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
+  /// Dtype the module's floating outputs are cast to. (Default: none = not cast)
+  TORCH_ARG(std::optional<torch::ScalarType>, output_dtype) = std::nullopt;
+  /// Cast floating-point forward inputs to `param_dtype`. (Default: true)
+  TORCH_ARG(bool, cast_forward_inputs) = true;
+};
+
+/// Keeps padded shards, their gradients and the optimizer state on the CPU; shards are copied to the
+/// compute device at unshard and gradients copied back after the reduce-scatter, so
+/// `optimizer.step()` runs on the CPU. Mirrors torch.distributed.fsdp.CPUOffloadPolicy.
+struct CPUOffloadPolicy {
+  /// Pin the CPU shards and gradients so that host-device copies can be asynchronous. (Default: true)
+  TORCH_ARG(bool, pin_memory) = true;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,313 @@
+#include "fsdp_param_group.h"
+
+#include <ATen/native/Resize.h>
+
+namespace fsdp::detail {
+namespace {
+
+// Frees or re-allocates the bytes of `t`'s storage in place: views that autograd saved keep pointing
+// at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors].
+void resize_storage(const torch::Tensor& t, size_t nbytes) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == nbytes) return;  // already the requested size
+  TORCH_INTERNAL_ASSERT(t.device().is_cpu(), "resize_storage: only CPU storages are resized in place");
+  at::native::resize_bytes_cpu(impl, nbytes);
+}
+
+}  // namespace
+
+FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>> params, GroupOptions options,
+                               const std::string& module_name)
+    : opts_(std::move(options)) {
+  const auto& mesh = opts_.mesh;
+  TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
+              mesh->str());
+  shard_pg_ = mesh->get_group(mesh->ndim() - 1);
+  if (mesh->ndim() == 2) replicate_pg_ = mesh->get_group(0);
+  const int ws = shard_pg_->size();
+  const int rank = shard_pg_->rank();
+  const int global_rank = mesh->get_rank();
+  torch::NoGradGuard no_grad;
+
+  std::optional<torch::ScalarType> trainable_dtype;
+  std::string trainable_dtype_fqn;
+  for (auto& [name, tensor] : params) {
+    TORCH_CHECK(tensor.dim() > 0, "fully_shard: parameter '", name, "' of ", module_name, " on rank ", global_rank,
+                " is a scalar (0-D): FSDP shards dim 0. Fix: give it shape [1] (e.g. `register_parameter(\"", name,
+                "\", torch::zeros({1}))`) or pass it in ignored_params");
+    TORCH_CHECK(tensor.is_contiguous(), "fully_shard: parameter '", name, "' of ", module_name, " on rank ",
+                global_rank, " is not contiguous (shape ", tensor.sizes(), ", strides ", tensor.strides(),
+                "): FSDP shards contiguous dim-0 rows. Fix: make it contiguous before fully_shard (p.set_data(p.contiguous()))");
+    TORCH_CHECK(!tensor.is_sparse(), "fully_shard: parameter '", name, "' is sparse, which FSDP does not support");
+    FSDPParam p;
+    p.fqn = name;
+    p.param = tensor;
+    p.orig_size = tensor.sizes().vec();
+    p.orig_dtype = tensor.scalar_type();
+    bool floating = at::isFloatingType(p.orig_dtype);
+    p.param_dtype = (opts_.mp.param_dtype() && floating) ? *opts_.mp.param_dtype() : p.orig_dtype;
+    if (tensor.requires_grad()) {
+      TORCH_CHECK(!trainable_dtype || *trainable_dtype == p.orig_dtype, "fully_shard: trainable parameters of ",
+                  module_name, " have different dtypes: '", trainable_dtype_fqn, "' is ", *trainable_dtype, " and '",
+                  name, "' is ", p.orig_dtype, ". FSDP reduces one group in one dtype. Fix: shard them in separate "
+                  "fully_shard calls or cast them to one dtype");
+      trainable_dtype = p.orig_dtype;
+      trainable_dtype_fqn = name;
+    }
+    for (size_t d = 1; d < p.orig_size.size(); ++d) p.row_numel *= p.orig_size[d];
+    p.padded_rows = (p.orig_size[0] + ws - 1) / ws;
+    auto range = chunk_range(p.orig_size[0], ws, rank);
+    p.local_rows = range.length;
+    p.local_offset = range.offset;
+    auto padded_shape = p.orig_size;
+    padded_shape[0] = p.padded_rows;
+    auto shard_opts = tensor.options().device(opts_.offload ? torch::Device(torch::kCPU) : mesh->device());
+    p.padded_shard = torch::zeros(padded_shape, shard_opts);
+    if (opts_.offload && opts_.pin_memory && torch::cuda::is_available()) p.padded_shard = p.padded_shard.pin_memory();
+    if (p.local_rows > 0) p.padded_shard.narrow(0, 0, p.local_rows).copy_(tensor.narrow(0, range.offset, range.length));
+    p.sharded_data = p.padded_shard.narrow(0, 0, p.local_rows);
+    tensor.set_data(p.sharded_data);
+    params_.push_back(std::move(p));
+  }
+  auto base = trainable_dtype.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
+  auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
+  reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
+}
+
+void FSDPParamGroup::unshard(bool async_op) {
+  if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
+  const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
+  ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
+  const int world = pg.size();
+  int64_t n = 0;
+  for (const auto& p : params_) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
+  auto dtype = params_.empty() ? torch::kFloat32 : params_[0].param_dtype;
+  // Parameters of one group may differ in param dtype only if some are not floating; gather those
+  // groups in the widest dtype would lose ints, so require one dtype (checked here, rare).
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.param_dtype == dtype, "fully_shard: parameters '", params_[0].fqn, "' (", dtype, ") and '", p.fqn,
+                "' (", p.param_dtype, ") of one group have different all-gather dtypes. Fix: shard them in "
+                "separate fully_shard calls");
+  }
+  auto output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
+  // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
+  auto input = output.narrow(0, pg.rank() * n, n);
+  int64_t off = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params_) {
+      const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
+      input.narrow(0, off, src.numel()).copy_(src.reshape({-1}), /*non_blocking=*/opts_.offload);
+      off += src.numel();
+    }
+  }
+  Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
+  pending_ag_ = PendingAllGather{output, std::move(work), world};
+  if (!async_op) wait_for_unshard();
+}
+
+void FSDPParamGroup::wait_for_unshard() {
+  if (!pending_ag_) return;  // nothing in flight
+  pending_ag_->work.wait();
+  auto ag = std::move(*pending_ag_);
+  pending_ag_.reset();
+  alloc_unsharded();
+  torch::NoGradGuard no_grad;
+  // Copy-out: the output viewed as [world, N] holds, per rank, every parameter's piece in group order.
+  auto out2d = ag.output.view({ag.world, -1});
+  int64_t off = 0;
+  for (auto& p : params_) {
+    int64_t per_rank = p.unsharded_padded.numel() / ag.world;
+    p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, per_rank));
+    off += per_rank;
+    p.post_forward_shard = torch::Tensor();
+  }
+  post_forward_pg_.reset();
+  to_unsharded_data();
+  state_ = ShardedState::UNSHARDED;
+}
+
+void FSDPParamGroup::reshard() {
+  if (pending_ag_) wait_for_unshard();  // a prefetch nobody used: complete the collective first
+  if (state_ == ShardedState::SHARDED) return;  // already sharded
+  if (state_ == ShardedState::UNSHARDED) to_sharded_data();
+  free_unsharded();
+  for (auto& p : params_) p.post_forward_shard = torch::Tensor();
+  post_forward_pg_.reset();
+  state_ = ShardedState::SHARDED;
+}
+
+void FSDPParamGroup::reshard_post_forward(const ProcessGroupPtr& post_forward_group) {
+  if (pending_ag_) wait_for_unshard();
+  if (state_ != ShardedState::UNSHARDED) return;  // nothing unsharded to keep a slice of
+  const int k = post_forward_group->size();
+  const int j = post_forward_group->rank();
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    int64_t rows = p.unsharded_padded.size(0) / k;
+    p.post_forward_shard = p.unsharded_padded.narrow(0, j * rows, rows).clone();
+  }
+  to_sharded_data();
+  free_unsharded();
+  post_forward_pg_ = post_forward_group;
+  state_ = ShardedState::SHARDED_POST_FORWARD;
+}
+
+void FSDPParamGroup::alloc_unsharded() {
+  const int ws = shard_pg_->size();
+  for (auto& p : params_) {
+    if (!p.unsharded_padded.defined()) {
+      auto shape = p.orig_size;
+      shape[0] = ws * p.padded_rows;
+      p.unsharded_padded =
+          torch::empty(shape, torch::TensorOptions().dtype(p.param_dtype).device(opts_.mesh->device()));
+      p.unsharded_data = p.unsharded_padded.narrow(0, 0, p.orig_size[0]);
+    } else {
+      resize_storage(p.unsharded_padded, p.unsharded_padded.numel() * p.unsharded_padded.element_size());
+    }
+  }
+}
+
+void FSDPParamGroup::free_unsharded() {
+  for (auto& p : params_) {
+    if (p.unsharded_padded.defined()) resize_storage(p.unsharded_padded, 0);
+  }
+}
+
+void FSDPParamGroup::to_unsharded_data() {
+  for (auto& p : params_) {
+    // Move a sharded gradient aside: autograd must accumulate an unsharded gradient of the unsharded
+    // shape; the stash is restored (and added to) when the data is sharded again.
+    auto& g = p.param.mutable_grad();
+    if (g.defined()) {
+      if (p.stashed_grad.defined()) {
+        p.stashed_grad.add_(g);
+      } else {
+        p.stashed_grad = g;
+      }
+      g = torch::Tensor();
+    }
+    p.param.set_data(p.unsharded_data);
+  }
+}
+
+void FSDPParamGroup::to_sharded_data() {
+  for (auto& p : params_) {
+    auto& g = p.param.mutable_grad();
+    TORCH_CHECK(!g.defined() || g.sizes() == p.sharded_data.sizes(), "fully_shard: parameter '", p.fqn,
+                "' has an unsharded gradient ", g.sizes(), " while being resharded; its post-backward did not run. "
+                "Every backward must go through the FSDP root's forward");
+    p.param.set_data(p.sharded_data);
+    if (!g.defined() && p.stashed_grad.defined()) g = std::move(p.stashed_grad);
+    p.stashed_grad = torch::Tensor();
+  }
+}
+
+void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_factor) {
+  // A reduce-scatter left in flight (set_is_last_backward(false)) completes before the next one.
+  finish_reduce(divide_factor);
+  // Take the unsharded gradients out of the parameters.
+  std::vector<torch::Tensor> grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (!p.requires_grad()) continue;
+    auto& g = p.param.mutable_grad();
+    if (g.defined() && state_ == ShardedState::UNSHARDED && g.sizes() == p.unsharded_data.sizes()) {
+      grads[i] = std::move(g);
+      g = torch::Tensor();
+    }
+  }
+  torch::NoGradGuard no_grad;
+  if (!sync) {
+    // Gradient accumulation without communication: keep the unsharded grads in the reduce dtype.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      auto& acc = params_[i].unsharded_accum_grad;
+      if (acc.defined()) {
+        acc.add_(grads[i]);
+      } else {
+        acc = grads[i].to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/grads[i].scalar_type() == reduce_dtype_);
+      }
+    }
+    if (reshard_after) reshard();
+    return;
+  }
+  std::vector<size_t> idx;
+  int64_t m = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (p.unsharded_accum_grad.defined()) {
+      if (grads[i].defined()) p.unsharded_accum_grad.add_(grads[i]);
+      grads[i] = std::move(p.unsharded_accum_grad);
+      p.unsharded_accum_grad = torch::Tensor();
+    }
+    if (!grads[i].defined()) continue;
+    idx.push_back(i);
+    m += p.padded_numel();
+  }
+  if (reshard_after) reshard();
+  if (idx.empty()) return;  // no gradient in this group (e.g. frozen parameters)
+  const int ws = shard_pg_->size();
+  // Reduce-scatter input [ws, M]: row r = every gradient's chunk r (zero-padded), in group order.
+  auto input = torch::zeros({ws, m}, grads[idx[0]].options().dtype(reduce_dtype_));
+  int64_t off = 0;
+  for (size_t i : idx) {
+    const auto& p = params_[i];
+    const auto& g = grads[i];
+    for (int r = 0; r < ws; ++r) {
+      auto range = chunk_range(p.orig_size[0], ws, r);
+      if (range.length == 0) continue;
+      input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+    }
+    off += p.padded_numel();
+  }
+  auto flat_in = input.view({-1});
+  auto output = torch::empty({m}, input.options());
+  Work work = reduce_scatter_tensor(output, flat_in, *shard_pg_, ReduceOp::SUM, /*async_op=*/true);
+  pending_rs_ = PendingReduceScatter{flat_in, output, std::move(work), std::move(idx)};
+}
+
+void FSDPParamGroup::finish_reduce(double divide_factor) {
+  if (!pending_rs_) return;  // nothing in flight
+  auto rs = std::move(*pending_rs_);
+  pending_rs_.reset();
+  rs.work.wait();
+  torch::NoGradGuard no_grad;
+  if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
+  if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  int64_t off = 0;
+  for (size_t i : rs.param_indices) {
+    auto& p = params_[i];
+    auto shape = p.orig_size;
+    shape[0] = p.padded_rows;
+    auto shard = rs.output.narrow(0, off, p.padded_numel()).view(shape).narrow(0, 0, p.local_rows);
+    off += p.padded_numel();
+    // An independent tensor, not a view of the reduce-scatter buffer: optimizers detach_() and zero_()
+    // gradients in place, which views do not allow.
+    shard = shard.is_view() && shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device()
+                ? shard.clone()
+                : shard.to(p.sharded_data.device(), p.orig_dtype);
+    // While the data is unsharded (reshard_after_backward=false) the sharded grad waits in the stash.
+    auto& target = state_ == ShardedState::UNSHARDED ? p.stashed_grad : p.param.mutable_grad();
+    if (target.defined()) {
+      target.add_(shard);
+    } else {
+      target = shard;
+    }
+  }
+}
+
+DTensor FSDPParamGroup::sharded_dtensor(const FSDPParam& p) const {
+  std::vector<Placement> placements;
+  if (opts_.mesh->ndim() == 2) placements.push_back(Replicate());
+  placements.push_back(Shard(0));
+  return DTensor(p.sharded_data, opts_.mesh, placements, p.orig_size);
+}
+
+int64_t FSDPParamGroup::sharded_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_) b += p.padded_shard.numel() * p.padded_shard.element_size();
+  return b;
+}
+
+}  // namespace fsdp::detail

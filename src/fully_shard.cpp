@@ -1,0 +1,587 @@
+// fully_shard: the registry of FSDP states, the forward/backward hooks and the public API.
+#include "fsdp/fully_shard.h"
+
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/engine.h>
+
+#include "fsdp_state.h"
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+using torch::nn::Module;
+
+// Module -> state, and state id -> state. Modules are held weakly: a state lives while its module does.
+struct Registry {
+  std::mutex mu;
+  struct Entry {
+    std::weak_ptr<Module> module;
+    std::shared_ptr<FSDPState> state;
+  };
+  std::unordered_map<const Module*, Entry> by_module;
+  std::unordered_map<int64_t, std::weak_ptr<FSDPState>> by_id;
+  std::unordered_map<const Module*, std::weak_ptr<Module>> fsdp_forward;  // marked by FSDPModule holders
+  int64_t next_id = 1;
+
+  void purge_locked() {
+    for (auto it = by_module.begin(); it != by_module.end();) {
+      it = it->second.module.expired() ? by_module.erase(it) : std::next(it);
+    }
+    for (auto it = by_id.begin(); it != by_id.end();) it = it->second.expired() ? by_id.erase(it) : std::next(it);
+    for (auto it = fsdp_forward.begin(); it != fsdp_forward.end();) {
+      it = it->second.expired() ? fsdp_forward.erase(it) : std::next(it);
+    }
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+bool is_marked(const Module& m) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.fsdp_forward.find(&m);
+  return it != r.fsdp_forward.end() && !it->second.expired();
+}
+
+// Autograd function applied to a module's inputs that require grad: identity in forward; its backward
+// runs when the gradients w.r.t. those inputs are ready, i.e. once the module's backward is done
+// (AccumulateGrad nodes run first: they have the highest priority in the engine's ready queue).
+struct RegisterPostBackward : public torch::autograd::Function<RegisterPostBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t state_id) {
+    ctx->saved_data["state_id"] = state_id;
+    return torch::autograd::variable_list(inputs.begin(), inputs.end());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (auto state = state_by_id(ctx->saved_data["state_id"].toInt())) state->post_backward();
+    grads.emplace_back();  // no gradient for state_id
+    return grads;
+  }
+};
+
+std::string describe_shape(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPState> state_of(const Module& module) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.by_module.find(&module);
+  if (it == r.by_module.end() || it->second.module.expired()) return nullptr;
+  return it->second.state;
+}
+
+std::shared_ptr<FSDPState> state_by_id(int64_t id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.by_id.find(id);
+  return it == r.by_id.end() ? nullptr : it->second.lock();
+}
+
+FSDPState::FSDPState(std::vector<std::shared_ptr<Module>> mods, FullyShardOptions opts)
+    : options(std::move(opts)) {
+  for (auto& m : mods) modules.push_back(m);
+  module_type = mods[0]->name();
+  for (size_t i = 1; i < mods.size(); ++i) module_type += "+" + mods[i]->name();
+}
+
+double FSDPState::divide_factor() const {
+  if (gradient_divide_factor) return *gradient_divide_factor;
+  return static_cast<double>(mesh->size());  // shard size x replicate size: the data-parallel ranks
+}
+
+void FSDPState::lazy_init() {
+  // This state runs forward first: it becomes the root of every state in its modules' trees.
+  auto root_module = modules[0].lock();
+  TORCH_INTERNAL_ASSERT(root_module, "lazy_init: module is gone");
+  ctx = std::make_shared<FSDPContext>();
+  ctx->root = this;
+  fqn = "";
+  std::unordered_set<FSDPState*> seen;
+  for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
+    auto s = state_of(*item.value());
+    if (!s || !seen.insert(s.get()).second) continue;
+    if (s.get() != this) {
+      TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: ",
+                  s->name(), " ran forward before the root ", module_type, ". Fix: call the root model's forward ",
+                  "(the module fully_shard was applied to last) before any submodule's");
+      s->ctx = ctx;
+      s->fqn = item.key();
+    }
+    ctx->states.push_back(s.get());
+  }
+  // Resolve reshard_after_forward and prefix parameter names with the module paths.
+  for (FSDPState* s : ctx->states) {
+    if (s->group) {
+      for (auto& p : s->group->params()) p.fqn = s->fqn.empty() ? p.fqn : s->fqn + "." + p.fqn;
+    }
+    bool root = s == this;
+    ReshardAfterForward raf = s->options.reshard_after_forward().value_or(ReshardAfterForward(!root));
+    int shard_size = s->group ? s->group->shard_size() : 1;
+    if (std::holds_alternative<bool>(raf)) {
+      s->reshard_after_forward_k = std::get<bool>(raf) ? 1 : 0;
+    } else {
+      int k = std::get<int>(raf);
+      TORCH_CHECK(k >= 1 && shard_size % k == 0, "fully_shard: reshard_after_forward=", k, " of ", s->name(),
+                  " must divide the shard group size ", shard_size);
+      s->reshard_after_forward_k = k == shard_size ? 1 : (k == 1 ? 0 : k);
+      if (s->reshard_after_forward_k > 1) {
+        // Groups of k consecutive ranks of the shard group, as FSDP2's post-forward mesh.
+        auto& pg = s->group->mesh()->get_group(s->group->mesh()->ndim() - 1);
+        int base = pg->rank() / k * k;
+        std::vector<int> members;
+        for (int i = 0; i < k; ++i) members.push_back(base + i);
+        s->post_forward_group =
+            new_group(pg, members, "post_forward" + std::to_string(pg->next_subgroup_id()) + "/" + std::to_string(base));
+      }
+    }
+  }
+}
+
+void FSDPState::root_pre_forward() {
+  // A new iteration. Groups left unsharded by a forward without backward (evaluation) or by an unused
+  // prefetch are resharded, so that no stale all-gather survives an optimizer step.
+  for (FSDPState* s : ctx->states) {
+    if (s != this && s->group && s->reshard_after_forward_k != 0) s->group->reshard();
+    s->training_state = TrainingState::IDLE;
+    s->ran_forward = false;
+    s->post_backward_done = false;
+    s->post_forward_indices.clear();
+  }
+  ctx->post_forward_order.clear();
+  ctx->callback_queued = false;
+}
+
+void FSDPState::prefetch(FSDPState* other) {
+  if (other && other->group) other->group->unshard(/*async_op=*/true);
+}
+
+std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
+  if (!ctx) {
+    lazy_init();
+    root_pre_forward();
+  } else if (is_root() && training_state != TrainingState::FORWARD) {
+    root_pre_forward();
+  }
+  training_state = TrainingState::FORWARD;
+  ran_forward = true;
+  const auto& mp = options.mp_policy();
+  if (mp.cast_forward_inputs() && mp.param_dtype()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.param_dtype()) t = t.to(*mp.param_dtype());
+    }
+  }
+  if (group) {
+    group->unshard(/*async_op=*/true);  // no-op when a prefetch is in flight or already unsharded
+    group->wait_for_unshard();
+  }
+  // Prefetch: the explicit list, or the state that ran after this one in the first iteration.
+  if (forward_prefetch) {
+    for (auto& w : *forward_prefetch) prefetch(w.lock().get());
+  } else if (ctx->forward_order_recorded) {
+    auto& order = ctx->forward_order;
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
+      if (order[i] == this) {
+        prefetch(order[i + 1]);
+        break;
+      }
+    }
+  }
+  if (!ctx->forward_order_recorded &&
+      std::find(ctx->forward_order.begin(), ctx->forward_order.end(), this) == ctx->forward_order.end()) {
+    ctx->forward_order.push_back(this);
+  }
+  // Post-backward runs when the gradients of these inputs are computed.
+  if (torch::GradMode::is_enabled()) {
+    std::vector<size_t> pos;
+    torch::autograd::variable_list need;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        pos.push_back(i);
+        need.push_back(inputs[i]);
+      }
+    }
+    if (!need.empty()) {
+      // Passed as a TensorList: a std::vector argument would not be seen as tensors by autograd.
+      auto outs = RegisterPostBackward::apply(at::TensorList(need), id);
+      for (size_t j = 0; j < pos.size(); ++j) inputs[pos[j]] = outs[j];
+    }
+  }
+  return inputs;
+}
+
+std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
+  if (group) {
+    if (reshard_after_forward_k == 1) {
+      group->reshard();
+    } else if (reshard_after_forward_k > 1) {
+      group->reshard_post_forward(post_forward_group);
+    }
+  }
+  if (is_root() && !ctx->forward_order_recorded) ctx->forward_order_recorded = true;
+  post_forward_indices.push_back(ctx->post_forward_order.size());
+  ctx->post_forward_order.push_back(this);
+  if (torch::GradMode::is_enabled()) {
+    int64_t sid = id;
+    for (auto& t : outputs) {
+      if (t.defined() && t.requires_grad()) {
+        t.register_hook([sid](const torch::Tensor&) {
+          if (auto s = state_by_id(sid)) s->pre_backward();
+        });
+      }
+    }
+  }
+  const auto& mp = options.mp_policy();
+  if (mp.output_dtype()) {
+    for (auto& t : outputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.output_dtype()) t = t.to(*mp.output_dtype());
+    }
+  }
+  training_state = TrainingState::IDLE;
+  return outputs;
+}
+
+void FSDPState::pre_backward() {
+  if (!ctx->callback_queued) {
+    ctx->callback_queued = true;
+    FSDPState* root = ctx->root;
+    int64_t rid = root->id;
+    torch::autograd::Engine::get_default_engine().queue_callback([rid] {
+      if (auto r = state_by_id(rid)) r->root_post_backward_final();
+    });
+  }
+  if (training_state == TrainingState::PRE_BACKWARD) return;  // already ran for this backward of the module
+  training_state = TrainingState::PRE_BACKWARD;
+  if (group) {
+    group->unshard(/*async_op=*/true);
+    group->wait_for_unshard();
+  }
+  // Prefetch: the explicit list, or the state whose forward ran just before this one.
+  size_t index = 0;
+  bool have_index = false;
+  if (!post_forward_indices.empty()) {
+    index = post_forward_indices.back();
+    post_forward_indices.pop_back();
+    have_index = true;
+  }
+  if (backward_prefetch) {
+    for (auto& w : *backward_prefetch) prefetch(w.lock().get());
+  } else if (have_index && index > 0) {
+    prefetch(ctx->post_forward_order[index - 1]);
+  }
+}
+
+void FSDPState::post_backward() {
+  training_state = TrainingState::POST_BACKWARD;
+  post_backward_done = true;
+  if (group) group->post_backward(requires_gradient_sync, reshard_after_backward, divide_factor());
+}
+
+void FSDPState::root_post_backward_final() {
+  // Groups whose inputs needed no gradient (the root, an embedding) never got a post-backward call.
+  for (FSDPState* s : ctx->states) {
+    if (s->ran_forward && !s->post_backward_done) s->post_backward();
+  }
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    if (s->is_last_backward) s->group->finish_reduce(s->divide_factor());
+    if (s->reshard_after_backward) s->group->reshard();
+  }
+  for (FSDPState* s : ctx->states) {
+    s->training_state = TrainingState::IDLE;
+    s->ran_forward = false;
+    s->post_backward_done = false;
+    s->post_forward_indices.clear();
+  }
+  ctx->post_forward_order.clear();
+  ctx->callback_queued = false;
+}
+
+std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs) {
+  return state.pre_forward(std::move(inputs));
+}
+
+std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Tensor> outputs) {
+  return state.post_forward(std::move(outputs));
+}
+
+void forward_failed(FSDPState& state, std::exception_ptr error) {
+  // Leave the module consistent: sharded, idle.
+  state.training_state = TrainingState::IDLE;
+  try {
+    if (state.group && state.reshard_after_forward_k != 0) state.group->reshard();
+  } catch (...) {
+    // keep the original error
+  }
+  if (!state.is_root()) std::rethrow_exception(error);
+  std::string what;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    throw;
+  }
+  if (what.rfind("fully_shard: ", 0) == 0) std::rethrow_exception(error);  // already explained
+  // A sharded module whose forward cannot go through FSDP and that did not run: it was most likely
+  // called directly on its sharded parameters.
+  std::ostringstream hint;
+  int found = 0;
+  for (FSDPState* s : state.ctx->states) {
+    if (s == &state || !s->group || s->ran_forward || s->group->params().empty()) continue;
+    auto m = s->modules[0].lock();
+    if (!m || is_marked(*m)) continue;
+    const auto& p = s->group->params()[0];
+    hint << (found++ ? "; " : "") << s->name() << " (e.g. '" << p.fqn << "' holds local shape "
+         << describe_shape(p.sharded_data) << " of " << c10::IntArrayRef(p.orig_size) << " on rank "
+         << s->mesh->get_rank() << ")";
+  }
+  if (found == 0) std::rethrow_exception(error);
+  TORCH_CHECK(false, "fully_shard: the forward of ", hint.str(), " did not go through FSDP, so it ran on sharded ",
+              "parameters. Fix: declare the module as fsdp::FSDPModule<Holder> instead of Holder (the one-line change), ",
+              "or call other entry points through fsdp::fsdp_forward(module, fn). Original error: ", what);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+void mark_fsdp_forward(const torch::nn::Module& module) {
+  auto& r = detail::registry();
+  std::weak_ptr<torch::nn::Module> weak;
+  try {
+    weak = const_cast<torch::nn::Module&>(module).shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return;  // not owned by a shared_ptr: cannot be tracked
+  }
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.fsdp_forward[&module] = weak;
+}
+
+FSDPModuleAPI fsdp_api(const torch::nn::Module& module) {
+  auto s = detail::state_of(module);
+  TORCH_CHECK(s, "fsdp: module ", module.name(), " is not sharded: call fsdp::fully_shard on it first");
+  return FSDPModuleAPI(s);
+}
+
+UnshardHandle FSDPModuleAPI::unshard(bool async_op) {
+  if (!state_->group) return UnshardHandle();
+  state_->group->unshard(/*async_op=*/true);
+  auto s = state_;
+  UnshardHandle handle([s] { s->group->wait_for_unshard(); });
+  if (!async_op) handle.wait();
+  return handle;
+}
+
+void FSDPModuleAPI::reshard() {
+  if (state_->group) state_->group->reshard();
+}
+
+namespace {
+// This state, and with `recurse` every state in its modules' trees.
+std::vector<std::shared_ptr<detail::FSDPState>> states_under(const std::shared_ptr<detail::FSDPState>& s,
+                                                             bool recurse) {
+  std::vector<std::shared_ptr<detail::FSDPState>> out{s};
+  if (!recurse) return out;
+  std::unordered_set<detail::FSDPState*> seen{s.get()};
+  for (auto& w : s->modules) {
+    auto m = w.lock();
+    if (!m) continue;
+    for (const auto& sub : m->modules(/*include_self=*/false)) {
+      auto t = detail::state_of(*sub);
+      if (t && seen.insert(t.get()).second) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+std::vector<std::weak_ptr<detail::FSDPState>> to_states(const std::vector<std::shared_ptr<torch::nn::Module>>& ms,
+                                                        const char* api) {
+  std::vector<std::weak_ptr<detail::FSDPState>> out;
+  for (const auto& m : ms) {
+    TORCH_CHECK(m, api, ": got a null module");
+    auto s = detail::state_of(*m);
+    TORCH_CHECK(s, api, ": module ", m->name(), " is not sharded: call fsdp::fully_shard on it first");
+    out.push_back(s);
+  }
+  return out;
+}
+}  // namespace
+
+void FSDPModuleAPI::set_requires_gradient_sync(bool v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) s->requires_gradient_sync = v;
+}
+
+void FSDPModuleAPI::set_reshard_after_backward(bool v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) s->reshard_after_backward = v;
+}
+
+void FSDPModuleAPI::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) {
+    TORCH_CHECK(!s->ctx || std::holds_alternative<bool>(v), "set_reshard_after_forward: an int value must be ",
+                "set before the first forward");
+    s->options.reshard_after_forward(v);
+    if (s->ctx) s->reshard_after_forward_k = std::get<bool>(v) ? 1 : 0;
+  }
+}
+
+void FSDPModuleAPI::set_is_last_backward(bool v) {
+  for (auto& s : states_under(state_, true)) s->is_last_backward = v;
+}
+
+void FSDPModuleAPI::set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+  state_->forward_prefetch = to_states(m, "set_modules_to_forward_prefetch");
+}
+
+void FSDPModuleAPI::set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+  state_->backward_prefetch = to_states(m, "set_modules_to_backward_prefetch");
+}
+
+void FSDPModuleAPI::set_gradient_divide_factor(double factor) {
+  TORCH_CHECK(factor > 0, "set_gradient_divide_factor: expected a positive factor, got ", factor);
+  state_->gradient_divide_factor = factor;
+}
+
+DeviceMeshPtr FSDPModuleAPI::mesh() const { return state_->mesh; }
+
+std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_parameters() const {
+  std::vector<std::pair<std::string, DTensor>> out;
+  if (!state_->group) return out;
+  for (const auto& p : state_->group->params()) out.emplace_back(p.fqn, state_->group->sharded_dtensor(p));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                          const FullyShardOptions& options) {
+  TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module");
+  for (const auto& m : modules) {
+    TORCH_CHECK(m, "fully_shard: got a null module");
+    TORCH_CHECK(!detail::state_of(*m), "fully_shard: module ", m->name(), " is already sharded");
+  }
+  auto mesh = options.mesh();
+  if (!mesh) {
+    auto world = default_process_group();
+    mesh = init_device_mesh(world->device_type(), {world->size()}, {}, world);
+  }
+  TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
+              mesh->str());
+
+  // Parameters owned by other states, and the module subtrees they already manage.
+  std::unordered_map<const c10::TensorImpl*, std::string> managed;  // param -> "'fqn' of Module"
+  {
+    auto& r = detail::registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.purge_locked();
+    for (auto& [mod, entry] : r.by_module) {
+      if (entry.module.expired() || !entry.state->group) continue;
+      for (const auto& p : entry.state->group->params()) {
+        managed.emplace(p.param.unsafeGetTensorImpl(), "'" + p.fqn + "' of fully_shard(" + entry.state->module_type + ")");
+      }
+    }
+  }
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& t : options.ignored_params()) ignored.insert(t.unsafeGetTensorImpl());
+
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  std::unordered_set<const c10::TensorImpl*> taken;
+  const int rank = mesh->get_rank();
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    std::vector<std::string> sharded_subtrees;
+    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
+      const std::string& path = item.key();
+      bool under = false;
+      for (const auto& t : sharded_subtrees) under = under || path == t || path.rfind(t + ".", 0) == 0;
+      if (under) continue;
+      if (!path.empty() && detail::state_of(*item.value())) {
+        sharded_subtrees.push_back(path);  // a sharded submodule manages its own subtree
+        continue;
+      }
+      for (const auto& pp : item.value()->named_parameters(/*recurse=*/false)) {
+        const auto* impl = pp.value().unsafeGetTensorImpl();
+        std::string name = prefix + (path.empty() ? pp.key() : path + "." + pp.key());
+        if (ignored.count(impl) || !taken.insert(impl).second) continue;  // ignored, or tied within the group
+        auto it = managed.find(impl);
+        TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", name, "' of ", modules[mi]->name(), " on rank ",
+                    rank, " is the same tensor as ", it->second,
+                    ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
+                    "or leave both modules to their common parent's fully_shard");
+        params.emplace_back(name, pp.value());
+      }
+    }
+  }
+
+  auto state = std::make_shared<detail::FSDPState>(modules, options);
+  state->mesh = mesh;
+  detail::GroupOptions gopts;
+  gopts.mesh = mesh;
+  gopts.mp = options.mp_policy();
+  gopts.offload = options.offload_policy().has_value();
+  gopts.pin_memory = gopts.offload && options.offload_policy()->pin_memory();
+  if (!params.empty()) state->group = std::make_unique<detail::FSDPParamGroup>(std::move(params), gopts, state->module_type);
+  {
+    auto& r = detail::registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    state->id = r.next_id++;
+    r.by_id[state->id] = state;
+    for (const auto& m : modules) r.by_module[m.get()] = {m, state};
+  }
+  return FSDPModuleAPI(state);
+}
+
+FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, options);
+}
+
+std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
+                                          const AutoWrapPolicy& policy, const FullyShardOptions& options) {
+  TORCH_CHECK(root, "fully_shard_tree: got a null root");
+  std::vector<std::string> wrapped;
+  std::vector<std::string> unreachable;
+  // Post-order: children before parents, the root last. Returns the parameter elements of the
+  // subtree not yet wrapped.
+  std::function<int64_t(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
+      [&](const std::shared_ptr<torch::nn::Module>& m, const std::string& path) -> int64_t {
+    int64_t unwrapped = 0;
+    for (const auto& c : m->named_children()) {
+      unwrapped += visit(c.value(), path.empty() ? c.key() : path + "." + c.key());
+    }
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) unwrapped += p.value().numel();
+    if (path.empty() || detail::state_of(*m)) return unwrapped;  // the root comes last; already sharded
+    // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
+    const std::string type = m->name();
+    const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
+    bool by_type = policy.module_types().count(type) > 0 || policy.module_types().count(short_type) > 0;
+    bool by_size = policy.min_num_params() > 0 && unwrapped >= policy.min_num_params();
+    if (!by_type && !by_size) return unwrapped;
+    if (!detail::is_marked(*m)) {
+      if (by_type) unreachable.push_back("'" + path + "' (" + m->name() + ")");
+      return unwrapped;  // a size-selected module FSDP cannot intercept stays with its parent
+    }
+    fully_shard(m, options);
+    wrapped.push_back(path);
+    return 0;
+  };
+  int64_t left = visit(root, "");
+  (void)left;
+  TORCH_CHECK(unreachable.empty(), "fully_shard_tree: the policy selects ", c10::Join(", ", unreachable),
+              ", whose forward cannot go through FSDP. Fix: declare each as fsdp::FSDPModule<Holder> instead of Holder");
+  if (!detail::state_of(*root)) fully_shard(root, options);
+  wrapped.push_back("");
+  return wrapped;
+}
+
+}  // namespace fsdp
