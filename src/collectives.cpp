@@ -28,9 +28,9 @@ std::string header(const char* op, ProcessGroup& group, uint64_t seq) {
 
 // Runs `issue` and wraps it as a Work; world size 1 never reaches the backend.
 template <typename Issue>
-Work launch(ProcessGroup& group, const char* op, std::string description, bool async_op, Issue&& issue,
-            std::function<void()> on_done = {}) {
-  group.count_collective(op);
+Work launch(ProcessGroup& group, const char* op, uint64_t bytes, std::string description, bool async_op,
+            Issue&& issue, std::function<void()> on_done = {}) {
+  group.count_collective(op, bytes);
   c10::intrusive_ptr<c10d::Work> w;
   try {
     w = issue();
@@ -81,7 +81,7 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
     if (!output.is_same(input) && output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
   }
-  return launch(group, "all_gather_into_tensor", desc, async_op, [&] {
+  return launch(group, "all_gather_into_tensor", output.nbytes(), desc, async_op, [&] {
     c10d::AllgatherOptions opts;
     auto out = output.view({-1});
     auto in = input.view({-1});
@@ -108,7 +108,7 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
     on_done = [output, n] { output.div_(n); };
   }
   return launch(
-      group, "reduce_scatter_tensor", desc, async_op,
+      group, "reduce_scatter_tensor", input.nbytes(), desc, async_op,
       [&] {
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = to_c10d(op);
@@ -129,7 +129,7 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
     on_done = [tensor, n] { tensor.div_(n); };
   }
   return launch(
-      group, "all_reduce", desc, async_op,
+      group, "all_reduce", tensor.nbytes(), desc, async_op,
       [&] {
         c10d::AllreduceOptions opts;
         opts.reduceOp = to_c10d(op);
@@ -145,7 +145,7 @@ Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool a
                      std::to_string(src);
   TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
   if (group.size() == 1) return Work();
-  return launch(group, "broadcast", desc, async_op, [&] {
+  return launch(group, "broadcast", tensor.nbytes(), desc, async_op, [&] {
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     std::vector<at::Tensor> ts{tensor};
@@ -157,7 +157,7 @@ Work barrier(ProcessGroup& group, bool async_op) {
   uint64_t seq = group.next_seq();
   std::string desc = header("barrier", group, seq);
   if (group.size() == 1) return Work();
-  return launch(group, "barrier", desc, async_op, [&] {
+  return launch(group, "barrier", 0, desc, async_op, [&] {
     c10d::BarrierOptions opts;
     return group.backend()->barrier(opts);
   });

@@ -128,6 +128,11 @@ uint64_t ProcessGroup::collective_count(const std::string& op) const {
   return it == counts_.end() ? 0 : it->second;
 }
 
+uint64_t ProcessGroup::collective_bytes(const std::string& op) const {
+  auto it = bytes_.find(op);
+  return it == bytes_.end() ? 0 : it->second;
+}
+
 std::string ProcessGroup::str() const {
   std::ostringstream os;
   os << "ProcessGroup(name=" << name_ << ", backend=" << backend_->getBackendName() << ", rank=" << rank_

@@ -87,4 +87,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 /// The state with registry key `id`, or null if it is gone.
 std::shared_ptr<FSDPState> state_by_id(int64_t id);
 
+/// The FSDP state managing `param` (a registered parameter of a sharded module), or null.
+std::shared_ptr<FSDPState> state_of_param(const torch::Tensor& param);
+
 }  // namespace fsdp::detail

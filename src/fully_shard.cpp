@@ -91,6 +91,19 @@ std::shared_ptr<FSDPState> state_by_id(int64_t id) {
   return it == r.by_id.end() ? nullptr : it->second.lock();
 }
 
+std::shared_ptr<FSDPState> state_of_param(const torch::Tensor& param) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto* impl = param.unsafeGetTensorImpl();
+  for (auto& [mod, entry] : r.by_module) {
+    if (entry.module.expired() || !entry.state->group) continue;
+    for (const auto& p : entry.state->group->params()) {
+      if (p.param.unsafeGetTensorImpl() == impl) return entry.state;
+    }
+  }
+  return nullptr;
+}
+
 FSDPState::FSDPState(std::vector<std::shared_ptr<Module>> mods, FullyShardOptions opts)
     : options(std::move(opts)) {
   for (auto& m : mods) modules.push_back(m);
@@ -170,6 +183,9 @@ void FSDPState::prefetch(FSDPState* other) {
 }
 
 std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
+  // A forward recomputed during this module's backward (activation checkpointing around it): the
+  // pre-backward already unsharded the parameters, and nothing must be resharded or re-registered.
+  if (training_state == TrainingState::PRE_BACKWARD) return inputs;
   if (!ctx) {
     lazy_init();
     root_pre_forward();
@@ -224,6 +240,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
 }
 
 std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
+  if (training_state == TrainingState::PRE_BACKWARD) return outputs;  // recomputation: see pre_forward
   if (group) {
     if (reshard_after_forward_k == 1) {
       group->reshard();

@@ -39,6 +39,7 @@ struct NetImpl : torch::nn::Module {
   std::vector<FSDPModule<Block>> blocks;     // the same modules, called through FSDP
   torch::nn::Linear head{nullptr};
   int calls_per_block = 1;  // >1: every block runs several times in one forward
+  int active_blocks = -1;   // >= 0: only the first active_blocks blocks run
   explicit NetImpl(int n_blocks = 2) {
     wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
     block_list = register_module("blocks", torch::nn::ModuleList());
@@ -50,8 +51,10 @@ struct NetImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor idx) {
     auto x = wte(idx);
-    for (auto& b : blocks)
-      for (int c = 0; c < calls_per_block; ++c) x = b(x);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (active_blocks >= 0 && static_cast<int>(i) >= active_blocks) break;
+      for (int c = 0; c < calls_per_block; ++c) x = blocks[i](x);
+    }
     return head(x);
   }
 };

@@ -83,7 +83,13 @@ class ProcessGroup {
   /// Number of collectives of kind `op` ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
   /// "broadcast", "barrier") that reached the backend (a group of size 1 never does).
   uint64_t collective_count(const std::string& op) const;
-  void count_collective(const std::string& op) { ++counts_[op]; }
+  /// Bytes of the collectives of kind `op` that reached the backend: the output size of an
+  /// all-gather, the input size of a reduce-scatter, the tensor size otherwise.
+  uint64_t collective_bytes(const std::string& op) const;
+  void count_collective(const std::string& op, uint64_t bytes) {
+    ++counts_[op];
+    bytes_[op] += bytes;
+  }
   /// Counter that names sub-groups (identical on every rank when they build groups in one order).
   uint64_t next_subgroup_id() { return subgroups_++; }
 
@@ -102,6 +108,7 @@ class ProcessGroup {
   uint64_t seq_ = 0;
   uint64_t subgroups_ = 0;
   std::map<std::string, uint64_t> counts_;
+  std::map<std::string, uint64_t> bytes_;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 

@@ -40,7 +40,9 @@
 #include <torch/types.h>
 
 #include "fsdp/device_mesh.h"
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/dtensor.h"
+#include "fsdp/forward_args.h"
 #include "fsdp/policies.h"
 
 namespace fsdp {
@@ -80,48 +82,6 @@ std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Ten
 /// Called when the wrapped forward threw: leaves the group consistent and rethrows with context
 /// (e.g. naming modules whose forward bypassed FSDP).
 [[noreturn]] void forward_failed(FSDPState& state, std::exception_ptr error);
-
-// Collects the tensor arguments (by position) and rebuilds them after transformation.
-inline void collect(std::vector<torch::Tensor>& out, const torch::Tensor& t) { out.push_back(t); }
-template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, torch::Tensor>>>
-void collect(std::vector<torch::Tensor>&, const T&) {}
-inline torch::Tensor replace(const torch::Tensor&, const std::vector<torch::Tensor>& v, size_t& i) { return v[i++]; }
-template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, torch::Tensor>>>
-T&& replace(T&& x, const std::vector<torch::Tensor>&, size_t&) {
-  return std::forward<T>(x);
-}
-
-// Visits the tensors of an output: a Tensor, a std::vector<Tensor>, or a std::tuple/std::pair of those.
-inline void collect_out(std::vector<torch::Tensor>& v, const torch::Tensor& t) { v.push_back(t); }
-inline void collect_out(std::vector<torch::Tensor>& v, const std::vector<torch::Tensor>& ts) {
-  v.insert(v.end(), ts.begin(), ts.end());
-}
-template <typename T>
-void collect_out(std::vector<torch::Tensor>&, const T&) {}
-template <typename... Ts>
-void collect_out(std::vector<torch::Tensor>& v, const std::tuple<Ts...>& t) {
-  std::apply([&](const auto&... xs) { (collect_out(v, xs), ...); }, t);
-}
-template <typename A, typename B>
-void collect_out(std::vector<torch::Tensor>& v, const std::pair<A, B>& p) {
-  collect_out(v, p.first);
-  collect_out(v, p.second);
-}
-inline void restore_out(torch::Tensor& t, const std::vector<torch::Tensor>& v, size_t& i) { t = v[i++]; }
-inline void restore_out(std::vector<torch::Tensor>& ts, const std::vector<torch::Tensor>& v, size_t& i) {
-  for (auto& t : ts) t = v[i++];
-}
-template <typename T>
-void restore_out(T&, const std::vector<torch::Tensor>&, size_t&) {}
-template <typename... Ts>
-void restore_out(std::tuple<Ts...>& t, const std::vector<torch::Tensor>& v, size_t& i) {
-  std::apply([&](auto&... xs) { (restore_out(xs, v, i), ...); }, t);
-}
-template <typename A, typename B>
-void restore_out(std::pair<A, B>& p, const std::vector<torch::Tensor>& v, size_t& i) {
-  restore_out(p.first, v, i);
-  restore_out(p.second, v, i);
-}
 
 // Runs `call(args...)` between the FSDP pre- and post-forward of `state` (if any).
 template <typename Call, typename... Args>
@@ -233,12 +193,17 @@ class FSDPModule : public Holder {
   }
 
   /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks).
+  /// If checkpoint_wrapper was applied, the module's own forward is checkpointed inside FSDP's hooks.
   template <typename... Args>
   auto forward(Args&&... args) {
     auto* impl = this->get();
-    return detail::run_with_hooks(
-        detail::state_of(*impl), [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); },
-        std::forward<Args>(args)...);
+    auto call = [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); };
+    if (detail::is_checkpointed(*impl)) {
+      return detail::run_with_hooks(
+          detail::state_of(*impl), [call](auto&&... a) { return checkpoint(call, std::forward<decltype(a)>(a)...); },
+          std::forward<Args>(args)...);
+    }
+    return detail::run_with_hooks(detail::state_of(*impl), call, std::forward<Args>(args)...);
   }
   template <typename... Args>
   auto operator()(Args&&... args) {

@@ -1,0 +1,65 @@
+#include "fsdp/clip_grad.h"
+
+#include <cmath>
+#include <limits>
+
+#include "fsdp/collectives.h"
+#include "fsdp_state.h"
+
+namespace fsdp {
+
+torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type,
+                              bool error_if_nonfinite, ProcessGroupPtr group) {
+  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive, got ", norm_type);
+  const bool inf_norm = std::isinf(norm_type);
+  // Split the gradients into sharded ones (summed over the shard group) and replicated ones.
+  std::vector<torch::Tensor> sharded, replicated;
+  std::vector<torch::Tensor> grads;
+  torch::ScalarType dtype = torch::kFloat32;
+  for (const auto& p : parameters) {
+    const auto& g = p.grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    if (g.scalar_type() == torch::kDouble) dtype = torch::kDouble;
+    auto state = detail::state_of_param(p);
+    if (state) {
+      if (!group) group = state->group->mesh()->get_group(state->group->mesh()->ndim() - 1);
+      sharded.push_back(g);
+    } else {
+      replicated.push_back(g);
+    }
+  }
+  auto opts = torch::TensorOptions().dtype(dtype);
+  // Local partial: sum of |g|^p (or max |g| for inf), one accumulation per gradient.
+  auto partial = [&](const std::vector<torch::Tensor>& gs) {
+    auto acc = torch::zeros({1}, opts);
+    for (const auto& g : gs) {
+      if (g.numel() == 0) continue;  // an empty shard
+      auto n = torch::linalg_vector_norm(g.detach().to(dtype), norm_type);
+      if (inf_norm) {
+        acc = torch::maximum(acc, n.reshape({1}));
+      } else {
+        acc += n.pow(norm_type);
+      }
+    }
+    return acc;
+  };
+  auto total = partial(sharded);
+  if (group && group->size() > 1) all_reduce(total, *group, inf_norm ? ReduceOp::MAX : ReduceOp::SUM);
+  auto rep = partial(replicated);
+  total = inf_norm ? torch::maximum(total, rep) : (total + rep).pow(1.0 / norm_type);
+  total = total.reshape({});
+  if (error_if_nonfinite) {
+    double v = total.item<double>();
+    TORCH_CHECK(std::isfinite(v), "clip_grad_norm_: the total norm of order ", norm_type, " for gradients from ",
+                "`parameters` is non-finite (", v, ") on rank ", group ? group->rank() : 0,
+                ", so it cannot be clipped. Fix: find the nan/inf gradient, or pass error_if_nonfinite=false");
+  }
+  // Same coefficient on every rank: min(1, max_norm / (norm + 1e-6)), as PyTorch.
+  auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);
+  torch::NoGradGuard no_grad;
+  for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+  return total;
+}
+
+}  // namespace fsdp
