@@ -34,6 +34,8 @@ Work launch(ProcessGroup& group, const char* op, uint64_t bytes, std::string des
   c10::intrusive_ptr<c10d::Work> w;
   try {
     w = issue();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, description, " failed: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, description, " failed: ", e.what());
   }
@@ -59,6 +61,8 @@ void Work::wait() {
   if (work_) {
     try {
       work_->wait();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, description_, " failed: ", e.what_without_backtrace());
     } catch (const std::exception& e) {
       TORCH_CHECK(false, description_, " failed: ", e.what());
     }

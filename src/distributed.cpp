@@ -162,6 +162,11 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
     backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank, " of ",
+                size, " within ", timeout.count(), " ms: ", e.what_without_backtrace(),
+                ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
+                "names a reachable interface");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank,
                 " of ", size, " within ", timeout.count(), " ms: ", e.what(),
@@ -209,6 +214,12 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   sopts.multiTenant = true;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
+                " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
+                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ", timeout.count(),
+                " ms: ", e.what_without_backtrace(),
+                ". Fix: check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are reachable from this host");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
                 " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
