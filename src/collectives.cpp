@@ -26,20 +26,100 @@ std::string header(const char* op, ProcessGroup& group, uint64_t seq) {
   return os.str();
 }
 
-// Runs `issue` and wraps it as a Work; world size 1 never reaches the backend.
+// What the ranks compare in debug mode: one fixed-size int64 row per collective.
+// [seq, op, arg (reduce op or root), in dtype, in ndim, in dims x8, out dtype, out ndim, out dims x8]
+constexpr int64_t kMaxDims = 8;
+constexpr int64_t kFingerprint = 3 + 2 * (2 + kMaxDims);
+const std::vector<std::string> kOps = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
+                                       "barrier"};
+
+void encode_tensor(std::vector<int64_t>& row, const torch::Tensor* t) {
+  row.push_back(t ? static_cast<int64_t>(t->scalar_type()) : -1);
+  row.push_back(t ? t->dim() : -1);
+  for (int64_t d = 0; d < kMaxDims; ++d) row.push_back(t && d < t->dim() ? t->size(d) : -1);
+}
+
+std::string decode_tensor(const int64_t* f) {
+  if (f[0] < 0) return "";
+  std::ostringstream os;
+  os << "[";
+  for (int64_t d = 0; d < f[1] && d < kMaxDims; ++d) os << (d ? ", " : "") << f[2 + d];
+  os << "] " << static_cast<c10::ScalarType>(f[0]);
+  return os.str();
+}
+
+std::string decode(const int64_t* f) {
+  std::ostringstream os;
+  int64_t op = f[1];
+  os << (op >= 0 && op < static_cast<int64_t>(kOps.size()) ? kOps[op] : "?") << " #" << f[0] << "(";
+  std::string in = decode_tensor(f + 3), out = decode_tensor(f + 3 + 2 + kMaxDims);
+  os << (in.empty() ? "" : "input " + in) << (out.empty() ? "" : ", output " + out);
+  if (op == 2) os << ", reduce op " << f[2];
+  if (op == 3) os << ", src " << f[2];
+  os << ")";
+  return os.str();
+}
+
+// Debug mode: every rank gathers every rank's fingerprint over the side group and raises on a
+// mismatch, naming both calls and the field that differs. All ranks see the same table, so all raise.
+void check_fingerprint(ProcessGroup& group, const std::string& op, uint64_t seq, int64_t arg,
+                       const torch::Tensor* in, const torch::Tensor* out) {
+  std::vector<int64_t> row{static_cast<int64_t>(seq),
+                           std::find(kOps.begin(), kOps.end(), op) - kOps.begin(), arg};
+  encode_tensor(row, in);
+  encode_tensor(row, out);
+  auto mine = torch::tensor(row, torch::kInt64);
+  auto all = torch::empty({group.size() * kFingerprint}, torch::kInt64);
+  try {
+    group.debug_backend()->_allgather_base(all, mine, c10d::AllgatherOptions())->wait();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "FSDP_DEBUG: the fingerprint exchange before ", op, " #", seq, " on ", group.str(),
+                " failed (a rank did not reach this collective within the timeout?): ", e.what_without_backtrace());
+  }
+  const int64_t* t = all.data_ptr<int64_t>();
+  static const char* fields[] = {"sequence number", "op", "reduce op / root", "input dtype", "input shape",
+                                 "output dtype", "output shape"};
+  for (int r = 1; r < group.size(); ++r) {
+    const int64_t* a = t;
+    const int64_t* b = t + r * kFingerprint;
+    for (int64_t i = 0; i < kFingerprint; ++i) {
+      if (a[i] == b[i]) continue;
+      int field = i < 3 ? static_cast<int>(i)
+                  : i == 3 ? 3
+                  : i < 3 + 2 + kMaxDims ? 4
+                  : i == 3 + 2 + kMaxDims ? 5
+                                          : 6;
+      group.flight_recorder().failed(seq, "fingerprint mismatch");
+      TORCH_CHECK(false, "FSDP_DEBUG: collective mismatch on ", group.str(), ": rank 0 calls ", decode(a), " but rank ",
+                  r, " calls ", decode(b), " (", fields[field], " differs). Every rank must issue the same ",
+                  "collectives in the same order with the same shapes and dtypes");
+    }
+  }
+}
+
+// Records, checks (debug mode), publishes progress, then runs `issue` and wraps it as a Work.
+// World size 1 never reaches here: the callers return early.
 template <typename Issue>
-Work launch(ProcessGroup& group, const char* op, uint64_t bytes, std::string description, bool async_op,
-            Issue&& issue, std::function<void()> on_done = {}) {
+Work launch(ProcessGroup& group, const char* op, uint64_t seq, uint64_t bytes, std::string description,
+            bool async_op, const torch::Tensor* in, const torch::Tensor* out, int64_t arg, Issue&& issue,
+            std::function<void()> on_done = {}) {
   group.count_collective(op, bytes);
+  group.flight_recorder().issued(seq, op, description.substr(description.find(':') == std::string::npos
+                                                                 ? description.size()
+                                                                 : description.find(':') + 2));
+  if (group.debug_backend()) check_fingerprint(group, op, seq, arg, in, out);
+  group.note_progress(seq);
   c10::intrusive_ptr<c10d::Work> w;
   try {
     w = issue();
   } catch (const c10::Error& e) {
+    group.flight_recorder().failed(seq, e.what_without_backtrace());
     TORCH_CHECK(false, description, " failed: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
+    group.flight_recorder().failed(seq, e.what());
     TORCH_CHECK(false, description, " failed: ", e.what());
   }
-  Work work(std::move(w), std::move(description), std::move(on_done));
+  Work work(std::move(w), std::move(description), std::move(on_done), &group, seq);
   if (!async_op) work.wait();
   return work;
 }
@@ -52,20 +132,44 @@ std::string describe(const torch::Tensor& t) {
   return os.str();
 }
 
-Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done)
-    : work_(std::move(work)), description_(std::move(description)), on_done_(std::move(on_done)), done_(false) {}
+Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done,
+           ProcessGroup* group, uint64_t seq)
+    : work_(std::move(work)),
+      description_(std::move(description)),
+      on_done_(std::move(on_done)),
+      group_(group),
+      seq_(seq),
+      done_(false) {}
 
 void Work::wait() {
   if (done_) return;  // already waited (or nothing was issued)
   done_ = true;
   if (work_) {
+    std::string cause;
     try {
       work_->wait();
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, description_, " failed: ", e.what_without_backtrace());
+      cause = e.what_without_backtrace();
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, description_, " failed: ", e.what());
+      cause = e.what();
     }
+    if (!cause.empty()) {
+      // Name the ranks that never reached this collective (from the progress each rank publishes in
+      // the store) and leave the flight recorder behind for the post-mortem.
+      std::string extra;
+      if (group_) {
+        group_->flight_recorder().failed(seq_, cause);
+        auto lagging = group_->lagging_ranks(seq_);
+        if (!lagging.empty()) extra += "; ranks that have not reached it: [" + c10::Join(", ", lagging) + "]";
+        if (cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos) {
+          extra += "; not completed within the group timeout of " + std::to_string(group_->timeout().count()) + " ms";
+        }
+        auto path = group_->dump_flight_recorder();
+        if (!path.empty()) extra += "; flight recorder written to " + path;
+      }
+      TORCH_CHECK(false, description_, " failed: ", cause, extra);
+    }
+    if (group_) group_->flight_recorder().completed(seq_);
   }
   if (on_done_) on_done_();
 }
@@ -85,7 +189,7 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
     if (!output.is_same(input) && output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
   }
-  return launch(group, "all_gather_into_tensor", output.nbytes(), desc, async_op, [&] {
+  return launch(group, "all_gather_into_tensor", seq, output.nbytes(), desc, async_op, &input, &output, 0, [&] {
     c10d::AllgatherOptions opts;
     auto out = output.view({-1});
     auto in = input.view({-1});
@@ -112,7 +216,7 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
     on_done = [output, n] { output.div_(n); };
   }
   return launch(
-      group, "reduce_scatter_tensor", input.nbytes(), desc, async_op,
+      group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output, static_cast<int64_t>(op),
       [&] {
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = to_c10d(op);
@@ -133,7 +237,7 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
     on_done = [tensor, n] { tensor.div_(n); };
   }
   return launch(
-      group, "all_reduce", tensor.nbytes(), desc, async_op,
+      group, "all_reduce", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, static_cast<int64_t>(op),
       [&] {
         c10d::AllreduceOptions opts;
         opts.reduceOp = to_c10d(op);
@@ -149,7 +253,7 @@ Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool a
                      std::to_string(src);
   TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
   if (group.size() == 1) return Work();
-  return launch(group, "broadcast", tensor.nbytes(), desc, async_op, [&] {
+  return launch(group, "broadcast", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, src, [&] {
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     std::vector<at::Tensor> ts{tensor};
@@ -161,7 +265,7 @@ Work barrier(ProcessGroup& group, bool async_op) {
   uint64_t seq = group.next_seq();
   std::string desc = header("barrier", group, seq);
   if (group.size() == 1) return Work();
-  return launch(group, "barrier", 0, desc, async_op, [&] {
+  return launch(group, "barrier", seq, 0, desc, async_op, nullptr, nullptr, 0, [&] {
     c10d::BarrierOptions opts;
     return group.backend()->barrier(opts);
   });

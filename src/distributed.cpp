@@ -33,10 +33,20 @@ std::optional<long> getenv_int(const char* name) {
 }
 
 std::mutex g_default_mutex;
+std::optional<bool> g_debug_override;
 ProcessGroupPtr g_default_group;
 thread_local ProcessGroupPtr t_default_group;
 
 }  // namespace
+
+bool debug_mode() {
+  {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    if (g_debug_override) return *g_debug_override;
+  }
+  auto v = getenv_str("FSDP_DEBUG");
+  return v && *v == "DETAIL";
+}
 
 LaunchEnv read_launch_env() {
   LaunchEnv env;
@@ -133,6 +143,34 @@ uint64_t ProcessGroup::collective_bytes(const std::string& op) const {
   return it == bytes_.end() ? 0 : it->second;
 }
 
+std::string ProcessGroup::dump_flight_recorder(const std::string& dir) const {
+  return recorder_->dump(name_, rank_, size_, dir);
+}
+
+void ProcessGroup::note_progress(uint64_t seq) {
+  if (!store_ || size_ == 1) return;
+  store_->set("fsdp_progress/" + name_ + "/" + std::to_string(rank_), std::to_string(seq + 1));
+}
+
+std::vector<int> ProcessGroup::lagging_ranks(uint64_t seq) const {
+  std::vector<int> lagging;
+  if (!store_) return lagging;
+  try {
+    for (int r = 0; r < size_; ++r) {
+      std::string key = "fsdp_progress/" + name_ + "/" + std::to_string(r);
+      if (!store_->check({key})) {
+        lagging.push_back(r);
+        continue;
+      }
+      auto v = store_->get(key);
+      if (std::stoull(std::string(v.begin(), v.end())) < seq + 1) lagging.push_back(r);
+    }
+  } catch (...) {
+    return {};  // the store is gone too: nothing reliable to say
+  }
+  return lagging;
+}
+
 std::string ProcessGroup::str() const {
   std::ostringstream os;
   os << "ProcessGroup(name=" << name_ << ", backend=" << backend_->getBackendName() << ", rank=" << rank_
@@ -173,12 +211,25 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
                 ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
                 "names a reachable interface");
   }
-  return std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
-                                        timeout, std::move(name));
+  auto group = std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
+                                              timeout, std::move(name));
+  if (debug_mode() && size > 1) {
+    // A side group for fingerprints: its collectives never interleave with the checked ones.
+    auto side_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    side_opts->devices = opts->devices;
+    side_opts->threads = 1;
+    group->set_debug_backend(c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("fsdp_debug", store), rank, size, side_opts));
+  }
+  return group;
 }
 
 ProcessGroupPtr init_process_group(const InitOptions& options) {
   LaunchEnv env = options.env ? *options.env : read_launch_env();
+  if (options.debug) {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    g_debug_override = *options.debug;
+  }
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   if (options.timeout) {
     timeout = *options.timeout;

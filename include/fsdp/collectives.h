@@ -28,8 +28,13 @@ enum class ReduceOp { SUM, AVG, MAX, MIN, PRODUCT };
 class Work {
  public:
   Work() = default;
-  Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done = {});
-  /// Blocks until complete; idempotent. Throws c10::Error "<description> failed: <cause>".
+  /// `group` and `seq` (optional) let a failure name the ranks that never reached the collective and
+  /// dump the group's flight recorder.
+  Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done = {},
+       ProcessGroup* group = nullptr, uint64_t seq = 0);
+  /// Blocks until complete; idempotent. Throws c10::Error "<description> failed: <cause>; ranks that
+  /// have not reached it: [...]; not completed within the group timeout of T ms; flight recorder
+  /// written to <path>" (the parts that apply).
   void wait();
   /// True once complete (does not run the completion step).
   bool is_completed() const;
@@ -40,6 +45,8 @@ class Work {
   c10::intrusive_ptr<c10d::Work> work_;
   std::string description_;
   std::function<void()> on_done_;
+  ProcessGroup* group_ = nullptr;
+  uint64_t seq_ = 0;
   bool done_ = true;
 };
 

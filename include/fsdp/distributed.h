@@ -16,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "fsdp/flight_recorder.h"
+
 namespace fsdp {
 
 /// Who launched us and where this process sits, as read from the environment.
@@ -54,7 +56,14 @@ struct InitOptions {
   std::optional<LaunchEnv> env;
   /// Gloo worker threads per group. (Default: 2)
   int gloo_threads = 2;
+  /// Debug mode: before every collective the ranks compare a fingerprint (sequence number, op, shapes,
+  /// dtypes) over a side Gloo group and all raise on a mismatch. (Default: `FSDP_DEBUG=DETAIL` in the
+  /// environment; off otherwise, and then free)
+  std::optional<bool> debug;
 };
+
+/// Whether groups created from now on run in debug mode (FSDP_DEBUG=DETAIL or InitOptions::debug).
+bool debug_mode();
 
 /// A group of ranks and the c10d backend that runs their collectives.
 /// Mirrors torch.distributed.ProcessGroup for one device type. Cheap to share: hold it as
@@ -96,6 +105,19 @@ class ProcessGroup {
   /// "ProcessGroup(name=default, backend=gloo, rank=1, size=3)".
   std::string str() const;
 
+  /// The last collectives of this group (see flight_recorder.h).
+  FlightRecorder& flight_recorder() const { return *recorder_; }
+  /// Writes the flight recorder as JSON into `dir` (Default: FSDP_FLIGHT_RECORDER_DIR); returns the path.
+  std::string dump_flight_recorder(const std::string& dir = "") const;
+  /// Side Gloo backend that compares collective fingerprints in debug mode (null when off).
+  const c10::intrusive_ptr<c10d::Backend>& debug_backend() const { return debug_backend_; }
+  void set_debug_backend(c10::intrusive_ptr<c10d::Backend> b) { debug_backend_ = std::move(b); }
+  /// Publishes in the store that this rank reached collective `seq` (read by lagging_ranks()).
+  void note_progress(uint64_t seq);
+  /// Ranks of the group that have not reached collective `seq` according to the store, e.g. after a
+  /// timeout. Empty when unknown (no store).
+  std::vector<int> lagging_ranks(uint64_t seq) const;
+
  private:
   c10::intrusive_ptr<c10d::Backend> backend_;
   torch::Device device_;
@@ -109,6 +131,8 @@ class ProcessGroup {
   uint64_t subgroups_ = 0;
   std::map<std::string, uint64_t> counts_;
   std::map<std::string, uint64_t> bytes_;
+  std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
+  c10::intrusive_ptr<c10d::Backend> debug_backend_;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 

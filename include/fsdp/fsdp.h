@@ -1,12 +1,13 @@
 // libfsdp: PyTorch's FSDP2 for LibTorch. One include for the whole public API.
 #pragma once
 
-#include "fsdp/activation_checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/collectives.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/distributed.h"
 #include "fsdp/dtensor.h"
+#include "fsdp/flight_recorder.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/join.h"
 #include "fsdp/policies.h"

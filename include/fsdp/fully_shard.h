@@ -164,6 +164,10 @@ class FSDPModuleAPI {
 /// The FSDP API of a sharded module. Throws c10::Error naming the module type if it is not sharded.
 FSDPModuleAPI fsdp_api(const torch::nn::Module& module);
 inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
+template <typename T>
+FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
+  return fsdp_api(*holder.ptr());
+}
 
 /// Marks a module's forward as going through FSDP (fully_shard_tree wraps only such modules, and a
 /// failed forward names sharded modules without it). FSDPModule<T> holders do it when constructed;
