@@ -1,6 +1,7 @@
 // libfsdp: PyTorch's FSDP2 for LibTorch. One include for the whole public API.
 #pragma once
 
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/collectives.h"
 #include "fsdp/device_mesh.h"
