@@ -1,5 +1,6 @@
 #include "fsdp/collectives.h"
 
+#include <chrono>
 #include <sstream>
 
 namespace fsdp {
@@ -146,6 +147,7 @@ void Work::wait() {
   done_ = true;
   if (work_) {
     std::string cause;
+    auto t0 = std::chrono::steady_clock::now();
     try {
       work_->wait();
     } catch (const c10::Error& e) {
@@ -153,6 +155,7 @@ void Work::wait() {
     } catch (const std::exception& e) {
       cause = e.what();
     }
+    if (group_) group_->add_wait_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (!cause.empty()) {
       // Name the ranks that never reached this collective (from the progress each rank publishes in
       // the store) and leave the flight recorder behind for the post-mortem.

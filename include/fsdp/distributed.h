@@ -95,6 +95,10 @@ class ProcessGroup {
   /// Bytes of the collectives of kind `op` that reached the backend: the output size of an
   /// all-gather, the input size of a reduce-scatter, the tensor size otherwise.
   uint64_t collective_bytes(const std::string& op) const;
+  /// Seconds this rank spent blocked in Work::wait() on this group: communication not hidden behind
+  /// compute.
+  double wait_seconds() const { return wait_seconds_; }
+  void add_wait_seconds(double s) { wait_seconds_ += s; }
   void count_collective(const std::string& op, uint64_t bytes) {
     ++counts_[op];
     bytes_[op] += bytes;
@@ -131,6 +135,7 @@ class ProcessGroup {
   uint64_t subgroups_ = 0;
   std::map<std::string, uint64_t> counts_;
   std::map<std::string, uint64_t> bytes_;
+  double wait_seconds_ = 0;
   std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
   c10::intrusive_ptr<c10d::Backend> debug_backend_;
 };

@@ -1,6 +1,8 @@
 // libfsdp: PyTorch's FSDP2 for LibTorch. One include for the whole public API.
 #pragma once
 
+#include <torch/torch.h>  // the LibTorch API every libfsdp program uses alongside ours
+
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/collectives.h"
