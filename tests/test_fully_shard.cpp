@@ -195,6 +195,41 @@ TEST(Parity, ModuleCalledTwiceInOneForward) {
   run_parity(3, c);
 }
 
+// HSDP: a 2 x 2 mesh (replicate, shard): shards over the shard dim, replicas over the other;
+// gradients reduce-scattered over "shard" and all-reduced over "replicate".
+TEST(Parity, HybridShardingOnTwoByTwoMesh) {
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = run_reference(batches);
+  run_ranks(4, [&](ProcessGroupPtr pg) {
+    Net net;
+    load_full(*net, initial_weights());
+    auto mesh = init_device_mesh(torch::kCPU, {2, 2}, {"replicate", "shard"});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    fully_shard(net, FullyShardOptions().mesh(mesh));
+    FSDPModule<Net> model(net);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    const int64_t local = kBatch / 4;
+    for (size_t step = 0; step < batches.size(); ++step) {
+      auto b = batches[step].slice(pg->rank() * local, local);
+      opt.zero_grad();
+      auto loss = loss_fn(model(b.idx), b.targets);
+      loss.backward();
+      opt.step();
+      auto global = loss.detach().clone();
+      all_reduce(global, *pg, ReduceOp::AVG);
+      EXPECT_NEAR(global.item<double>(), ref.losses[step], kRtol * std::abs(ref.losses[step])) << "step " << step;
+    }
+    for (const auto& [name, dt] : fsdp_api(*net).sharded_parameters()) {
+      EXPECT_EQ(dt.placements().size(), 2u);
+      EXPECT_TRUE(dt.placements()[0].is_replicate());
+    }
+    for (const auto& p : net->named_parameters()) {
+      auto expect = distribute_tensor(ref.final_params.at(p.key()), mesh, {Replicate(), Shard(0)}).to_local();
+      EXPECT_TRUE(torch::allclose(p.value(), expect, kRtol, kAtol)) << p.key() << " on rank " << pg->rank();
+    }
+  });
+}
+
 // ---- Gradient accumulation ---------------------------------------------------------------------------
 // Gradients of k microbatches (each loss divided by k) with sync off for the first k-1 must equal the
 // gradient of one step on their concatenation; also with sync on every microbatch.
