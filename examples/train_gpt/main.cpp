@@ -1,0 +1,716 @@
+// train_gpt: trains a GPT-2-style byte-level language model on English text across ranks with FSDP2
+// (libfsdp), evaluates it on a held-out split and prints a sample.
+//
+//   build/bin/fsdprun --standalone --nproc-per-node 2 -- build/bin/train_gpt --model small --steps 300
+//   torchrun --standalone --nproc-per-node 2 --no-python build/bin/train_gpt ...   (the same)
+//   build/bin/train_gpt ...                                                      (one process, no launcher)
+//
+// Reading order: main() parses and validates everything (on every rank, before any communication),
+// loads the data, initialises the process group, builds the model on every rank from one seed,
+// shards it in parallelize(), then train() runs the loop, evaluate() and generate() do the rest.
+// The model code (model.h) is plain LibTorch; everything FSDP-specific is in this file.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "data.h"
+#include "fsdp/activation_checkpoint.h"
+#include "fsdp/clip_grad.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/grad_scaler.h"
+#include "model.h"
+
+namespace train_gpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// ---- Options -----------------------------------------------------------------------------------------
+
+/// Everything the command line sets. Defaults train the "small" preset visibly in a couple of minutes
+/// on two CPU cores (scripts/train.sh).
+struct Options {
+  // Model: a preset, optionally overridden field by field.
+  std::string model = "small";
+  std::optional<int64_t> n_layer, n_head, n_embd, block_size;
+  std::optional<double> dropout;
+  bool tie_weights = true;
+  // Data.
+  std::vector<std::string> data;  // empty: the default corpus
+  double val_fraction = 0.1;
+  // Optimisation.
+  int64_t steps = 500;
+  int64_t batch_size = 16;  // per rank, per microbatch
+  int64_t grad_accum_steps = 1;
+  double lr = 4e-3, min_lr = 4e-4;  // small models on bytes take a high rate (1e-3 and 2e-3 were slower)
+  int64_t warmup_steps = 50;
+  double weight_decay = 0.1;
+  double clip_grad = 1.0;  // 0 = no clipping (the norm is still logged)
+  // Parallelism and memory.
+  std::string mixed_precision = "fp32";
+  std::string reshard_after_forward = "true";
+  bool activation_checkpointing = false;
+  bool cpu_offload = false;
+  int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
+  // Output.
+  int64_t log_every = 10;
+  int64_t eval_every = 100;
+  int64_t eval_batches = 8;
+  std::string metrics;
+  bool no_progress = false;
+  // Sampling.
+  std::string sample_prompt = "The meaning of life is";
+  int64_t sample_tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1337;
+  // [checkpoints] --ckpt-dir DIR, --ckpt-every K, --keep-last N, --resume: added with the distributed
+  // checkpoint work (issue 7 depends on it). They belong here, in add_flags() and in train() at the
+  // places marked [checkpoints].
+};
+
+void add_flags(CLI::App& app, Options& o) {
+  std::string presets;
+  for (const auto& n : preset_names()) presets += (presets.empty() ? "" : "|") + n;
+  auto* g = app.add_option_group("Model");
+  g->add_option("--model", o.model, "Preset: " + presets)->capture_default_str();
+  g->add_option("--n-layer", o.n_layer, "Transformer blocks (overrides the preset)");
+  g->add_option("--n-head", o.n_head, "Attention heads (overrides the preset)");
+  g->add_option("--n-embd", o.n_embd, "Embedding width, a multiple of --n-head (overrides the preset)");
+  g->add_option("--block-size", o.block_size, "Context length in bytes (overrides the preset)");
+  g->add_option("--dropout", o.dropout, "Dropout probability (Default: 0)");
+  g->add_option("--tie-weights", o.tie_weights, "Share the embedding and head weights")->capture_default_str();
+
+  g = app.add_option_group("Data");
+  g->add_option("--data", o.data, std::string("Text files to train on (Default: the fortunes in ") +
+                                      kDefaultCorpusDir + ", installed by scripts/setup.sh)");
+  g->add_option("--val-fraction", o.val_fraction, "Fraction of the text held out for evaluation")
+      ->capture_default_str()->check(CLI::Range(0.001, 0.5));
+
+  g = app.add_option_group("Optimisation");
+  g->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--batch-size", o.batch_size, "Sequences per rank per microbatch")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--grad-accum-steps", o.grad_accum_steps, "Microbatches per step")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--min-lr", o.min_lr, "Learning rate at the end of the cosine decay")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--warmup-steps", o.warmup_steps, "Steps of linear warmup")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices and embeddings only)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: no clipping)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+
+  g = app.add_option_group("Parallelism and memory");
+  g->add_option("--mixed-precision", o.mixed_precision, "Compute dtype (parameters and optimizer stay fp32)")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  g->add_option("--reshard-after-forward", o.reshard_after_forward,
+                "Free the blocks' gathered parameters after forward: true|false|N (N ranks keep a slice)")
+      ->capture_default_str();
+  g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
+  g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
+  g->add_option("--threads", o.threads, "Intra-op threads per rank (0: OMP_NUM_THREADS, 1 under fsdprun)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+
+  g = app.add_option_group("Output");
+  g->add_option("--log-every", o.log_every, "Steps between log lines")->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--eval-every", o.eval_every, "Steps between evaluations (and at the start and the end)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--eval-batches", o.eval_batches, "Batches per rank per evaluation")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--metrics", o.metrics, "Write JSON lines (step, loss, lr, grad_norm, tokens_per_s, step_ms, "
+                                        "peak_rss_mb, eval_loss) to FILE (rank 0)");
+  g->add_flag("--no-progress", o.no_progress, "No progress bar even on a terminal");
+
+  g = app.add_option_group("Sampling");
+  g->add_option("--sample-prompt", o.sample_prompt, "Text the sample continues")->capture_default_str();
+  g->add_option("--sample-tokens", o.sample_tokens, "Bytes to generate (0: no sample)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--temperature", o.temperature, "Sampling temperature (0: greedy)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--top-k", o.top_k, "Sample among the k likeliest bytes (0: all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "Seed of the weights, the data order and the sample")->capture_default_str();
+  // A flag given twice takes its last value, so that scripts can put defaults first and pass the
+  // user's arguments after them (scripts/train.sh).
+  std::vector<CLI::App*> sections = app.get_subcommands([](CLI::App*) { return true; });  // the option groups
+  sections.push_back(&app);
+  for (auto* section : sections) {
+    for (auto* opt : section->get_options()) {
+      if (opt->get_expected_max() == 1) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    }
+  }
+}
+
+/// The model shape: the preset with the explicit flags applied. Throws UsageError.
+GPTConfig model_config(const Options& o) {
+  GPTConfig cfg;
+  try {
+    cfg = preset(o.model);
+    if (o.n_layer) cfg.n_layer = *o.n_layer;
+    if (o.n_head) cfg.n_head = *o.n_head;
+    if (o.n_embd) cfg.n_embd = *o.n_embd;
+    if (o.block_size) cfg.block_size = *o.block_size;
+    if (o.dropout) cfg.dropout = *o.dropout;
+    cfg.tie_weights = o.tie_weights;
+    validate(cfg);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+  return cfg;
+}
+
+/// "true" | "false" | N. Throws UsageError unless N divides the world size.
+fsdp::ReshardAfterForward parse_reshard_after_forward(const std::string& s, int world_size) {
+  if (s == "true" || s == "1") return true;
+  if (s == "false" || s == "0") return false;
+  int n = 0;
+  size_t used = 0;
+  try {
+    n = std::stoi(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != s.size() || n < 1) {
+    throw UsageError("--reshard-after-forward " + s + " is invalid: expected true, false or a positive number " +
+                     "of ranks that keep a slice of the parameters between forward and backward");
+  }
+  if (world_size % n != 0) {
+    throw UsageError("--reshard-after-forward " + s + " does not divide the " + std::to_string(world_size) +
+                     " ranks: expected a divisor of WORLD_SIZE (or true/false)");
+  }
+  return n;
+}
+
+// ---- Parallelism -----------------------------------------------------------------------------------
+
+struct ParallelOptions {
+  torch::ScalarType param_dtype = torch::kFloat32;  ///< compute dtype of forward and backward
+  fsdp::ReshardAfterForward reshard_after_forward = true;  ///< for the blocks
+  bool activation_checkpointing = false;
+  bool cpu_offload = false;
+};
+
+/// Applies FSDP2 to the model, in this order:
+///   1. each block becomes a fully_shard group of its own: in forward and backward only one block's
+///      parameters (plus the prefetched next one) are gathered at a time;
+///   2. the root last: what is left (wte, wpe, ln_f, lm_head) forms one group. lm_head.weight is
+///      wte.weight when tied, and tied parameters must live in one group: so neither wte nor lm_head
+///      is sharded on its own. The root keeps its parameters gathered between forward and backward
+///      (reshard_after_forward false, FSDP2's default for the root): backward needs them first.
+/// Mixed precision: parameters are gathered and used in `param_dtype`, gradients reduced in fp32, the
+/// sharded parameters and the optimizer state stay fp32.
+void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  auto opts = fsdp::FullyShardOptions().mesh(mesh);
+  if (p.param_dtype != torch::kFloat32) {
+    opts.mp_policy(fsdp::MixedPrecisionPolicy().param_dtype(p.param_dtype).reduce_dtype(torch::kFloat32));
+  }
+  if (p.cpu_offload) opts.offload_policy(fsdp::CPUOffloadPolicy());
+  // 0. Activation checkpointing: each block keeps only its input in forward and is recomputed in
+  //    backward, after FSDP's pre-backward all-gather of that block (nothing extra is gathered).
+  if (p.activation_checkpointing) {
+    for (auto& block : model->blocks) fsdp::checkpoint_wrapper(block);
+  }
+  // 1. Blocks, bottom-up.
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  for (auto& block : model->blocks) fsdp::fully_shard(block, block_opts);
+  // 2. The root last (its default reshard_after_forward: false).
+  fsdp::fully_shard(model, opts);
+}
+
+// ---- Reporting ---------------------------------------------------------------------------------------
+
+/// Peak resident memory of this process (VmHWM), MiB.
+double peak_rss_mb() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // "VmHWM:  123456 kB"
+  }
+  return 0.0;
+}
+
+/// A one-line progress bar with ETA on rank 0, only when stdout is a terminal.
+class ProgressBar {
+ public:
+  ProgressBar(bool enabled, int64_t total) : enabled_(enabled), total_(total) {}
+  void update(int64_t step, double loss, double seconds_per_step) {
+    if (!enabled_) return;
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(total_, 1));
+    const auto eta = static_cast<int64_t>(seconds_per_step * static_cast<double>(total_ - step));
+    std::printf("\r\033[K[%s%s] %lld/%lld loss %.4f ETA %lld:%02lld", std::string(filled, '#').c_str(),
+                std::string(kWidth - filled, '.').c_str(), static_cast<long long>(step),
+                static_cast<long long>(total_), loss, static_cast<long long>(eta / 60),
+                static_cast<long long>(eta % 60));
+    std::fflush(stdout);
+    shown_ = true;
+  }
+  /// Erases the bar so that a log line can be printed in its place.
+  void clear() {
+    if (!shown_) return;
+    std::printf("\r\033[K");
+    std::fflush(stdout);
+    shown_ = false;
+  }
+
+ private:
+  bool enabled_;
+  int64_t total_;
+  bool shown_ = false;
+};
+
+/// JSON lines on rank 0: one per log step and per evaluation step, each with every key (values null
+/// where not measured: the evaluation before training has no training loss).
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path) {
+    if (path.empty()) return;
+    out_.open(path, std::ios::trunc);
+    if (!out_) throw UsageError("--metrics " + path + " cannot be written (missing directory?)");
+  }
+  void write(const nlohmann::json& line) {
+    if (!out_.is_open()) return;
+    out_ << line.dump() << '\n';
+    out_.flush();  // a crashed or interrupted run keeps its curve
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// ---- Training ---------------------------------------------------------------------------------------
+
+/// Linear warmup to `lr` over warmup_steps, then cosine decay to min_lr at the last step. step >= 1.
+double lr_at(int64_t step, const Options& o) {
+  if (o.warmup_steps > 0 && step <= o.warmup_steps) {
+    return o.lr * static_cast<double>(step) / static_cast<double>(o.warmup_steps);
+  }
+  const double span = static_cast<double>(std::max<int64_t>(o.steps - o.warmup_steps, 1));
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup_steps) / span);
+  return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (o.lr - o.min_lr);
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  // In fp32 whatever the compute dtype: a log-softmax over 256 classes in bf16 loses the small probabilities.
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+/// Mean loss over the fixed evaluation batches of the validation split, averaged over ranks.
+/// Every rank runs the same number of forwards (the blocks all-gather their parameters in each).
+double evaluate(fsdp::FSDPModule<GPT>& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+                fsdp::ProcessGroup& pg) {
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto sum = torch::zeros({1}, torch::kDouble);
+  for (int64_t b = 0; b < num_batches; ++b) {
+    auto [x, y] = val.get(eval_indices(b, batch_size, pg.rank(), pg.size()));
+    sum += lm_loss(model(x), y).to(torch::kDouble);
+  }
+  fsdp::all_reduce(sum, pg, fsdp::ReduceOp::SUM);
+  model->train();
+  return sum.item<double>() / static_cast<double>(num_batches * pg.size());
+}
+
+/// Continues `prompt` by `num_tokens` bytes. Every rank runs every forward in lockstep (each forward
+/// all-gathers the blocks' parameters); rank 0 draws each byte and broadcasts it, so all ranks extend
+/// the same text even if their logits differed in the last bit. Deterministic given `seed`.
+std::string generate(fsdp::FSDPModule<GPT>& model, const std::string& prompt, int64_t num_tokens,
+                     double temperature, int64_t top_k, uint64_t seed, fsdp::ProcessGroup& pg) {
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> tokens;
+  for (unsigned char c : (prompt.empty() ? std::string("\n") : prompt)) tokens.push_back(c);
+  const int64_t context = model->cfg.block_size;
+  std::string out;
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const auto begin = tokens.size() > static_cast<size_t>(context) ? tokens.end() - context : tokens.begin();
+    auto idx = torch::tensor(std::vector<int64_t>(begin, tokens.end()), torch::kLong).unsqueeze(0);  // [1, T]
+    auto logits = model(idx).select(1, -1).squeeze(0).to(torch::kFloat32);  // [vocab]
+    auto next = torch::zeros({1}, torch::kLong);
+    if (pg.rank() == 0) {
+      if (temperature == 0.0) {
+        next = logits.argmax().reshape({1});
+      } else {
+        logits = logits / temperature;
+        if (top_k > 0 && top_k < logits.size(0)) {
+          auto kth = std::get<0>(logits.topk(top_k)).min();
+          logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+        }
+        next = torch::multinomial(torch::softmax(logits, 0), 1, /*replacement=*/false, gen);
+      }
+    }
+    fsdp::broadcast(next, /*src=*/0, pg);
+    tokens.push_back(next.item<int64_t>());
+    out.push_back(static_cast<char>(tokens.back()));
+  }
+  model->train();
+  return out;
+}
+
+/// Length of the well-formed UTF-8 sequence at bytes[i] (Unicode's table 3-7: no overlong forms, no
+/// surrogates, nothing above U+10FFFF), or 0.
+size_t utf8_sequence_length(const std::string& bytes, size_t i) {
+  auto at = [&](size_t k) { return static_cast<unsigned char>(bytes[k]); };
+  const unsigned char c = at(i);
+  if (c < 0x80) return 1;
+  size_t len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    len = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    len = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    len = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (i + len > bytes.size() || at(i + 1) < lo || at(i + 1) > hi) return 0;
+  for (size_t k = 2; k < len; ++k) {
+    if (at(i + k) < 0x80 || at(i + k) > 0xBF) return 0;
+  }
+  return len;
+}
+
+/// `bytes` as printable UTF-8: a byte-level model can emit ill-formed sequences and control bytes,
+/// which become U+FFFD (newlines and tabs stay).
+std::string printable(const std::string& bytes) {
+  static const std::string kReplacement = "\xEF\xBF\xBD";
+  std::string out;
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    size_t len = utf8_sequence_length(bytes, i);
+    if (len == 1 && ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7F)) len = 0;
+    if (len > 0) {
+      out.append(bytes, i, len);
+      i += len;
+    } else {
+      out += kReplacement;
+      i += 1;
+    }
+  }
+  return out;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+struct RunSetup {
+  Options opts;
+  GPTConfig cfg;
+  ParallelOptions parallel;
+  TokenWindows train, val;
+  int64_t eval_batches;  // per evaluation, capped by the validation split
+  std::string data_name;
+  int64_t data_bytes;
+};
+
+int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+  const Options& o = s.opts;
+  const int rank = pg->rank(), world = pg->size();
+  const bool main_rank = rank == 0;
+  if (o.threads > 0) torch::set_num_threads(o.threads);
+  auto say = [&](const std::string& line) {
+    if (main_rank) std::cout << line << std::endl;
+  };
+  auto mesh = fsdp::init_device_mesh(torch::kCPU, {world});
+
+  // Identical initial weights on every rank (and for every world size): one seed, full model, then shard.
+  torch::manual_seed(o.seed);
+  fsdp::FSDPModule<GPT> model(GPT(s.cfg));
+  // AdamW groups: weight decay on matrices and embeddings (dim >= 2), not on biases and LayerNorms.
+  // Decided on the full shapes, before sharding; fully_shard keeps the tensors' identity.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model->unique_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  const int64_t num_params = model->num_params();
+
+  parallelize(model, mesh, s.parallel);
+
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(o.lr).betas({0.9, 0.95}).weight_decay(o.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(o.lr).betas({0.9, 0.95}).weight_decay(0.0)));
+  torch::optim::AdamW optimizer(std::move(groups), torch::optim::AdamWOptions(o.lr));
+  const auto params = model->unique_parameters();  // local shards: what clipping sees
+  // fp16 only: dynamic loss scaling, so that small gradients do not flush to zero in fp16. Every rank
+  // skips the same steps (the inf/nan check is all-reduced). bf16 has fp32's range and needs none.
+  std::optional<fsdp::ShardedGradScaler> scaler;
+  if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
+
+  DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
+  const int64_t tokens_per_step = o.batch_size * s.cfg.block_size * o.grad_accum_steps;  // per rank
+
+  {
+    std::ostringstream os;
+    os << "train_gpt: " << world << " rank" << (world > 1 ? "s" : "") << " x " << torch::get_num_threads()
+       << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (gloo on cpu)\n"
+       << "model: " << o.model << ": " << describe(s.cfg) << ", " << fmt("%.2f", num_params / 1e6)
+       << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "") << "\n"
+       << "data: " << s.data_name << ", " << s.data_bytes << " bytes: train " << s.train.size()
+       << " windows, val " << s.val.size() << " windows of " << s.cfg.block_size + 1 << " bytes; "
+       << sampler.batches_per_epoch() / o.grad_accum_steps << " steps per epoch\n"
+       << "batch: " << o.batch_size << " x " << s.cfg.block_size << " tokens x " << o.grad_accum_steps
+       << " microbatch" << (o.grad_accum_steps > 1 ? "es" : "") << " x " << world << " ranks = "
+       << tokens_per_step * world << " tokens per step\n"
+       << "optim: AdamW lr " << fmt("%.2e", o.lr) << " -> " << fmt("%.2e", o.min_lr) << " (warmup " << o.warmup_steps
+       << ", cosine), weight decay " << o.weight_decay << ", clip "
+       << (o.clip_grad > 0 ? fmt("%g", o.clip_grad) : std::string("off")) << "; precision " << o.mixed_precision
+       << ", reshard after forward " << o.reshard_after_forward << (o.cpu_offload ? ", cpu offload" : "")
+       << (o.activation_checkpointing ? ", activation checkpointing" : "");
+    say(os.str());
+  }
+
+  // [checkpoints] --resume: load the latest step-N checkpoint here (model, optimizer, sampler.state(),
+  // step, RNG), before the first evaluation; the loop below then starts at step N + 1.
+  int64_t start_step = 0;
+
+  MetricsWriter metrics(main_rank ? o.metrics : std::string());
+  ProgressBar bar(main_rank && !o.no_progress && isatty(STDOUT_FILENO), o.steps);
+  std::optional<std::pair<int64_t, double>> first_eval, last_eval;
+  auto run_eval = [&](int64_t step) {
+    double v = evaluate(model, s.val, s.eval_batches, o.batch_size, *pg);
+    if (!first_eval) first_eval = {step, v};
+    last_eval = {step, v};
+    bar.clear();
+    say("eval step " + std::to_string(step) + ": val loss " + fmt("%.4f", v));
+    return v;
+  };
+  // A collective (all-reduce MAX): every rank calls it at the same steps (log and evaluation steps).
+  auto global_peak_mb = [&] {
+    auto t = torch::tensor({peak_rss_mb()}, torch::kDouble);
+    fsdp::all_reduce(t, *pg, fsdp::ReduceOp::MAX);
+    return t.item<double>();
+  };
+
+  // The evaluation before training (the "first" evaluation loss): ~ln(256) = 5.55 for a fresh model.
+  if (start_step == 0) {
+    double v = run_eval(0);
+    metrics.write({{"step", 0}, {"loss", nullptr}, {"lr", 0.0}, {"grad_norm", nullptr}, {"tokens_per_s", nullptr},
+                   {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()}, {"eval_loss", v}});
+  }
+
+  const auto t_train = Clock::now();
+  double train_seconds = 0;       // step time only (no evaluation, logging or sampling)
+  double interval_seconds = 0;    // since the last log line
+  double interval_loss = 0;
+  int64_t interval_steps = 0;
+  double last_loss = 0, last_norm = 0;
+  for (int64_t step = start_step + 1; step <= o.steps; ++step) {
+    const auto t0 = Clock::now();
+    const double lr = lr_at(step, o);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+
+    // Gradient accumulation: the gradients of every microbatch but the last stay local and unsharded
+    // (no reduce-scatter); the last backward reduce-scatters the accumulated sum once.
+    auto loss_sum = torch::zeros({1});
+    for (int64_t micro = 0; micro < o.grad_accum_steps; ++micro) {
+      auto [x, y] = s.train.get(sampler.next());
+      model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
+      auto loss = lm_loss(model(x), y) / static_cast<double>(o.grad_accum_steps);
+      (scaler ? scaler->scale(loss) : loss).backward();
+      loss_sum += loss.detach();
+    }
+    // The norm of the full gradient (an all-reduce of the shards' partial norms): identical on every
+    // rank, so every rank scales its shard by the same factor.
+    // With fp16 the gradients are unscaled first; a step with inf/nan gradients is skipped (the norm
+    // logged is then inf) and the scale backs off.
+    const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
+    if (scaler) scaler->unscale_(optimizer);
+    last_norm = fsdp::clip_grad_norm_(params, max_norm).item<double>();
+    if (scaler) {
+      scaler->step(optimizer);
+      scaler->update();
+    } else {
+      optimizer.step();
+    }
+    optimizer.zero_grad();
+    // The loss of the global batch: the mean of the ranks' means (equal batch sizes).
+    fsdp::all_reduce(loss_sum, *pg, fsdp::ReduceOp::SUM);
+    last_loss = loss_sum.item<double>() / world;
+    if (!std::isfinite(last_loss)) {
+      bar.clear();
+      throw std::runtime_error("the loss is " + std::to_string(last_loss) + " at step " + std::to_string(step) +
+                               ": training diverged. Fix: a lower --lr, --clip-grad 1, or fp32");
+    }
+    const double dt = seconds_since(t0);
+    train_seconds += dt;
+    interval_seconds += dt;
+    interval_loss += last_loss;
+    ++interval_steps;
+    bar.update(step, last_loss, train_seconds / static_cast<double>(step - start_step));
+
+    const bool log_now = step % o.log_every == 0 || step == o.steps;
+    const bool eval_now = step % o.eval_every == 0 || step == o.steps;
+    if (log_now || eval_now) {
+      const double mean_loss = interval_loss / static_cast<double>(interval_steps);
+      const double step_ms = 1e3 * interval_seconds / static_cast<double>(interval_steps);
+      const double tps = static_cast<double>(tokens_per_step * interval_steps) / interval_seconds;  // per rank
+      const double peak = global_peak_mb();
+      nlohmann::json line = {{"step", step},          {"loss", mean_loss},    {"lr", lr},
+                             {"grad_norm", last_norm}, {"tokens_per_s", tps},  {"step_ms", step_ms},
+                             {"peak_rss_mb", peak}};
+      bar.clear();
+      std::ostringstream os;
+      os << "step " << std::setw(std::to_string(o.steps).size()) << step << "/" << o.steps << " | loss "
+         << fmt("%.4f", mean_loss) << " | lr " << fmt("%.2e", lr) << " | grad norm " << fmt("%.3f", last_norm)
+         << " | " << fmt("%.0f", tps) << " tok/s/rank | " << fmt("%.0f", step_ms) << " ms/step | peak "
+         << fmt("%.0f", peak) << " MiB";
+      say(os.str());
+      if (eval_now) line["eval_loss"] = run_eval(step);
+      metrics.write(line);
+      interval_seconds = interval_loss = 0;
+      interval_steps = 0;
+    }
+    // [checkpoints] --ckpt-every K: save step-N here (after the step and its evaluation), every rank
+    // writing its shards; --keep-last N prunes the oldest.
+  }
+  bar.clear();
+  const double wall = seconds_since(t_train);
+
+  // The sample: every rank runs the forwards, rank 0 prints.
+  std::string sample;
+  if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg);
+  if (main_rank) {
+    const int64_t steps_run = o.steps - start_step;
+    std::ostringstream os;
+    os << "done: " << steps_run << " steps in " << fmt("%.1f", wall) << " s ("
+       << fmt("%.0f", 1e3 * train_seconds / std::max<int64_t>(steps_run, 1)) << " ms/step, "
+       << fmt("%.0f", static_cast<double>(tokens_per_step * steps_run) / std::max(train_seconds, 1e-9))
+       << " tok/s/rank, " << fmt("%.0f", static_cast<double>(tokens_per_step * steps_run * world) /
+                                             std::max(train_seconds, 1e-9))
+       << " tok/s in all)\n";
+    if (first_eval && last_eval) {
+      os << "eval loss: " << fmt("%.4f", first_eval->second) << " (step " << first_eval->first << ") -> "
+         << fmt("%.4f", last_eval->second) << " (step " << last_eval->first << ")\n";
+    }
+    if (o.sample_tokens > 0) {
+      os << "sample (seed " << o.seed << ", temperature " << o.temperature << ", top-k " << o.top_k << "):\n"
+         << "----\n" << printable(o.sample_prompt + sample) << "\n----";
+    }
+    std::cout << os.str() << std::endl;
+  }
+  return 0;
+}
+
+/// The process group: from the launcher's environment, or a group of one when started without one.
+fsdp::ProcessGroupPtr make_process_group(bool launched) {
+  if (launched) return fsdp::init_process_group();
+  auto pg = fsdp::make_gloo_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(30));
+  fsdp::set_default_process_group(pg);
+  return pg;
+}
+
+bool launched_by_a_launcher() {
+  for (const char* v : {"RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
+    if (std::getenv(v)) return true;
+  }
+  return false;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"train_gpt: trains a GPT-2-style byte-level language model on English text with FSDP2 (libfsdp).\n"
+               "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]"};
+  Options o;
+  add_flags(app, o);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  // Everything that can be wrong with the input is checked here, identically on every rank and before
+  // any communication: a bad flag fails every rank with the same message instead of hanging the others.
+  const bool launched = launched_by_a_launcher();
+  const fsdp::LaunchEnv env = launched ? fsdp::read_launch_env() : fsdp::LaunchEnv{};
+  RunSetup s{o, model_config(o), {}, TokenWindows(torch::zeros({1}, torch::kLong), 1),
+             TokenWindows(torch::zeros({1}, torch::kLong), 1), 0, "", 0};
+  if (o.mixed_precision == "bf16") s.parallel.param_dtype = torch::kBFloat16;
+  if (o.mixed_precision == "fp16") s.parallel.param_dtype = torch::kHalf;
+  s.parallel.activation_checkpointing = o.activation_checkpointing;
+  s.parallel.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, env.world_size);
+  s.parallel.cpu_offload = o.cpu_offload;
+  if (o.min_lr > o.lr) {
+    throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
+                     ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");
+  }
+
+  Corpus corpus = o.data.empty() ? load_default_corpus() : load_corpus(o.data);
+  const int64_t T = s.cfg.block_size;
+  if (static_cast<int64_t>(corpus.text.size()) < T + 1) {
+    throw UsageError("the text (" + corpus.name + ") has " + std::to_string(corpus.text.size()) +
+                     " bytes, shorter than one block of --block-size + 1 = " + std::to_string(T + 1) +
+                     " bytes. Fix: more text or a smaller --block-size");
+  }
+  // Segments of 8 windows alternate between the splits (see split_text).
+  auto split = split_text(corpus.text, o.val_fraction, 8 * (T + 1));
+  s.train = TokenWindows(split.train, T);
+  s.val = TokenWindows(split.val, T);
+  s.data_name = corpus.name;
+  s.data_bytes = static_cast<int64_t>(corpus.text.size());
+  const int64_t global_batch = o.batch_size * env.world_size;
+  if (s.train.size() < global_batch) {
+    DistributedSampler(s.train.size(), o.batch_size, env.rank, env.world_size, o.seed);  // throws the message
+  }
+  s.eval_batches = std::min(o.eval_batches, s.val.size() / global_batch);
+  if (s.eval_batches == 0) {
+    throw UsageError("the validation split has " + std::to_string(s.val.size()) + " windows of " +
+                     std::to_string(T + 1) + " bytes but one evaluation batch needs --batch-size(" +
+                     std::to_string(o.batch_size) + ") x ranks(" + std::to_string(env.world_size) +
+                     ") = " + std::to_string(global_batch) + ": more ranks than batches. Fix: more text, a larger "
+                     "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");
+  }
+  if (!o.metrics.empty() && env.rank == 0) MetricsWriter probe(o.metrics);  // fails now, not after training
+
+  auto pg = make_process_group(launched);
+  return train(s, pg);
+}
+
+}  // namespace
+}  // namespace train_gpt
+
+int main(int argc, char** argv) {
+  try {
+    return train_gpt::run(argc, argv);
+  } catch (const train_gpt::UsageError& e) {
+    std::cerr << "train_gpt: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "train_gpt: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "train_gpt: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,176 @@
+#include "model.h"
+
+#include <cmath>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace train_gpt {
+namespace {
+
+// Presets, smallest first. "small" is the default: it visibly learns English in a couple of minutes on
+// two CPU cores (see scripts/train.sh); "tiny" keeps the tests to seconds.
+const std::map<std::string, GPTConfig>& presets() {
+  static const std::map<std::string, GPTConfig> p = [] {
+    std::map<std::string, GPTConfig> m;
+    GPTConfig c;
+    c.n_layer = 2, c.n_head = 2, c.n_embd = 32, c.block_size = 32;
+    m["tiny"] = c;
+    c.n_layer = 4, c.n_head = 4, c.n_embd = 128, c.block_size = 128;
+    m["small"] = c;
+    c.n_layer = 6, c.n_head = 8, c.n_embd = 256, c.block_size = 256;
+    m["medium"] = c;
+    return m;
+  }();
+  return p;
+}
+
+}  // namespace
+
+const std::vector<std::string>& preset_names() {
+  static const std::vector<std::string> names = {"tiny", "small", "medium"};
+  return names;
+}
+
+GPTConfig preset(const std::string& name) {
+  auto it = presets().find(name);
+  if (it == presets().end()) {
+    std::string known;
+    for (const auto& n : preset_names()) known += (known.empty() ? "" : "|") + n;
+    throw std::invalid_argument("unknown preset --model " + name + ": expected one of " + known +
+                                " (or set --n-layer --n-head --n-embd --block-size explicitly)");
+  }
+  return it->second;
+}
+
+void validate(const GPTConfig& cfg) {
+  auto positive = [](const char* flag, int64_t v) {
+    if (v < 1) throw std::invalid_argument(std::string(flag) + "=" + std::to_string(v) + " must be >= 1");
+  };
+  positive("--n-layer", cfg.n_layer);
+  positive("--n-head", cfg.n_head);
+  positive("--n-embd", cfg.n_embd);
+  positive("--block-size", cfg.block_size);
+  if (cfg.n_embd % cfg.n_head != 0) {
+    throw std::invalid_argument("--n-embd=" + std::to_string(cfg.n_embd) + " is not divisible by --n-head=" +
+                                std::to_string(cfg.n_head) + ": each head gets n_embd / n_head dims. Fix: pick " +
+                                "--n-embd a multiple of --n-head (e.g. --n-embd " +
+                                std::to_string((cfg.n_embd / cfg.n_head + 1) * cfg.n_head) + ")");
+  }
+  if (cfg.dropout < 0.0 || cfg.dropout >= 1.0) {
+    throw std::invalid_argument("--dropout=" + std::to_string(cfg.dropout) + " must be in [0, 1)");
+  }
+}
+
+std::string describe(const GPTConfig& cfg) {
+  std::ostringstream os;
+  os << cfg.n_layer << " layers, " << cfg.n_head << " heads, " << cfg.n_embd << " dims, context "
+     << cfg.block_size << ", vocab " << cfg.vocab_size << (cfg.tie_weights ? ", tied head" : ", untied head");
+  if (cfg.dropout > 0) os << ", dropout " << cfg.dropout;
+  return os.str();
+}
+
+// ---- Modules -----------------------------------------------------------------------------------------
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head(cfg.n_head), dropout(cfg.dropout) {
+  c_attn = register_module("c_attn", torch::nn::Linear(cfg.n_embd, 3 * cfg.n_embd));
+  c_proj = register_module("c_proj", torch::nn::Linear(cfg.n_embd, cfg.n_embd));
+  resid_dropout = register_module("resid_dropout", torch::nn::Dropout(cfg.dropout));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1), C = x.size(2);
+  auto qkv = c_attn(x).split(C, /*dim=*/2);  // 3 x [B, T, C]
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
+  // [B, H, T, D]; is_causal masks the future (no explicit mask tensor).
+  auto y = torch::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
+                                               /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
+  y = y.transpose(1, 2).contiguous().view({B, T, C});
+  return resid_dropout(c_proj(y));
+}
+
+MLPImpl::MLPImpl(const GPTConfig& cfg) {
+  c_fc = register_module("c_fc", torch::nn::Linear(cfg.n_embd, 4 * cfg.n_embd));
+  c_proj = register_module("c_proj", torch::nn::Linear(4 * cfg.n_embd, cfg.n_embd));
+  dropout = register_module("dropout", torch::nn::Dropout(cfg.dropout));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return dropout(c_proj(torch::gelu(c_fc(x), "tanh")));
+}
+
+BlockImpl::BlockImpl(const GPTConfig& cfg) {
+  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  attn = register_module("attn", CausalSelfAttention(cfg));
+  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  mlp = register_module("mlp", MLP(cfg));
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  x = x + attn(ln_1(x));
+  return x + mlp(ln_2(x));
+}
+
+LMHeadImpl::LMHeadImpl(const GPTConfig& cfg, torch::Tensor tied) {
+  weight = register_parameter("weight", tied.defined() ? tied : torch::empty({cfg.vocab_size, cfg.n_embd}));
+}
+
+GPTImpl::GPTImpl(const GPTConfig& config) : cfg(config) {
+  validate(cfg);
+  wte = register_module("wte", torch::nn::Embedding(cfg.vocab_size, cfg.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(cfg.block_size, cfg.n_embd));
+  drop = register_module("drop", torch::nn::Dropout(cfg.dropout));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) {
+    blocks.push_back(Block(cfg));
+    h->push_back(blocks.back());
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? wte->weight : torch::Tensor()));
+
+  // GPT-2 initialisation: every weight ~ N(0, 0.02), biases 0, LayerNorm (1, 0); the projections that
+  // write into the residual stream (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 * n_layer), since each
+  // block adds two of them to it. Parameters are visited in registration order, so a seed fixes them.
+  torch::NoGradGuard no_grad;
+  const double std_proj = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
+  std::unordered_set<const void*> seen;
+  for (auto& p : named_parameters()) {
+    const auto& name = p.key();
+    auto& t = p.value();
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;  // tied: initialised once, as wte
+    auto ends_with = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (name.find(".ln_") != std::string::npos || name.rfind("ln_f.", 0) == 0) {
+      ends_with("weight") ? t.fill_(1.0) : t.zero_();
+    } else if (ends_with("bias")) {
+      t.zero_();
+    } else if (ends_with("c_proj.weight")) {
+      t.normal_(0.0, std_proj);
+    } else {
+      t.normal_(0.0, 0.02);
+    }
+    num_params_ += t.numel();
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
+  auto pos = torch::arange(T, idx.options());
+  auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
+  for (auto& b : blocks) x = b(x);     // through FSDP: unshard before, reshard after each block
+  return lm_head(ln_f(x));             // [B, T, vocab]
+}
+
+std::vector<torch::Tensor> GPTImpl::unique_parameters() const {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace train_gpt

@@ -1,0 +1,112 @@
+// GPT-2-style decoder in plain LibTorch: token and position embeddings, pre-LayerNorm blocks with causal
+// self-attention (scaled_dot_product_attention) and a GELU MLP, a final LayerNorm and a language-model
+// head optionally tied to the token embedding. Parameter names follow GPT-2 (wte, wpe, h.N.ln_1,
+// h.N.attn.c_attn, h.N.attn.c_proj, h.N.ln_2, h.N.mlp.c_fc, h.N.mlp.c_proj, ln_f, lm_head).
+//
+// The only FSDP-specific line is the type of `GPTImpl::blocks`: fsdp::FSDPModule<Block> instead of
+// Block, so that each block's forward goes through fully_shard's hooks once the block is sharded.
+// Sharding itself is applied outside the model, in parallelize() (main.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "fsdp/fully_shard.h"
+
+namespace train_gpt {
+
+/// Shape of the model. Byte-level tokens: vocab_size 256 covers any UTF-8 text.
+struct GPTConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 128;  ///< context length (tokens)
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  double dropout = 0.0;
+  bool tie_weights = true;  ///< lm_head.weight is wte.weight
+};
+
+/// Names of the presets, smallest first ("tiny" is for tests).
+const std::vector<std::string>& preset_names();
+/// The preset `name`. Throws std::invalid_argument naming the known presets when unknown.
+GPTConfig preset(const std::string& name);
+/// Throws std::invalid_argument (naming the value and the fix) if `cfg` cannot build a model,
+/// e.g. n_embd % n_head != 0.
+void validate(const GPTConfig& cfg);
+/// "4 layers, 4 heads, 128 dims, context 128, vocab 256, tied".
+std::string describe(const GPTConfig& cfg);
+
+/// Causal multi-head self-attention: one fused qkv projection (c_attn), SDPA with is_causal, c_proj.
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
+
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout resid_dropout{nullptr};
+  int64_t n_head;
+  double dropout;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+/// Position-wise MLP: c_fc (C -> 4C), GELU (tanh approximation, as GPT-2), c_proj (4C -> C).
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(const GPTConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+};
+TORCH_MODULE(MLP);
+
+/// Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). The unit of sharding.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const GPTConfig& cfg);
+  torch::Tensor forward(torch::Tensor x);
+
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+/// The head: logits = x @ weight^T. A module of its own (not a torch::nn::Linear) so that its weight
+/// can be registered as the very tensor of wte.weight when tied: one parameter under two names, which
+/// fully_shard shards once (both names live in the root group).
+struct LMHeadImpl : torch::nn::Module {
+  /// A fresh [vocab, n_embd] weight, or `tied` (registered as is) when defined.
+  LMHeadImpl(const GPTConfig& cfg, torch::Tensor tied);
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(LMHead);
+
+struct GPTImpl : torch::nn::Module {
+  /// Builds the model with GPT-2's initialisation (draws from the global torch generator: seed it with
+  /// torch::manual_seed first so that every rank builds the same weights).
+  explicit GPTImpl(const GPTConfig& cfg);
+  /// Logits [B, T, vocab] of the tokens `idx` [B, T] (int64, T <= block_size).
+  torch::Tensor forward(const torch::Tensor& idx);
+
+  /// Parameters without duplicates (a tied weight appears once): what the optimizer and gradient
+  /// clipping must see. Module::parameters() lists a tied weight under both of its names.
+  std::vector<torch::Tensor> unique_parameters() const;
+  /// Number of distinct parameter elements (the full model, whether or not it is sharded).
+  int64_t num_params() const { return num_params_; }
+
+  GPTConfig cfg;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleList h;                       // registers the blocks as "h.0", "h.1", ...
+  std::vector<fsdp::FSDPModule<Block>> blocks;   // the same modules, called through FSDP
+  torch::nn::LayerNorm ln_f{nullptr};
+  LMHead lm_head{nullptr};
+
+ private:
+  int64_t num_params_ = 0;
+};
+TORCH_MODULE(GPT);
+
+}  // namespace train_gpt

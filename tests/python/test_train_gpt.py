@@ -1,0 +1,279 @@
+"""train_gpt, the main job, end to end (CTest label train_gpt): real processes through fsdprun.
+
+Every run uses the tiny preset for a few steps, so each takes a second or two. The text is the English
+licence texts that every Debian system ships (/usr/share/common-licenses, package base-files), passed
+with --data; one test trains on the default corpus that scripts/setup.sh installs.
+
+FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
+"""
+
+import json
+import math
+import os
+import pty
+import re
+import select
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
+FSDPRUN = BUILD / "bin" / "fsdprun"
+TRAIN_GPT = BUILD / "bin" / "train_gpt"
+LICENSES = Path("/usr/share/common-licenses")
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "peak_rss_mb"}
+
+# Variables a launcher sets (or must not inherit from the test's own environment).
+LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
+                           r"|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|TORCHELASTIC_\w+|PET_\w+|SLURM_\w+|OMPI_\w+)$")
+
+# Parity tolerance of sharded vs one-process training: the fully_shard parity tests' (fp32, relative).
+# The sharded run sums gradients in another order (reduce-scatter), so bitwise equality is not expected.
+RTOL = 1e-5
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def binaries():
+    for b in (FSDPRUN, TRAIN_GPT):
+        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
+
+
+@pytest.fixture(scope="module")
+def text_files():
+    files = sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
+    assert sum(Path(f).stat().st_size for f in files) > 100_000, f"expected the licence texts in {LICENSES}"
+    return files
+
+
+def run(args, nproc=2, timeout=180):
+    """train_gpt on `nproc` ranks through fsdprun, or as one process without a launcher (nproc=None)."""
+    cmd = [str(TRAIN_GPT), *map(str, args)]
+    if nproc is not None:
+        cmd = [str(FSDPRUN), "--standalone", "--nproc-per-node", str(nproc), "--", *cmd]
+    t0 = time.monotonic()
+    # The sample may hold U+FFFD (train_gpt prints invalid bytes as such): still valid UTF-8.
+    p = subprocess.run(cmd, env=clean_env(), capture_output=True, encoding="utf-8", timeout=timeout)
+    p.elapsed = time.monotonic() - t0
+    return p
+
+
+def show(p):
+    return f"rc={p.returncode}\n--- stdout ---\n{p.stdout[-4000:]}\n--- stderr ---\n{p.stderr[-4000:]}"
+
+
+def tiny(text_files, tmp_path, *extra, name="m.jsonl"):
+    return ["--model", "tiny", "--data", *text_files, "--batch-size", "4", "--seed", "7", "--threads", "1",
+            "--metrics", tmp_path / name, "--sample-tokens", "16", *extra]
+
+
+def metrics(path):
+    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    assert rows, f"{path} is empty"
+    return rows
+
+
+def train_losses(rows):
+    return {r["step"]: r["loss"] for r in rows if r["loss"] is not None}
+
+
+def eval_losses(rows):
+    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+
+
+def assert_close(mine, ref, rtol, what):
+    assert mine.keys() == ref.keys(), (what, sorted(mine), sorted(ref))
+    worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
+    assert worst <= rtol, f"{what}: max relative difference {worst:.3g} > {rtol:g}\nmine {mine}\nref  {ref}"
+    return worst
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. A short run on 2 ranks lowers the evaluation loss; every metrics line has the keys.
+def test_two_ranks_lower_eval_loss_and_write_metrics(text_files, tmp_path):
+    p = run(tiny(text_files, tmp_path, "--steps", "40", "--log-every", "5", "--eval-every", "20"))
+    assert p.returncode == 0, show(p)
+    rows = metrics(tmp_path / "m.jsonl")
+    for r in rows:
+        assert METRIC_KEYS <= r.keys(), r
+    assert [r["step"] for r in rows] == [0, 5, 10, 15, 20, 25, 30, 35, 40]
+    ev = eval_losses(rows)
+    assert sorted(ev) == [0, 20, 40]
+    assert abs(ev[0] - math.log(256)) < 0.1, f"a fresh model should predict ~uniform bytes: {ev[0]}"
+    assert ev[40] < ev[0] - 0.8, f"eval loss did not fall: {ev}"
+    for r in rows[1:]:
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in METRIC_KEYS), r
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["peak_rss_mb"] > 10
+    # Rank 0 reports (log lines, summary, sample); rank 1 stays quiet.
+    out = p.stdout
+    assert "[default0]:step 40/40 | loss" in out and "tok/s/rank" in out and "peak" in out, show(p)
+    assert re.search(r"\[default0\]:eval loss: [\d.]+ \(step 0\) -> [\d.]+ \(step 40\)", out), show(p)
+    assert "[default0]:sample (seed 7" in out, show(p)
+    assert "[default1]:" not in out, show(p)
+
+
+# 2. Sharded training on 2 ranks equals one process on the same global batch, step by step.
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_ranks_match_one_process(text_files, tmp_path, accum):
+    common = ["--steps", "8", "--log-every", "1", "--eval-every", "4", "--grad-accum-steps", str(accum),
+              "--warmup-steps", "2", "--sample-tokens", "0"]
+    one = run(tiny(text_files, tmp_path, *common, "--batch-size", "8", name="one.jsonl"), nproc=None)
+    assert one.returncode == 0, show(one)
+    two = run(tiny(text_files, tmp_path, *common, "--batch-size", "4", name="two.jsonl"), nproc=2)
+    assert two.returncode == 0, show(two)
+    ref, mine = metrics(tmp_path / "one.jsonl"), metrics(tmp_path / "two.jsonl")
+    assert len(train_losses(ref)) == 8
+    # Same data order: the losses of step 1 (before any update) agree far below the tolerance.
+    worst = assert_close(train_losses(mine), train_losses(ref), RTOL, "train loss")
+    assert_close(eval_losses(mine), eval_losses(ref), RTOL, "eval loss")
+    g1 = {r["step"]: r["grad_norm"] for r in ref if r["loss"] is not None}
+    g2 = {r["step"]: r["grad_norm"] for r in mine if r["loss"] is not None}
+    assert_close(g2, g1, 1e-4, "grad norm")
+    print(f"[parity] accum {accum}: max relative loss difference {worst:.3g} (tolerance {RTOL:g})")
+
+
+# 3. Options that must not change the math (fp32): the same losses as the baseline run. Mixed precision
+#    changes the rounding only: losses within a few percent, still falling.
+@pytest.fixture(scope="module")
+def baseline(text_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("baseline")
+    p = run(tiny(text_files, d, "--steps", "6", "--log-every", "1", "--eval-every", "6", "--sample-tokens", "0"))
+    assert p.returncode == 0, show(p)
+    return metrics(d / "m.jsonl")
+
+
+@pytest.mark.parametrize("flags,rtol", [
+    (["--activation-checkpointing"], 1e-6),
+    (["--reshard-after-forward", "false"], 1e-6),
+    (["--reshard-after-forward", "2"], 1e-6),
+    (["--cpu-offload"], 1e-6),
+    (["--mixed-precision", "bf16"], 3e-2),
+    (["--mixed-precision", "fp16"], 3e-2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_options_keep_the_losses(text_files, tmp_path, baseline, flags, rtol):
+    p = run(tiny(text_files, tmp_path, "--steps", "6", "--log-every", "1", "--eval-every", "6", "--sample-tokens",
+                 "0", *flags))
+    assert p.returncode == 0, show(p)
+    rows = metrics(tmp_path / "m.jsonl")
+    assert_close(train_losses(rows), train_losses(baseline), rtol, " ".join(flags))
+    assert_close(eval_losses(rows), eval_losses(baseline), rtol, " ".join(flags))
+
+
+def test_untied_head_trains(text_files, tmp_path):
+    p = run(tiny(text_files, tmp_path, "--steps", "20", "--eval-every", "20", "--tie-weights", "false"))
+    assert p.returncode == 0, show(p)
+    ev = eval_losses(metrics(tmp_path / "m.jsonl"))
+    assert ev[20] < ev[0] - 0.3, ev
+    assert "untied head" in p.stdout
+
+
+# 4. The sample is deterministic given --seed (and depends on it).
+def test_sample_is_deterministic(text_files, tmp_path):
+    def sample(seed):
+        p = run(["--model", "tiny", "--data", *text_files, "--steps", "5", "--seed", seed, "--threads", "1",
+                 "--sample-tokens", "40", "--sample-prompt", "The "], nproc=None)
+        assert p.returncode == 0, show(p)
+        return p.stdout.split("----\n")[1]
+    a, b, c = sample("1"), sample("1"), sample("2")
+    assert a == b and a.startswith("The ") and len(a) >= len("The ") + 10  # 40 bytes: >= 10 characters
+    assert a != c
+    # An untrained model at a high temperature emits arbitrary bytes: the output must still be valid
+    # UTF-8 (run() decodes strictly), with ill-formed sequences and control bytes shown as U+FFFD.
+    p = run(["--model", "tiny", "--data", *text_files, "--steps", "1", "--sample-tokens", "2000", "--temperature", "5",
+             "--top-k", "0", "--threads", "1"], nproc=None)
+    assert p.returncode == 0, show(p)
+    assert "\ufffd" in p.stdout and not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", p.stdout)
+
+
+# 5. The default corpus (scripts/setup.sh installs it) loads and trains.
+def test_default_corpus(tmp_path):
+    corpus = Path("/usr/share/games/fortunes")
+    assert corpus.is_dir(), "the default corpus is missing: run scripts/setup.sh (Debian packages fortunes, fortunes-min)"
+    p = run(["--model", "tiny", "--steps", "20", "--eval-every", "20", "--threads", "1", "--sample-tokens", "0",
+             "--metrics", tmp_path / "m.jsonl"])
+    assert p.returncode == 0, show(p)
+    m = re.search(r"data: fortunes \((\d+) files in /usr/share/games/fortunes\), (\d+) bytes", p.stdout)
+    assert m and int(m.group(2)) > 2_000_000, show(p)
+    ev = eval_losses(metrics(tmp_path / "m.jsonl"))
+    assert ev[20] < ev[0] - 0.3, ev
+
+
+# 6. The progress bar appears on a terminal (and never in piped output, as the tests above show).
+def test_progress_bar_on_a_terminal(text_files):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([str(TRAIN_GPT), "--model", "tiny", "--data", *text_files, "--steps", "30",
+                             "--sample-tokens", "0", "--threads", "1"],
+                            stdout=slave, stderr=subprocess.PIPE, env=clean_env())
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 1)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    text = out.decode(errors="replace")
+    assert "ETA" in text and "\r" in text and "30/30" in text, text[-2000:]
+
+
+# 7. Bad input: a clear error on every rank before training, naming the value and the fix. Each rank is
+#    run on its own with a launcher's environment for rank r of 2 and no peer: the checks come before the
+#    rendezvous, so each rank must fail by itself at once (not wait for the other). Then once through
+#    fsdprun (which stops the other rank when the first fails).
+BAD_INPUT = [
+    ("missing data file", ["--data", "/nonexistent/corpus.txt"], "'/nonexistent/corpus.txt' does not exist"),
+    ("text shorter than a block", ["--data", "{short}"], "shorter than one block of --block-size + 1 = 33"),
+    ("more ranks than batches", ["--data", "{small}", "--batch-size", "40"], "more ranks than batches"),
+    ("unknown preset", ["--model", "huge"], "unknown preset --model huge: expected one of tiny|small|medium"),
+    ("n_embd not divisible by n_head", ["--n-embd", "30", "--n-head", "4"], "--n-embd=30 is not divisible by --n-head=4"),
+    ("reshard-after-forward not dividing", ["--reshard-after-forward", "3"], "does not divide the 2 ranks"),
+]
+
+
+def bad_input_args(text_files, tmp_path, args):
+    (tmp_path / "short.txt").write_text("too short")
+    # 60 windows of 33 bytes: the training split has ~54, fewer than 40 x 2 ranks.
+    (tmp_path / "small.txt").write_text(Path(text_files[0]).read_text()[:33 * 60])
+    args = [a.format(short=tmp_path / "short.txt", small=tmp_path / "small.txt") for a in args]
+    base = ([] if "--model" in args else ["--model", "tiny"]) + ([] if "--data" in args else ["--data", *text_files])
+    return [str(TRAIN_GPT), *base, *args, "--steps", "5"]
+
+
+@pytest.mark.parametrize("case,args,message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_fails_on_every_rank(text_files, tmp_path, case, args, message):
+    cmd = bad_input_args(text_files, tmp_path, args)
+    for rank in (0, 1):
+        # Port 1: nothing listens there; a rank that tried to rendezvous would fail differently (or hang).
+        env = clean_env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "FSDP_TIMEOUT_S": "5"}
+        p = subprocess.run(cmd, env=env, capture_output=True, encoding="utf-8", timeout=30)
+        assert p.returncode == 2, f"{case}: rank {rank}\n" + show(p)
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train_gpt: error: ") and message in lines[0], \
+            f"{case}: rank {rank}\n" + show(p)
+        assert "Fix:" in lines[0] or "expected" in lines[0], f"{case}: the message names no fix\n" + show(p)
+        assert p.stdout == "", f"{case}: rank {rank} started\n" + show(p)
+
+
+def test_bad_input_through_fsdprun(text_files, tmp_path):
+    case, args, message = BAD_INPUT[0]
+    p = run(bad_input_args(text_files, tmp_path, args)[1:], timeout=60)
+    assert p.returncode != 0, show(p)
+    assert re.search(r"\[default\d\]:train_gpt: error: .*" + re.escape(message), p.stderr), show(p)
+    assert "step " not in p.stdout, show(p)
+    assert p.elapsed < 30, f"took {p.elapsed:.1f}s: the ranks should fail before the rendezvous"
