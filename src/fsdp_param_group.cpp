@@ -1,17 +1,23 @@
 #include "fsdp_param_group.h"
 
-#include <ATen/native/Resize.h>
 
 namespace fsdp::detail {
 namespace {
 
 // Frees or re-allocates the bytes of `t`'s storage in place: views that autograd saved keep pointing
-// at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors].
+// at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors]. The old
+// contents are not kept (every re-allocation is followed by a copy-out), so this works the same for
+// any device's allocator (CPU, or CUDA's caching allocator).
 void resize_storage(const torch::Tensor& t, size_t nbytes) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() == nbytes) return;  // already the requested size
-  TORCH_INTERNAL_ASSERT(t.device().is_cpu(), "resize_storage: only CPU storages are resized in place");
-  at::native::resize_bytes_cpu(impl, nbytes);
+  if (nbytes == 0) {
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  } else {
+    TORCH_INTERNAL_ASSERT(impl->allocator(), "resize_storage: storage without an allocator");
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  }
+  impl->set_nbytes(nbytes);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Precompiled header for the library and its tests: LibTorch's headers dominate compile time.
 #pragma once
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

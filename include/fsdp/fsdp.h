@@ -4,6 +4,7 @@
 #include <torch/torch.h>  // the LibTorch API every libfsdp program uses alongside ours
 
 #include "fsdp/activation_checkpoint.h"
+#include "fsdp/checkpoint.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/collectives.h"
 #include "fsdp/device_mesh.h"
@@ -14,3 +15,4 @@
 #include "fsdp/grad_scaler.h"
 #include "fsdp/join.h"
 #include "fsdp/policies.h"
+#include "fsdp/state_dict.h"

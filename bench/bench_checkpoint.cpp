@@ -1,0 +1,229 @@
+// bench_checkpoint: checkpoint save and load throughput per rank against a plain sequential write and
+// read of the same bytes on the same disk, in one run; and the time of a resharded load against a load
+// of the same size without resharding.
+//
+//   build/bin/bench_checkpoint [--dir /tmp] [--mib 256] [--world 2] [--reshard-world 3] [--reps 3]
+//
+// Ranks are threads over Gloo (in one process, as the tests run them); each owns a file, and they write
+// and read in parallel. Every write is fsynced (the baseline's too) and every file's pages are dropped
+// from the page cache (posix_fadvise DONTNEED) before it is read, so reads come from the disk. Times
+// are the slowest rank's, the median of --reps repetitions.
+//
+// Goals (issue 5): save and load throughput >= 0.7 x the plain write/read; resharded load <= 1.2 x the
+// same-size load.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "checkpoint/safetensors.h"
+#include "fsdp/fsdp.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int64_t kCols = 4096;     // elements per row (16 KiB of float32)
+constexpr int kTensors = 8;         // tensors in the state dict
+
+/// Runs fn(rank, group) on `world` threads; returns the slowest rank's seconds.
+double run_threads(int world, const std::function<void(int, fsdp::ProcessGroupPtr)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::minutes(10));
+  std::vector<fsdp::ProcessGroupPtr> groups(world);
+  std::vector<double> secs(world, 0);
+  std::vector<std::string> errors(world);
+  {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < world; ++r)
+      ts.emplace_back([&, r] { groups[r] = fsdp::make_gloo_group(store, r, world, std::chrono::minutes(10)); });
+    for (auto& t : ts) t.join();
+  }
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        fsdp::set_thread_default_process_group(groups[r]);
+        fsdp::barrier(*groups[r]);
+        auto t0 = Clock::now();
+        fn(r, groups[r]);
+        secs[r] = std::chrono::duration<double>(Clock::now() - t0).count();
+      } catch (const c10::Error& e) {
+        errors[r] = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r) TORCH_CHECK(errors[r].empty(), "bench_checkpoint: rank ", r, ": ", errors[r]);
+  return *std::max_element(secs.begin(), secs.end());
+}
+
+void drop_cache_of(const fs::path& p) {
+  if (fs::is_directory(p)) {
+    for (const auto& e : fs::directory_iterator(p)) drop_cache_of(e.path());
+    return;
+  }
+  int fd = ::open(p.c_str(), O_RDONLY);
+  if (fd < 0) return;
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+/// The benchmark state dict on `world` ranks: kTensors tensors of [rows, kCols] float32, sharded on dim 0.
+fsdp::StateDict make_state(int world, int rank, int64_t rows, fsdp::ProcessGroupPtr pg, bool zeros) {
+  auto mesh = fsdp::init_device_mesh(torch::kCPU, {world}, {"shard"}, pg);
+  fsdp::StateDict sd;
+  for (int i = 0; i < kTensors; ++i) {
+    auto r = fsdp::chunk_range(rows, world, rank);
+    auto local = zeros ? torch::zeros({r.length, kCols}) : torch::rand({r.length, kCols});
+    sd.insert_or_assign("layers." + std::to_string(i) + ".weight",
+                        fsdp::DTensor(local, mesh, {fsdp::Shard(0)}, {rows, kCols}));
+  }
+  return sd;
+}
+
+int64_t local_bytes(const fsdp::StateDict& sd) {
+  int64_t b = 0;
+  for (const auto& [k, v] : sd) {
+    const auto& t = std::get<fsdp::DTensor>(v).to_local();
+    b += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return b;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Checkpoint save/load throughput vs plain sequential I/O of the same bytes"};
+  std::string dir = fs::temp_directory_path().string();
+  int64_t mib = 256;
+  int world = 2, reshard_world = 3, reps = 3;
+  app.add_option("--dir", dir, "Folder on the disk to measure (Default: $TMPDIR or /tmp)");
+  app.add_option("--mib", mib, "MiB of state per rank at --world ranks (Default: 256)");
+  app.add_option("--world", world, "Ranks of the save and the same-size load (Default: 2)");
+  app.add_option("--reshard-world", reshard_world, "Ranks of the resharded load (Default: 3)");
+  app.add_option("--reps", reps, "Repetitions; the median is reported (Default: 3)");
+  CLI11_PARSE(app, argc, argv);
+
+  const fs::path base = fs::path(dir) / ("bench_checkpoint_" + std::to_string(::getpid()));
+  fs::create_directories(base);
+  // Global rows so that each of `world` ranks holds `mib` MiB; divisible by world * reshard_world * 8.
+  const int64_t row_bytes = kCols * 4;
+  int64_t rows = mib * (1 << 20) * world / (row_bytes * kTensors);
+  const int64_t q = static_cast<int64_t>(world) * reshard_world;
+  rows = std::max<int64_t>(q, rows / q * q);
+  const int64_t per_rank = rows * row_bytes * kTensors / world;
+  std::printf("bench_checkpoint: %d tensors of [%lld, %lld] float32 = %.0f MiB; %d ranks hold %.1f MiB each; disk: %s\n",
+              kTensors, static_cast<long long>(rows), static_cast<long long>(kCols),
+              rows * row_bytes * kTensors / 1048576.0, world, per_rank / 1048576.0, base.c_str());
+
+  std::vector<double> t_write, t_read, t_save, t_load, t_same, t_reshard;
+  for (int rep = 0; rep < reps; ++rep) {
+    const fs::path plain = base / "plain", ck = base / ("ck" + std::to_string(rep)),
+                   ck2 = base / ("ck_w" + std::to_string(reshard_world) + "_" + std::to_string(rep));
+    fs::remove_all(plain);
+    fs::create_directories(plain);
+    // 1. Plain sequential write of each rank's bytes (write + fsync), in parallel.
+    std::vector<torch::Tensor> bufs(world);
+    for (int r = 0; r < world; ++r) bufs[r] = torch::rand({per_rank / 4});
+    t_write.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr) {
+      auto f = fsdp::dcp::detail::File::create((plain / std::to_string(r)).string(), "bench");
+      f.write_all(bufs[r].data_ptr(), static_cast<size_t>(per_rank), "plain");
+      f.fsync();
+    }));
+    // 2. dcp::save of the same bytes (fsync on).
+    std::vector<fsdp::StateDict> sds(world);
+    run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { sds[r] = make_state(world, r, rows, pg, false); });
+    TORCH_CHECK(local_bytes(sds[0]) == per_rank);
+    t_save.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      fsdp::dcp::save(sds[r], ck.string(), fsdp::dcp::SaveOptions().group(pg).update_latest(false));
+    }));
+    drop_cache_of(plain);
+    drop_cache_of(ck);
+    // 3. Plain sequential read of each rank's file.
+    t_read.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr) {
+      auto f = fsdp::dcp::detail::File::open_read((plain / std::to_string(r)).string(), "bench");
+      f.pread_exact(bufs[r].data_ptr(), static_cast<size_t>(per_rank), 0, "plain");
+    }));
+    // 4. dcp::load on the same world size (each rank reads its own file).
+    std::vector<fsdp::StateDict> dst(world);
+    run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { dst[r] = make_state(world, r, rows, pg, true); });
+    t_load.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
+    }));
+    for (int r = 0; r < world; ++r) {
+      for (const auto& [k, v] : dst[r]) {
+        TORCH_CHECK(torch::equal(std::get<fsdp::DTensor>(v).to_local(), std::get<fsdp::DTensor>(sds[r].at(k)).to_local()),
+                    "bench_checkpoint: loaded data differs");
+      }
+    }
+    dst.clear();
+    bufs.clear();
+    // 5. On reshard_world ranks: a load of a checkpoint saved on reshard_world ranks (same size, no
+    //    resharding) against a load of the checkpoint saved on `world` ranks (resharded).
+    std::vector<fsdp::StateDict> sds2(reshard_world), dst2(reshard_world);
+    run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      // The same global tensors: gather from the world-rank pieces.
+      auto mesh = fsdp::init_device_mesh(torch::kCPU, {reshard_world}, {"shard"}, pg);
+      for (const auto& [k, v0] : sds[0]) {
+        std::vector<torch::Tensor> parts;
+        for (int s = 0; s < world; ++s) parts.push_back(std::get<fsdp::DTensor>(sds[s].at(k)).to_local());
+        auto full = torch::cat(parts);
+        sds2[r].insert_or_assign(k, fsdp::distribute_tensor(full, mesh, {fsdp::Shard(0)}));
+      }
+      dst2[r] = make_state(reshard_world, r, rows, pg, true);
+    });
+    sds.clear();
+    run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      fsdp::dcp::save(sds2[r], ck2.string(), fsdp::dcp::SaveOptions().group(pg).update_latest(false));
+    });
+    drop_cache_of(ck);
+    drop_cache_of(ck2);
+    t_same.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      fsdp::dcp::load(dst2[r], ck2.string(), fsdp::dcp::LoadOptions().group(pg));
+    }));
+    drop_cache_of(ck);
+    t_reshard.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
+      fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
+    }));
+    for (int r = 0; r < reshard_world; ++r) {
+      for (const auto& [k, v] : dst2[r]) {
+        TORCH_CHECK(torch::equal(std::get<fsdp::DTensor>(v).to_local(), std::get<fsdp::DTensor>(sds2[r].at(k)).to_local()),
+                    "bench_checkpoint: resharded data differs");
+      }
+    }
+    fs::remove_all(plain);
+    fs::remove_all(ck);
+    fs::remove_all(ck2);
+    std::printf("  rep %d: write %.3f s, save %.3f s, read %.3f s, load %.3f s, load on %d ranks %.3f s, resharded "
+                "%.3f s\n", rep, t_write.back(), t_save.back(), t_read.back(), t_load.back(), reshard_world,
+                t_same.back(), t_reshard.back());
+  }
+  fs::remove_all(base);
+  const double mb = per_rank / 1048576.0;
+  const double w = median(t_write), s = median(t_save), r = median(t_read), l = median(t_load);
+  const double same = median(t_same), resh = median(t_reshard);
+  std::printf("per rank (%d ranks, %.1f MiB each), median of %d:\n", world, mb, reps);
+  std::printf("  plain write+fsync %8.1f MiB/s   dcp::save %8.1f MiB/s   ratio %.2f (goal >= 0.7)\n", mb / w, mb / s, w / s);
+  std::printf("  plain read        %8.1f MiB/s   dcp::load %8.1f MiB/s   ratio %.2f (goal >= 0.7)\n", mb / r, mb / l, r / l);
+  std::printf("  load on %d ranks: same-size %.3f s, resharded from %d ranks %.3f s: %.2fx (goal <= 1.2)\n",
+              reshard_world, same, world, resh, resh / same);
+  return 0;
+}

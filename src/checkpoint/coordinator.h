@@ -1,0 +1,96 @@
+// Coordination of the ranks of one checkpoint operation through the group's c10d Store (not its
+// collectives): every rank can report an error instead of hanging the others in a collective, and an
+// async save can coordinate from a background thread while training issues collectives on the group.
+//
+// Each operation gets an id that every rank computes alike without communicating: its own count of
+// checkpoint operations on the group, kept in the store under a per-rank key (so it restarts with a
+// fresh store). Ranks call save/load in the same order, so their n-th operations match.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "fsdp/distributed.h"
+
+namespace fsdp::dcp::detail {
+
+class Coordinator {
+ public:
+  /// A coordinator of one process (no communication).
+  Coordinator() = default;
+  /// Allocates the next operation id of this rank on `group` (null or size 1: a single process).
+  /// `clone_store`: use a fresh store client (for a background thread).
+  Coordinator(const ProcessGroupPtr& group, const char* api, bool clone_store = false) : api_(api) {
+    if (!group || group->size() == 1) return;
+    rank_ = group->rank();
+    world_ = group->size();
+    timeout_ = group->timeout();
+    store_ = group->store();
+    TORCH_CHECK(store_, api, ": the process group ", group->str(), " has no store; checkpoints of more than one rank ",
+                "coordinate through it. Fix: use a group from init_process_group, make_gloo_group or new_group");
+    const std::string base = "fsdp_dcp/" + group->name() + "/";
+    int64_t id = store_->add(base + "ops/" + std::to_string(rank_), 1);
+    prefix_ = base + std::to_string(id) + "/";
+    if (clone_store) {
+      try {
+        store_ = store_->clone();
+      } catch (const std::exception&) {
+        // Stores without clone() support are shared; their calls are thread-safe.
+      }
+    }
+  }
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  bool single() const { return world_ == 1; }
+
+  /// Publishes `value` under `name` (per operation).
+  void set(const std::string& name, const std::string& value) {
+    if (single()) return;
+    store_->set(prefix_ + name, value);
+  }
+  /// Waits (up to the group's timeout) for `name`, then returns it. `waiting_for` explains the wait in
+  /// the timeout error, e.g. "rank 2 to finish writing its shard".
+  std::string get(const std::string& name, const std::string& waiting_for) {
+    TORCH_INTERNAL_ASSERT(!single());
+    try {
+      store_->wait({prefix_ + name}, timeout_);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, api_, ": rank ", rank_, " waited ", timeout_.count() / 1000.0, " s for ", waiting_for,
+                  " in vain (did that rank crash or stop calling ", api_, "?): ", e.what());
+    }
+    auto v = store_->get(prefix_ + name);
+    return std::string(v.begin(), v.end());
+  }
+  /// Every rank posts `mine`; rank 0 returns all ranks' (index = rank), other ranks an empty vector.
+  std::vector<std::string> gather(const std::string& name, const std::string& mine, const std::string& what) {
+    if (single()) return {mine};
+    set(name + "/" + std::to_string(rank_), mine);
+    std::vector<std::string> all;
+    if (rank_ != 0) return all;
+    for (int r = 0; r < world_; ++r) all.push_back(get(name + "/" + std::to_string(r), "rank " + std::to_string(r) + " " + what));
+    return all;
+  }
+  /// Rank 0 publishes `value`; every rank returns it.
+  std::string broadcast(const std::string& name, const std::string& value, const std::string& what) {
+    if (single()) return value;
+    if (rank_ == 0) {
+      set(name, value);
+      return value;
+    }
+    return get(name, "rank 0 " + what);
+  }
+
+ private:
+  const char* api_ = "dcp";
+  int rank_ = 0;
+  int world_ = 1;
+  std::chrono::milliseconds timeout_{0};
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string prefix_;
+};
+
+}  // namespace fsdp::dcp::detail

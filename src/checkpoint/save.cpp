@@ -1,0 +1,511 @@
+// dcp::save and dcp::async_save: every rank writes its own chunks; rank 0 commits atomically.
+//
+// Protocol (through the group's store; see coordinator.h), for a save into DIR:
+//   1. rank 0 removes stale DIR.tmp-* folders of crashed saves and creates DIR.tmp-<nonce>; every rank
+//      learns its name (or rank 0's error, which every rank then throws).
+//   2. every rank writes shard-{rank+1:05d}-model-00001-of-00001.safetensors into it and fsyncs it,
+//      then reports its keys, chunks and checksums (or its error) to rank 0.
+//   3. rank 0 checks the reports (same keys everywhere, every tensor covered exactly once), writes
+//      libfsdp_checkpoint.json, fsyncs it and the folder, renames DIR.tmp-<nonce> to DIR, fsyncs the
+//      parent, then replaces `latest` by an atomic rename; on any error it removes the temporary
+//      folder. It publishes the outcome, which every rank returns or throws.
+// A crash before the rename leaves only a DIR.tmp-* folder (removed by the next save into DIR); a crash
+// after it leaves a complete DIR that `latest` may not name yet. The previous checkpoint and `latest`
+// stay valid throughout.
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "checkpoint/coordinator.h"
+#include "checkpoint/safetensors.h"
+#include "fsdp/checkpoint.h"
+
+namespace fsdp::dcp {
+
+namespace fs = std::filesystem;
+using detail::Coordinator;
+
+namespace detail {
+/// Bytes per CRC-32C block (checksums cover each tensor's data in blocks from its first byte, so a
+/// resharded load can verify what it reads without reading whole files).
+constexpr int64_t kChecksumBlockBytes = int64_t(128) << 10;
+constexpr int kFormatVersion = 1;
+constexpr const char* kFormatName = "libfsdp-dcp";
+
+std::string shard_file_name(int rank) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "shard-%05d-model-00001-of-00001.safetensors", rank + 1);
+  return buf;
+}
+}  // namespace detail
+
+namespace {
+
+using detail::kChecksumBlockBytes;
+
+/// What this rank saves.
+struct Item {
+  std::string key;
+  bool sharded = false;  // a DTensor
+  torch::ScalarType dtype = torch::kFloat32;
+  std::vector<int64_t> global;   // global shape
+  std::vector<int64_t> offsets;  // where the local piece starts
+  std::vector<int64_t> sizes;    // local piece's shape
+  bool write = false;            // this rank writes the piece (one replica does)
+  torch::Tensor data;            // the local piece (staged: CPU, contiguous) when write
+};
+
+struct Plan {
+  std::vector<Item> items;
+  nlohmann::json values = nlohmann::json::object();    // replicated Values (rank 0's are saved)
+  nlohmann::json per_rank = nlohmann::json::object();  // this rank's per-rank Values
+  std::vector<std::string> value_keys;                 // every Value key, in order
+  std::vector<int64_t> mesh_shape;
+  std::vector<std::string> mesh_dim_names;
+};
+
+/// An exception's message, without the C++ backtrace c10::Error appends.
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+int64_t numel_of(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto v : s) n *= v;
+  return n;
+}
+
+std::string strip_slashes(std::string s) {
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
+ProcessGroupPtr resolve_group(const StateDict& sd, const ProcessGroupPtr& explicit_group) {
+  if (explicit_group) return explicit_group;
+  for (const auto& [k, v] : sd)
+    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->world();
+  if (is_initialized()) return default_process_group();
+  return nullptr;
+}
+
+Plan build_plan(const StateDict& sd, int rank, const char* api) {
+  Plan plan;
+  for (const auto& [key, v] : sd) {
+    TORCH_CHECK(!key.empty() && key != "__metadata__", api, ": invalid key '", key, "'");
+    if (const auto* val = std::get_if<Value>(&v)) {
+      plan.value_keys.push_back(key);
+      if (val->per_rank) plan.per_rank[key] = val->json;
+      else if (rank == 0) plan.values[key] = val->json;
+      continue;
+    }
+    Item it;
+    it.key = key;
+    if (const auto* d = std::get_if<DTensor>(&v)) {
+      const auto& mesh = d->device_mesh();
+      it.sharded = true;
+      it.dtype = d->scalar_type();
+      it.global = d->sizes();
+      it.offsets = d->local_offsets();
+      it.sizes = d->to_local().sizes().vec();
+      // One replica writes: the rank at coordinate 0 of every replicated mesh dim.
+      bool primary = true, origin = true;
+      for (int64_t md = 0; md < mesh->ndim(); ++md) {
+        if (mesh->get_local_rank(md) != 0) {
+          origin = false;
+          if (d->placements()[md].is_replicate()) primary = false;
+        }
+      }
+      it.write = primary && (numel_of(it.sizes) > 0 || (numel_of(it.global) == 0 && origin));
+      if (plan.mesh_shape.empty()) {
+        plan.mesh_shape = mesh->shape();
+        plan.mesh_dim_names = mesh->dim_names();
+      }
+      if (it.write) it.data = d->to_local();
+    } else {
+      const auto& t = std::get<torch::Tensor>(v);
+      TORCH_CHECK(t.defined(), api, ": '", key, "' is an undefined tensor (rank ", rank, ")");
+      it.dtype = t.scalar_type();
+      it.global = t.sizes().vec();
+      it.offsets.assign(it.global.size(), 0);
+      it.sizes = it.global;
+      it.write = rank == 0;  // replicated: rank 0's copy is saved
+      if (it.write) it.data = t;
+    }
+    detail::dtype_name(it.dtype, api, key);  // throws for dtypes safetensors cannot store
+    plan.items.push_back(std::move(it));
+  }
+  return plan;
+}
+
+/// Copies what this rank writes to CPU memory: with `copy`, always (async_save: later training steps
+/// must not change it); otherwise only what is not already a contiguous CPU tensor.
+void stage(Plan& plan, bool copy) {
+  torch::NoGradGuard no_grad;
+  for (auto& it : plan.items) {
+    if (!it.write) continue;
+    it.data = it.data.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+  }
+}
+
+/// This rank's report to rank 0: its keys, chunks, file checksums and per-rank Values.
+nlohmann::json describe(const Plan& plan) {
+  nlohmann::json keys = nlohmann::json::array();
+  for (const auto& it : plan.items) {
+    keys.push_back({it.key, it.sharded ? "DTensor" : "Tensor", detail::dtype_name(it.dtype, "dcp::save", it.key), it.global});
+  }
+  for (const auto& k : plan.value_keys) keys.push_back({k, "Value"});
+  nlohmann::json chunks = nlohmann::json::array();
+  for (const auto& it : plan.items)
+    if (it.write) chunks.push_back({it.key, it.offsets, it.sizes});
+  return {{"keys", keys}, {"chunks", chunks}, {"per_rank", plan.per_rank}};
+}
+
+/// Writes this rank's file into `tmp`; returns its record (null when this rank writes nothing).
+nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, bool do_fsync, const char* api) {
+  std::vector<const Item*> items;
+  for (const auto& it : plan.items)
+    if (it.write) items.push_back(&it);
+  if (items.empty()) return nullptr;
+  std::vector<detail::WriteEntry> entries;
+  for (const auto* it : items) entries.push_back({it->key, it->dtype, it->sizes, it->offsets});
+  const std::string path = tmp + "/" + detail::shard_file_name(rank);
+  auto rec = detail::write_safetensors(
+      path, entries, [&](size_t i) { return items[i]->data; }, /*sharding_info=*/true, kChecksumBlockBytes, do_fsync,
+      api);
+  nlohmann::json crcs = nlohmann::json::object();
+  for (size_t i = 0; i < items.size(); ++i) crcs[items[i]->key] = rec.tensor_crcs[i];
+  return {{"name", rec.name}, {"rank", rank}, {"bytes", rec.bytes}, {"header_crc32c", rec.header_crc},
+          {"tensor_crc32c", crcs}};
+}
+
+/// Rank 0: checks that every rank saved the same keys and that the chunks of each tensor cover it
+/// exactly once. Returns the problem, or "".
+std::string check_reports(const std::vector<nlohmann::json>& reports) {
+  const auto& keys0 = reports[0]["keys"];
+  for (size_t r = 1; r < reports.size(); ++r) {
+    const auto& keys = reports[r]["keys"];
+    if (keys == keys0) continue;
+    std::map<std::string, nlohmann::json> a, b;
+    for (const auto& k : keys0) a[k[0].get<std::string>()] = k;
+    for (const auto& k : keys) b[k[0].get<std::string>()] = k;
+    for (const auto& [k, v] : a) {
+      if (!b.count(k)) return "rank " + std::to_string(r) + "'s state dict lacks '" + k + "', which rank 0's has";
+      if (b[k] != v) return "'" + k + "' is " + v.dump() + " on rank 0 but " + b[k].dump() + " on rank " + std::to_string(r);
+    }
+    for (const auto& [k, v] : b)
+      if (!a.count(k)) return "rank " + std::to_string(r) + "'s state dict has '" + k + "', which rank 0's lacks";
+    return "rank " + std::to_string(r) + "'s state dict lists its keys in another order than rank 0's";
+  }
+  // Coverage: the chunks of every tensor tile it (no gap, no overlap).
+  struct Box {
+    std::vector<int64_t> off, size;
+    int rank;
+  };
+  std::map<std::string, std::vector<Box>> boxes;
+  for (size_t r = 0; r < reports.size(); ++r)
+    for (const auto& c : reports[r]["chunks"])
+      boxes[c[0].get<std::string>()].push_back(
+          {c[1].get<std::vector<int64_t>>(), c[2].get<std::vector<int64_t>>(), static_cast<int>(r)});
+  for (const auto& k : keys0) {
+    if (k[1] == "Value") continue;
+    const auto key = k[0].get<std::string>();
+    const auto global = k[3].get<std::vector<int64_t>>();
+    const auto& bs = boxes[key];
+    int64_t covered = 0;
+    for (size_t i = 0; i < bs.size(); ++i) {
+      covered += numel_of(bs[i].size);
+      for (size_t j = 0; j < i; ++j) {
+        bool overlap = numel_of(bs[i].size) > 0 && numel_of(bs[j].size) > 0;
+        for (size_t d = 0; overlap && d < global.size(); ++d)
+          overlap = bs[i].off[d] < bs[j].off[d] + bs[j].size[d] && bs[j].off[d] < bs[i].off[d] + bs[i].size[d];
+        if (overlap)
+          return "'" + key + "': the chunks of ranks " + std::to_string(bs[j].rank) + " and " + std::to_string(bs[i].rank) +
+                 " overlap (are replicas sharing a mesh whose Replicate dim was not marked?)";
+      }
+    }
+    if (covered != numel_of(global))
+      return "'" + key + "': the ranks' chunks hold " + std::to_string(covered) + " of its " +
+             std::to_string(numel_of(global)) + " elements (every rank must pass its DTensor shard)";
+  }
+  return "";
+}
+
+/// Deletes the oldest libfsdp checkpoints next to `dir` so that `keep` remain (never `dir`).
+void prune(const fs::path& parent, const fs::path& dir, int keep) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    if (!e.is_directory() || !fs::exists(e.path() / kMetadataFileName)) continue;
+    try {
+      auto j = nlohmann::json::parse(detail::read_small_file((e.path() / kMetadataFileName).string(), "dcp::save"));
+      if (j.value("format", "") != detail::kFormatName) continue;
+      found.emplace_back(j.value("created_unix_ns", int64_t(0)), e.path());
+    } catch (const std::exception&) {
+      continue;  // not ours or unreadable: never delete it
+    }
+  }
+  std::sort(found.begin(), found.end());
+  size_t excess = found.size() > static_cast<size_t>(keep) ? found.size() - keep : 0;
+  for (size_t i = 0; i < found.size() && excess > 0; ++i) {
+    if (fs::equivalent(found[i].second, dir, ec)) continue;
+    fs::remove_all(found[i].second, ec);
+    --excess;
+  }
+}
+
+/// Rank 0: everything after the shards are on disk. Throws on failure (the caller removes `tmp`).
+void commit(const Plan& plan, const std::vector<nlohmann::json>& reports, const fs::path& tmp, const fs::path& dir,
+            int world, const SaveOptions& o, const char* api) {
+  const fs::path parent = dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
+  nlohmann::ordered_json meta;
+  meta["format"] = detail::kFormatName;
+  meta["version"] = detail::kFormatVersion;
+  meta["created_unix_ns"] =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  meta["world_size"] = world;
+  auto mesh_shape = plan.mesh_shape.empty() ? std::vector<int64_t>{world} : plan.mesh_shape;
+  meta["mesh"] = {{"shape", mesh_shape}, {"dim_names", plan.mesh_dim_names}};
+  meta["checksum"] = {{"algorithm", "crc32c"}, {"block_bytes", kChecksumBlockBytes}};
+  nlohmann::ordered_json files = nlohmann::ordered_json::object();
+  for (const auto& rep : reports) {
+    if (rep["file"].is_null()) continue;
+    const auto& f = rep["file"];
+    files[f["name"].get<std::string>()] = {{"rank", f["rank"]}, {"bytes", f["bytes"]},
+                                           {"header_crc32c", f["header_crc32c"]}, {"tensor_crc32c", f["tensor_crc32c"]}};
+  }
+  meta["files"] = files;
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
+  for (const auto& k : reports[0]["keys"]) {
+    if (k[1] == "Value") continue;
+    tensors[k[0].get<std::string>()] = {{"dtype", k[2]}, {"shape", k[3]}, {"sharded", k[1] == "DTensor"}};
+  }
+  meta["tensors"] = tensors;
+  meta["values"] = plan.values;
+  nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
+  for (const auto& [key, v] : reports[0]["per_rank"].items()) {
+    nlohmann::json all = nlohmann::json::array();
+    for (const auto& rep : reports) all.push_back(rep["per_rank"].value(key, nlohmann::json()));
+    per_rank[key] = all;
+  }
+  meta["per_rank_values"] = per_rank;
+
+  detail::fault_point({"before_metadata", tmp.string(), 0});
+  {
+    const std::string text = meta.dump(1);
+    auto f = detail::File::create((tmp / kMetadataFileName).string(), api);
+    f.write_all(text.data(), text.size(), "the checkpoint metadata");
+    if (o.fsync()) f.fsync();
+  }
+  if (o.fsync()) detail::fsync_dir(tmp.string(), api);
+  detail::fault_point({"before_rename", dir.string(), 0});
+  if (fs::exists(dir)) {
+    // overwrite: swap the folders atomically where the filesystem can, then delete the old one.
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0) {
+      const fs::path old = dir.string() + ".old-" + detail::random_nonce(8);
+      TORCH_CHECK(::rename(dir.c_str(), old.c_str()) == 0, api, ": moving the old ", dir, " aside failed: ",
+                  detail::errno_text(errno));
+      TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir,
+                  " failed: ", detail::errno_text(errno), " (the old checkpoint is at ", old, ")");
+      std::error_code ec;
+      fs::remove_all(old, ec);
+    } else {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);  // now the old checkpoint
+    }
+  } else {
+    TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir, " failed: ",
+                detail::errno_text(errno));
+  }
+  if (o.fsync()) detail::fsync_dir(parent.string(), api);
+  detail::fault_point({"before_latest", dir.string(), 0});
+  if (o.update_latest()) {
+    detail::write_file_atomic((parent / kLatestFileName).string(), dir.filename().string() + "\n", o.fsync(), api);
+  }
+  if (o.keep_last() > 0) prune(parent, dir, o.keep_last());
+  detail::fault_point({"done", dir.string(), 0});
+}
+
+/// Rank 0: validates DIR and creates the temporary folder. Returns its path.
+fs::path make_tmp(const fs::path& dir, const SaveOptions& o, const char* api) {
+  const fs::path parent = dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  TORCH_CHECK(!ec, api, ": cannot create the parent folder ", parent, " of ", dir, ": ", ec.message());
+  if (fs::exists(dir)) {
+    TORCH_CHECK(fs::is_directory(dir), api, ": ", dir, " exists and is not a folder");
+    TORCH_CHECK(o.overwrite(), api, ": ", dir, " already exists. Fix: save each checkpoint into a new folder (e.g. ",
+                "one per step), or pass SaveOptions().overwrite(true) to replace it");
+  }
+  // Folders of saves into DIR that crashed before their rename.
+  const std::string stale_prefix = dir.filename().string() + ".tmp-";
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    if (e.path().filename().string().rfind(stale_prefix, 0) == 0) fs::remove_all(e.path(), ec);
+  }
+  fs::path tmp = dir.string() + ".tmp-" + detail::random_nonce();
+  fs::create_directory(tmp, ec);
+  TORCH_CHECK(!ec, api, ": cannot create the temporary folder ", tmp, ": ", ec.message());
+  return tmp;
+}
+
+/// The save itself, on the calling thread (save) or a background thread (async_save).
+void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, const SaveOptions& o, const char* api) {
+  const fs::path dir = strip_slashes(dir_arg);
+  const int rank = coord.rank();
+  // 1. The temporary folder.
+  std::string msg;
+  if (rank == 0) {
+    try {
+      msg = nlohmann::json{{"tmp", make_tmp(dir, o, api).string()}}.dump();
+    } catch (const std::exception& e) {
+      msg = nlohmann::json{{"error", message_of(e)}}.dump();
+    }
+  }
+  auto prep = nlohmann::json::parse(coord.broadcast("tmp", msg, "to create the temporary folder"));
+  if (prep.contains("error")) {
+    TORCH_CHECK(false, rank == 0 ? prep["error"].get<std::string>()
+                                 : api + std::string(": rank 0 could not prepare ") + dir.string() + ": " +
+                                       prep["error"].get<std::string>());
+  }
+  const fs::path tmp = prep["tmp"].get<std::string>();
+
+  // 2. This rank's shard.
+  nlohmann::json report;
+  try {
+    report = describe(plan);
+    report["file"] = write_shard(plan, tmp.string(), rank, o.fsync(), api);
+  } catch (const std::exception& e) {
+    report = {{"error", std::string(message_of(e))}};
+  }
+  auto reports_text = coord.gather("report", report.dump(), "to finish writing its shard");
+
+  // 3. Rank 0 commits.
+  std::string outcome;
+  if (rank == 0) {
+    std::vector<nlohmann::json> reports;
+    std::string error;
+    for (size_t r = 0; r < reports_text.size(); ++r) {
+      reports.push_back(nlohmann::json::parse(reports_text[r]));
+      if (error.empty() && reports.back().contains("error")) {
+        error = "rank " + std::to_string(r) + ": " + reports.back()["error"].get<std::string>();
+      }
+    }
+    if (error.empty()) {
+      auto problem = check_reports(reports);
+      if (!problem.empty()) error = std::string(api) + ": the ranks' state dicts disagree: " + problem;
+    }
+    if (error.empty()) {
+      try {
+        commit(plan, reports, tmp, dir, coord.world(), o, api);
+      } catch (const std::exception& e) {
+        error = std::string("rank 0: ") + message_of(e);
+      }
+    }
+    if (!error.empty()) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      outcome = std::string(api) + " of " + dir.string() + " failed; the previous checkpoint and `latest` are " +
+                "untouched. " + error;
+    }
+  }
+  outcome = coord.broadcast("outcome", outcome, "to commit the checkpoint");
+  TORCH_CHECK(outcome.empty(), outcome);
+}
+
+// async saves of one group run one after another (so `latest` moves in call order).
+std::mutex& chain_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<const ProcessGroup*, std::shared_future<void>>& chains() {
+  static std::map<const ProcessGroup*, std::shared_future<void>> m;
+  return m;
+}
+
+}  // namespace
+
+void save(const StateDict& state_dict, const std::string& dir, const SaveOptions& options) {
+  const char* api = "dcp::save";
+  TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
+  auto group = resolve_group(state_dict, options.group());
+  Coordinator coord(group, api);
+  Plan plan;
+  std::string error;
+  try {
+    plan = build_plan(state_dict, coord.rank(), api);
+    stage(plan, /*copy=*/false);
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  if (!error.empty()) {
+    // Let the other ranks fail too instead of waiting for this one.
+    if (!coord.single()) {
+      if (coord.rank() == 0) coord.set("tmp", nlohmann::json{{"error", error}}.dump());
+      else coord.gather("report", nlohmann::json{{"error", error}}.dump(), "");
+    }
+    TORCH_CHECK(false, error);
+  }
+  run_save(plan, coord, dir, options, api);
+}
+
+std::future<void> async_save(const StateDict& state_dict, const std::string& dir, const SaveOptions& options) {
+  const char* api = "dcp::async_save";
+  TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
+  auto group = resolve_group(state_dict, options.group());
+  auto coord = std::make_shared<Coordinator>(group, api, /*clone_store=*/true);
+  auto plan = std::make_shared<Plan>();
+  std::string error;
+  try {
+    *plan = build_plan(state_dict, coord->rank(), api);
+    stage(*plan, /*copy=*/true);  // staged: training may change the model from now on
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  if (!error.empty()) {
+    if (!coord->single()) {
+      if (coord->rank() == 0) coord->set("tmp", nlohmann::json{{"error", error}}.dump());
+      else coord->gather("report", nlohmann::json{{"error", error}}.dump(), "");
+    }
+    TORCH_CHECK(false, error);
+  }
+  auto result = std::make_shared<std::promise<void>>();
+  auto finished = std::make_shared<std::promise<void>>();
+  std::shared_future<void> previous;
+  {
+    std::lock_guard<std::mutex> lock(chain_mu());
+    auto& slot = chains()[group.get()];
+    previous = slot;
+    slot = finished->get_future().share();
+  }
+  std::future<void> fut = result->get_future();
+  std::thread([plan, coord, dir, options, result, finished, previous, api] {
+    if (previous.valid()) previous.wait();
+    try {
+      run_save(*plan, *coord, dir, options, api);
+      result->set_value();
+    } catch (...) {
+      result->set_exception(std::current_exception());
+    }
+    finished->set_value();
+  }).detach();
+  return fut;
+}
+
+std::optional<std::string> latest(const std::string& parent) {
+  const fs::path p = fs::path(parent) / kLatestFileName;
+  if (!fs::exists(p)) return std::nullopt;
+  std::string name = detail::read_small_file(p.string(), "dcp::latest");
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, "dcp::latest: ", p,
+              " is malformed: expected the name of a checkpoint folder next to it, found '", name, "'");
+  return (fs::path(parent) / name).string();
+}
+
+}  // namespace fsdp::dcp

@@ -1,0 +1,112 @@
+// The C++ side of tests/python/test_checkpoint_interop.py, run under fsdprun (or torchrun --no-python):
+//
+//   checkpoint_interop save  --dir D --ref R [--steps K]      train the test model K steps (AdamW), save
+//                                                             model + optimizer into D; rank 0 writes the
+//                                                             full tensors into the safetensors file R
+//   checkpoint_interop load  --dir D --out O [--prefix P]     load D (any world size; P + FQN keys, model
+//                                                             only) into a differently initialised model;
+//                                                             rank 0 writes its full tensors into O
+//   checkpoint_interop crash-save --parent P --ref R --kill-rank r --kill-stage S
+//                                                             save P/step-1 (reference R), then die by
+//                                                             SIGKILL on rank r at stage S of P/step-2
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "checkpoint/safetensors.h"
+#include "checkpoint_test_util.h"
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+void write_full(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<dcp::detail::WriteEntry> entries;
+  std::vector<torch::Tensor> data;
+  for (const auto& [k, t] : tensors) {
+    entries.push_back({k, t.scalar_type(), t.sizes().vec(), std::nullopt});
+    data.push_back(t.contiguous().cpu());
+  }
+  std::filesystem::remove(path);
+  dcp::detail::write_safetensors(path, entries, [&](size_t i) { return data[i]; }, false, 1 << 20, true, "interop");
+}
+
+std::vector<Batch> batches() { return make_batches(4, kCkptBatch, kCkptSeq, 4321); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"C++ side of the checkpoint interop and crash tests"};
+  app.require_subcommand(1);
+  std::string dir, ref, out, prefix = "model.", parent, stage = "write";
+  int steps = 2, kill_rank = 1;
+  auto* save = app.add_subcommand("save", "train and save");
+  save->add_option("--dir", dir)->required();
+  save->add_option("--ref", ref)->required();
+  save->add_option("--steps", steps);
+  auto* load = app.add_subcommand("load", "load and dump full tensors");
+  load->add_option("--dir", dir)->required();
+  load->add_option("--out", out)->required();
+  load->add_option("--prefix", prefix);
+  auto* crash = app.add_subcommand("crash-save", "save, then die mid-save");
+  crash->add_option("--parent", parent)->required();
+  crash->add_option("--ref", ref)->required();
+  crash->add_option("--kill-rank", kill_rank);
+  crash->add_option("--kill-stage", stage);
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    auto pg = init_process_group();
+    const int rank = pg->rank();
+    if (*save || *crash) {
+      Trainer t(pg, 7);
+      for (int i = 0; i < steps; ++i) t.step(batches()[i]);
+      const std::string target = *save ? dir : parent + "/step-1";
+      dcp::save(get_state_dict(t.net, *t.opt), target);
+      auto full = full_state(t);
+      if (rank == 0) write_full(ref, full.tensors);
+      if (*crash) {
+        char own[32];
+        std::snprintf(own, sizeof(own), "shard-%05d-", rank + 1);
+        dcp::detail::set_fault_hook([&](const dcp::detail::FaultPoint& p) {
+          const bool mine = p.stage != "write" || p.path.find(own) != std::string::npos;
+          if (p.stage == stage && rank == kill_rank && mine) {
+            std::cerr << "rank " << rank << ": SIGKILL at " << stage << " of " << p.path << " after "
+                      << p.bytes_written << " bytes" << std::endl;
+            ::kill(::getpid(), SIGKILL);
+          }
+        });
+        t.step(batches()[steps]);
+        dcp::save(get_state_dict(t.net, *t.opt), parent + "/step-2");
+        std::cerr << "rank " << rank << ": the save that should have crashed completed" << std::endl;
+        return 3;
+      }
+    } else {
+      Trainer t(pg, 8);
+      StateDict sd;
+      sd.update(get_model_state_dict(t.net), prefix);
+      // Model only: a checkpoint with optimizer state holds more keys than this dict (strict off), but
+      // every key of the dict must be loaded.
+      auto r = dcp::load(sd, dir, dcp::LoadOptions().strict(false));
+      TORCH_CHECK(r.missing_keys.empty(), "checkpoint_interop: ", r.missing_keys.size(), " model key(s) not in ", dir);
+      set_model_state_dict(t.net, sd.with_prefix(prefix));
+      auto full = get_model_state_dict(t.net, StateDictOptions().full_state_dict(true).cpu_offload(true));
+      if (rank == 0) {
+        std::map<std::string, torch::Tensor> m;
+        for (const auto& [k, v] : full) m[prefix + k] = std::get<torch::Tensor>(v);
+        write_full(out, m);
+      }
+    }
+    barrier(*pg);
+    return 0;
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}

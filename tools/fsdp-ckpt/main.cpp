@@ -1,0 +1,242 @@
+// fsdp-ckpt: a command-line tool for distributed checkpoints (libfsdp's, and sharded or plain safetensors
+// folders written by PyTorch's HuggingFaceStorageWriter).
+//
+//   fsdp-ckpt ls DIR                       tensors, dtypes, shapes, chunks per rank; Values
+//   fsdp-ckpt verify DIR                   files, sizes, checksums, exact coverage; exit 1 on a problem
+//   fsdp-ckpt consolidate DIR --out OUT    full tensors as model.safetensors (or model-0000i-of-0000n +
+//                                          model.safetensors.index.json with --max-file-size)
+//   fsdp-ckpt diff A B                     keys, dtypes, shapes, values; exit 1 when they differ
+//
+// DIR may also be a `latest` pointer file. Uses only the public API (fsdp/checkpoint.h).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <set>
+
+#include "fsdp/checkpoint.h"
+
+namespace {
+
+using fsdp::dcp::CheckpointInfo;
+
+std::string human_bytes(int64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+const char* dtype_str(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat64: return "F64";
+    case torch::kFloat32: return "F32";
+    case torch::kBFloat16: return "BF16";
+    case torch::kFloat16: return "F16";
+    case torch::kInt64: return "I64";
+    case torch::kInt32: return "I32";
+    case torch::kInt16: return "I16";
+    case torch::kInt8: return "I8";
+    case torch::kUInt8: return "U8";
+    case torch::kBool: return "BOOL";
+    default: return "?";
+  }
+}
+
+/// "5GB", "100MiB", "4096" -> bytes.
+int64_t parse_size(const std::string& s) {
+  size_t pos = 0;
+  double v = std::stod(s, &pos);
+  std::string unit = s.substr(pos);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double mult = 1;
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "KB") mult = 1e3;
+  else if (unit == "KIB") mult = 1024.0;
+  else if (unit == "M" || unit == "MB") mult = 1e6;
+  else if (unit == "MIB") mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB") mult = 1e9;
+  else if (unit == "GIB") mult = 1024.0 * 1024 * 1024;
+  else throw CLI::ValidationError("--max-file-size", "unknown unit '" + unit + "' (use B, KB, MB, GB, KiB, MiB, GiB)");
+  return static_cast<int64_t>(v * mult);
+}
+
+/// "r0[0:3, 0:6]": the rank that wrote the chunk and its box.
+std::string chunk_str(const CheckpointInfo& info, const fsdp::dcp::ChunkInfo& c) {
+  int rank = -1;
+  for (const auto& f : info.files)
+    if (f.name == c.file) rank = f.rank;
+  std::string s = rank >= 0 ? "r" + std::to_string(rank) : c.file;
+  s += "[";
+  for (size_t d = 0; d < c.sizes.size(); ++d)
+    s += (d ? ", " : "") + std::to_string(c.offsets[d]) + ":" + std::to_string(c.offsets[d] + c.sizes[d]);
+  return s + "]";
+}
+
+int cmd_ls(const std::string& dir, bool all_values) {
+  auto info = fsdp::dcp::inspect(dir);
+  int64_t total = 0;
+  for (const auto& f : info.files) total += f.bytes;
+  std::cout << "checkpoint " << info.dir << "\n  format " << info.format;
+  if (info.version) std::cout << " v" << info.version;
+  if (info.world_size) std::cout << ", saved by " << info.world_size << " rank(s)";
+  if (!info.mesh_shape.empty()) {
+    std::cout << ", mesh " << shape_str(info.mesh_shape);
+    if (!info.mesh_dim_names.empty()) {
+      std::cout << " (";
+      for (size_t i = 0; i < info.mesh_dim_names.size(); ++i) std::cout << (i ? ", " : "") << info.mesh_dim_names[i];
+      std::cout << ")";
+    }
+  }
+  std::cout << "\n  " << info.files.size() << " file(s), " << human_bytes(total) << ", " << info.tensors.size()
+            << " tensor(s), " << info.values.size() + info.per_rank_values.size() << " value(s)\n";
+  std::cout << "files:\n";
+  for (const auto& f : info.files) {
+    std::cout << "  " << f.name << "  rank " << (f.rank >= 0 ? std::to_string(f.rank) : "?") << "  " << human_bytes(f.bytes)
+              << (f.checksummed ? "  crc32c" : "  (no checksums)") << "\n";
+  }
+  std::cout << "tensors:\n";
+  size_t width = 0;
+  for (const auto& [k, t] : info.tensors) width = std::max(width, k.size());
+  for (const auto& [k, t] : info.tensors) {
+    std::string chunks;
+    for (const auto& c : t.chunks) chunks += " " + chunk_str(info, c);
+    std::printf("  %-*s %-4s %-12s %zu chunk(s):%s\n", static_cast<int>(width), k.c_str(), dtype_str(t.dtype),
+                shape_str(t.sizes).c_str(), t.chunks.size(), chunks.c_str());
+  }
+  if (!info.values.empty() || !info.per_rank_values.empty()) std::cout << "values:\n";
+  size_t shown = 0;
+  for (const auto& [k, v] : info.values) {
+    if (!all_values && shown++ == 20) {
+      std::cout << "  ... (" << info.values.size() << " in all; --values shows every one)\n";
+      break;
+    }
+    std::cout << "  " << k << " = " << v.dump() << "\n";
+  }
+  for (const auto& [k, v] : info.per_rank_values) {
+    std::cout << "  " << k << " (per rank) =";
+    for (size_t r = 0; r < v.size(); ++r) std::cout << " r" << r << ":" << v[r].dump();
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int cmd_verify(const std::string& dir) {
+  auto problems = fsdp::dcp::verify(dir);
+  if (problems.empty()) {
+    auto info = fsdp::dcp::inspect(dir);
+    bool sums = !info.files.empty();
+    for (const auto& f : info.files) sums = sums && f.checksummed;
+    size_t chunks = 0;
+    for (const auto& [k, t] : info.tensors) chunks += t.chunks.size();
+    std::cout << "OK " << info.dir << ": " << info.tensors.size() << " tensor(s) in " << chunks << " chunk(s) across "
+              << info.files.size() << " file(s); every tensor covered exactly once; "
+              << (sums ? "every checksum matches" : "no checksums to verify (not written by libfsdp)") << "\n";
+    return 0;
+  }
+  for (const auto& p : problems) std::cout << "PROBLEM " << p << "\n";
+  std::cout << problems.size() << " problem(s) in " << dir << "\n";
+  return 1;
+}
+
+int cmd_diff(const std::string& a, const std::string& b, double atol) {
+  auto ia = fsdp::dcp::inspect(a);
+  auto ib = fsdp::dcp::inspect(b);
+  int differences = 0;
+  auto report = [&](const std::string& s) {
+    std::cout << s << "\n";
+    ++differences;
+  };
+  std::set<std::string> keys;
+  for (const auto& [k, _] : ia.tensors) keys.insert(k);
+  for (const auto& [k, _] : ib.tensors) keys.insert(k);
+  size_t same = 0;
+  for (const auto& k : keys) {
+    auto ta = ia.tensors.find(k), tb = ib.tensors.find(k);
+    if (ta == ia.tensors.end()) { report("only in B: " + k); continue; }
+    if (tb == ib.tensors.end()) { report("only in A: " + k); continue; }
+    if (ta->second.dtype != tb->second.dtype || ta->second.sizes != tb->second.sizes) {
+      report(std::string("differs: ") + k + ": " + dtype_str(ta->second.dtype) + " " + shape_str(ta->second.sizes) +
+             " vs " + dtype_str(tb->second.dtype) + " " + shape_str(tb->second.sizes));
+      continue;
+    }
+    auto x = fsdp::dcp::read_tensor(ia, k);
+    auto y = fsdp::dcp::read_tensor(ib, k);
+    if (torch::equal(x, y)) { ++same; continue; }
+    if (x.is_floating_point()) {
+      auto d = (x.to(torch::kFloat64) - y.to(torch::kFloat64)).abs();
+      double maxd = d.numel() ? d.max().item<double>() : 0.0;
+      int64_t n = (d > atol).sum().item<int64_t>();
+      if (maxd <= atol) { ++same; continue; }
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), ": %lld of %lld elements differ, max |a - b| = %.6g", static_cast<long long>(n),
+                    static_cast<long long>(x.numel()), maxd);
+      report("differs: " + k + buf);
+    } else {
+      report("differs: " + k + ": " + std::to_string(x.ne(y).sum().item<int64_t>()) + " element(s)");
+    }
+  }
+  std::set<std::string> vkeys;
+  for (const auto& [k, _] : ia.values) vkeys.insert(k);
+  for (const auto& [k, _] : ib.values) vkeys.insert(k);
+  for (const auto& k : vkeys) {
+    auto va = ia.values.find(k), vb = ib.values.find(k);
+    if (va == ia.values.end()) report("only in B: " + k + " = " + vb->second.dump());
+    else if (vb == ib.values.end()) report("only in A: " + k + " = " + va->second.dump());
+    else if (va->second != vb->second) report("differs: " + k + ": " + va->second.dump() + " vs " + vb->second.dump());
+  }
+  if (ia.per_rank_values != ib.per_rank_values) report("per-rank values differ");
+  std::cout << (differences ? std::to_string(differences) + " difference(s)" : std::string("identical")) << " (" << same
+            << " identical tensor(s), " << vkeys.size() << " value(s) compared)\n";
+  return differences ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fsdp-ckpt: inspect, verify, consolidate and compare distributed checkpoints (libfsdp's, or\n"
+               "safetensors folders written by PyTorch's HuggingFaceStorageWriter). DIR may be a `latest` file."};
+  app.require_subcommand(1);
+  std::string dir, out, a, b, max_size, prefix;
+  bool strip = false, all_values = false;
+  double atol = 0;
+  auto* ls = app.add_subcommand("ls", "List tensors (dtype, shape, chunks per rank), files and values");
+  ls->add_option("DIR", dir)->required();
+  ls->add_flag("--values", all_values, "Show every value (default: the first 20)");
+  auto* verify = app.add_subcommand("verify", "Check files, sizes, checksums and exact coverage (exit 1 on a problem)");
+  verify->add_option("DIR", dir)->required();
+  auto* cons = app.add_subcommand("consolidate", "Write full tensors as safetensors loadable by the safetensors package");
+  cons->add_option("DIR", dir)->required();
+  cons->add_option("--out", out, "Output folder")->required();
+  cons->add_option("--max-file-size", max_size, "Split into files of at most this size, e.g. 5GB (default: one file)");
+  cons->add_option("--prefix", prefix, "Only keys starting with this prefix, e.g. model.");
+  cons->add_flag("--strip-prefix", strip, "Remove --prefix from the names written (e.g. Hugging Face names)");
+  auto* diff = app.add_subcommand("diff", "Compare two checkpoints (exit 1 when they differ)");
+  diff->add_option("A", a)->required();
+  diff->add_option("B", b)->required();
+  diff->add_option("--atol", atol, "Treat floating differences up to this as equal (default: 0, bitwise)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*ls) return cmd_ls(dir, all_values);
+    if (*verify) return cmd_verify(dir);
+    if (*diff) return cmd_diff(a, b, atol);
+    auto opts = fsdp::dcp::ConsolidateOptions().prefix(prefix).strip_prefix(strip);
+    if (!max_size.empty()) opts.max_file_bytes(parse_size(max_size));
+    for (const auto& f : fsdp::dcp::consolidate(dir, out, opts)) std::cout << "wrote " << f << "\n";
+    return 0;
+  } catch (const c10::Error& e) {
+    std::cerr << "fsdp-ckpt: " << e.what_without_backtrace() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-ckpt: " << e.what() << "\n";
+    return 2;
+  }
+}
