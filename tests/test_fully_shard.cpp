@@ -230,6 +230,73 @@ TEST(Parity, HybridShardingOnTwoByTwoMesh) {
   });
 }
 
+// An optimizer built after a forward that left the root unsharded (reshard_after_forward=false for
+// the root): it holds the same parameter tensors, which are sharded again after backward.
+TEST(Parity, OptimizerBuiltAfterForwardWithUnshardedRoot) {
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = run_reference(batches);
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    Net net = build_sharded({}, pg);
+    FSDPModule<Net> model(net);
+    auto b0 = batches[0].slice(pg->rank() * 6, 6);
+    auto loss0 = loss_fn(model(b0.idx), b0.targets);
+    EXPECT_EQ(net->head->weight.size(0), kClasses);  // the root is unsharded now
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    loss0.backward();
+    EXPECT_EQ(net->head->weight.size(0), 1);  // sharded again: the optimizer sees the shard
+    opt.step();
+    for (size_t step = 1; step < batches.size(); ++step) {
+      auto b = batches[step].slice(pg->rank() * 6, 6);
+      opt.zero_grad();
+      loss_fn(model(b.idx), b.targets).backward();
+      opt.step();
+    }
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    for (const auto& p : net->named_parameters()) {
+      auto expect = distribute_tensor(ref.final_params.at(p.key()), mesh, {Shard(0)}).to_local();
+      EXPECT_TRUE(torch::allclose(p.value(), expect, kRtol, kAtol)) << p.key();
+    }
+  });
+}
+
+// Ignored parameters are neither sharded nor reduced.
+TEST(Layout, IgnoredParamsStayFull) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Net net;
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto api = fully_shard(net, FullyShardOptions().mesh(mesh).ignored_params({net->head->weight}));
+    EXPECT_EQ(net->head->weight.size(0), kClasses);
+    EXPECT_EQ(net->wte->weight.size(0), pg->rank() == 0 ? 6 : 5);
+    for (const auto& [name, dt] : api.sharded_parameters()) EXPECT_NE(name, "head.weight");
+  });
+}
+
+// Another entry point than forward goes through FSDP with fsdp_forward (register_fsdp_forward_method).
+struct WithScoreImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  WithScoreImpl() { fc = register_module("fc", torch::nn::Linear(kDim, 3)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::Tensor score(torch::Tensor x) { return fc(x).sum(-1); }
+};
+TORCH_MODULE(WithScore);
+
+TEST(Hooks, OtherEntryPointsThroughFsdpForward) {
+  torch::manual_seed(2);
+  WithScore ref;
+  auto x = torch::randn({4, kDim});
+  ref->score(x).sum().backward();
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    FSDPModule<WithScore> m;
+    load_full(*m.ptr(), snapshot(*ref));
+    fully_shard(m, FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {2})));
+    auto y = fsdp_forward(*m, [&] { return m->score(x); });
+    EXPECT_TRUE(torch::allclose(y, ref->score(x).detach()));
+    (y.sum() / 2).backward();  // each rank's contribution; the reduce-scatter sums both
+    auto expect = distribute_tensor(ref->fc->weight.grad(), init_device_mesh(torch::kCPU, {2}), {Shard(0)});
+    EXPECT_TRUE(torch::allclose(m->fc->weight.grad(), expect.to_local() / 2, 1e-5, 1e-6));
+  });
+}
+
 // ---- Gradient accumulation ---------------------------------------------------------------------------
 // Gradients of k microbatches (each loss divided by k) with sync off for the first k-1 must equal the
 // gradient of one step on their concatenation; also with sync on every microbatch.
