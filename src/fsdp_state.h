@@ -35,6 +35,9 @@ struct FSDPContext {
   /// before the current one.
   std::vector<FSDPState*> post_forward_order;
   bool callback_queued = false;  // end-of-backward callback queued for this backward
+
+  /// Every state back to IDLE with no per-iteration record (start of a forward, end of backward).
+  void reset_iteration();
 };
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {

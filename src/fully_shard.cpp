@@ -84,6 +84,17 @@ std::shared_ptr<FSDPState> state_of(const Module& module) {
   return it->second.state;
 }
 
+void FSDPContext::reset_iteration() {
+  for (FSDPState* s : states) {
+    s->training_state = TrainingState::IDLE;
+    s->ran_forward = false;
+    s->post_backward_done = false;
+    s->post_forward_indices.clear();
+  }
+  post_forward_order.clear();
+  callback_queued = false;
+}
+
 std::shared_ptr<FSDPState> state_by_id(int64_t id) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -169,13 +180,8 @@ void FSDPState::root_pre_forward() {
   // prefetch are resharded, so that no stale all-gather survives an optimizer step.
   for (FSDPState* s : ctx->states) {
     if (s != this && s->group && s->reshard_after_forward_k != 0) s->group->reshard();
-    s->training_state = TrainingState::IDLE;
-    s->ran_forward = false;
-    s->post_backward_done = false;
-    s->post_forward_indices.clear();
   }
-  ctx->post_forward_order.clear();
-  ctx->callback_queued = false;
+  ctx->reset_iteration();
 }
 
 void FSDPState::prefetch(FSDPState* other) {
@@ -317,14 +323,7 @@ void FSDPState::root_post_backward_final() {
     if (s->is_last_backward) s->group->finish_reduce(s->divide_factor());
     if (s->reshard_after_backward) s->group->reshard();
   }
-  for (FSDPState* s : ctx->states) {
-    s->training_state = TrainingState::IDLE;
-    s->ran_forward = false;
-    s->post_backward_done = false;
-    s->post_forward_indices.clear();
-  }
-  ctx->post_forward_order.clear();
-  ctx->callback_queued = false;
+  ctx->reset_iteration();
 }
 
 std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs) {
