@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "fsdp/distributed.h"
+#include "fsdp/state_dict.h"
 
 namespace fsdp::dcp::detail {
 
@@ -92,5 +93,15 @@ class Coordinator {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
 };
+
+/// The group a save or load of `sd` runs over: the explicit one, else the mesh of its first DTensor,
+/// else the default group (null when there is none: a single process).
+inline ProcessGroupPtr resolve_group(const StateDict& sd, const ProcessGroupPtr& explicit_group) {
+  if (explicit_group) return explicit_group;
+  for (const auto& [k, v] : sd)
+    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->world();
+  if (is_initialized()) return default_process_group();
+  return nullptr;
+}
 
 }  // namespace fsdp::dcp::detail

@@ -387,21 +387,13 @@ std::string list_keys(const std::vector<std::string>& keys) {
   return s;
 }
 
-ProcessGroupPtr resolve_group(const StateDict& sd, const ProcessGroupPtr& explicit_group) {
-  if (explicit_group) return explicit_group;
-  for (const auto& [k, v] : sd)
-    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->world();
-  if (is_initialized()) return default_process_group();
-  return nullptr;
-}
-
 }  // namespace
 
 CheckpointInfo inspect(const std::string& dir) { return read_info(dir, "dcp::inspect", nullptr); }
 
 LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
   const char* api = "dcp::load";
-  auto group = resolve_group(state_dict, options.group());
+  auto group = detail::resolve_group(state_dict, options.group());
   detail::Coordinator coord(group, api);
   const int rank = coord.rank();
   const int world = coord.world();

@@ -31,6 +31,7 @@ namespace fsdp::dcp {
 
 namespace fs = std::filesystem;
 using detail::Coordinator;
+using detail::resolve_group;
 
 namespace detail {
 /// Bytes per CRC-32C block (checksums cover each tensor's data in blocks from its first byte, so a
@@ -86,14 +87,6 @@ int64_t numel_of(const std::vector<int64_t>& s) {
 std::string strip_slashes(std::string s) {
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s;
-}
-
-ProcessGroupPtr resolve_group(const StateDict& sd, const ProcessGroupPtr& explicit_group) {
-  if (explicit_group) return explicit_group;
-  for (const auto& [k, v] : sd)
-    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->world();
-  if (is_initialized()) return default_process_group();
-  return nullptr;
 }
 
 Plan build_plan(const StateDict& sd, int rank, const char* api) {
