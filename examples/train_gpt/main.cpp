@@ -15,14 +15,17 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -34,6 +37,7 @@
 #include "fsdp/clip_grad.h"
 #include "fsdp/fsdp.h"
 #include "fsdp/grad_scaler.h"
+#include "interop.h"
 #include "model.h"
 
 namespace train_gpt {
@@ -82,9 +86,16 @@ struct Options {
   double temperature = 0.8;
   int64_t top_k = 40;
   uint64_t seed = 1337;
-  // [checkpoints] --ckpt-dir DIR, --ckpt-every K, --keep-last N, --resume: added with the distributed
-  // checkpoint work (issue 7 depends on it). They belong here, in add_flags() and in train() at the
-  // places marked [checkpoints].
+  // Comparison with PyTorch's FSDP2 (bench/compare_fsdp2.py; see interop.h).
+  std::string save_init;     // write the initial weights here (safetensors, rank 0)
+  std::string dump_batches;  // write each rank's token batches and run.json into this directory
+  bool no_shard = false;     // the floor: no fully_shard, one process, plain LibTorch
+  // [checkpoints] Distributed checkpoints (fsdp::dcp), see "Checkpoints" below.
+  std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
+  int64_t ckpt_every = 0;   // steps between saves; 0: only after the last step (with --ckpt-dir)
+  int keep_last = 0;        // keep the newest N step-N folders; 0: all
+  bool resume = false;      // continue from the newest checkpoint in ckpt_dir (any world size)
+  int64_t stop_at = 0;      // stop after this step, as an interrupted run would; 0: run to --steps
 };
 
 void add_flags(CLI::App& app, Options& o) {
@@ -151,6 +162,28 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--top-k", o.top_k, "Sample among the k likeliest bytes (0: all)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the weights, the data order and the sample")->capture_default_str();
+
+  // [checkpoints]
+  g = app.add_option_group("Checkpoints");
+  g->add_option("--ckpt-dir", o.ckpt_dir, "Save distributed checkpoints in DIR/step-N (every rank writes its "
+                                          "shards; DIR/latest names the newest)");
+  g->add_option("--ckpt-every", o.ckpt_every, "Steps between checkpoints (0: only after the last step)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_option("--keep-last", o.keep_last, "Keep only the newest N checkpoints (0: all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  g->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --ckpt-dir, on any number of ranks "
+                                    "(model and optimizer resharded, the data position carried over)");
+  g->add_option("--stop-at", o.stop_at, "Stop after step N, as an interrupted run (the learning-rate schedule "
+                                        "still spans --steps; continue with --resume)")
+      ->check(CLI::NonNegativeNumber);
+
+  g = app.add_option_group("Comparison with PyTorch (bench/compare_fsdp2.py)");
+  g->add_option("--save-init", o.save_init, "Write the initial weights (full, before sharding) to FILE as "
+                                             "safetensors (rank 0)");
+  g->add_option("--dump-batches", o.dump_batches, "Write the token batches each rank trains on to "
+                                                  "DIR/rank<R>.npy, and DIR/run.json");
+  g->add_flag("--no-shard", o.no_shard, "No FSDP: one process, plain LibTorch (bf16 by CPU autocast); the floor "
+                                        "of the benchmark");
   // A flag given twice takes its last value, so that scripts can put defaults first and pass the
   // user's arguments after them (scripts/train.sh).
   std::vector<CLI::App*> sections = app.get_subcommands([](CLI::App*) { return true; });  // the option groups
@@ -436,6 +469,324 @@ struct RunSetup {
   int64_t data_bytes;
 };
 
+/// --no-shard is one process of plain LibTorch: no launcher's world, nothing FSDP-only. Throws UsageError.
+void check_no_shard(const Options& o, int world_size) {
+  if (world_size != 1) {
+    throw UsageError("--no-shard runs one process without FSDP, but WORLD_SIZE is " + std::to_string(world_size) +
+                     ". Fix: run train_gpt without a launcher (or --nproc-per-node 1), or drop --no-shard");
+  }
+  if (o.mixed_precision == "fp16" || o.cpu_offload || o.activation_checkpointing) {
+    throw UsageError("--no-shard supports fp32 and bf16 only, without --cpu-offload and --activation-checkpointing. "
+                     "Fix: drop --no-shard or those options");
+  }
+}
+
+/// --save-init: the full weights under their named_parameters() names, a tied weight once (as wte.weight),
+/// the model shape in the metadata. Call before parallelize(): afterwards each rank holds a shard only.
+void save_initial_weights(const GPTImpl& model, const std::string& path) {
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace_back(p.key(), p.value());
+  }
+  const auto& c = model.cfg;
+  write_safetensors(path, tensors,
+                    {{"format", "pt"}, {"producer", "train_gpt"}, {"vocab_size", std::to_string(c.vocab_size)},
+                     {"block_size", std::to_string(c.block_size)}, {"n_layer", std::to_string(c.n_layer)},
+                     {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
+                     {"dropout", fmt("%.17g", c.dropout)}, {"tie_weights", c.tie_weights ? "true" : "false"}});
+}
+
+/// --dump-batches: DIR/run.json, what bench/gpt_twin.py needs to replay this run (the optimizer's
+/// betas and eps are those train() passes to AdamW).
+nlohmann::json run_description(const RunSetup& s, int world, int64_t start_step) {
+  const Options& o = s.opts;
+  return {{"world_size", world},         {"first_step", start_step + 1},  {"steps", o.steps},
+          {"batch_size", o.batch_size},  {"grad_accum_steps", o.grad_accum_steps},
+          {"block_size", s.cfg.block_size}, {"lr", o.lr},                 {"min_lr", o.min_lr},
+          {"warmup_steps", o.warmup_steps}, {"weight_decay", o.weight_decay}, {"betas", {0.9, 0.95}},
+          {"eps", torch::optim::AdamWOptions(o.lr).eps()}, {"clip_grad", o.clip_grad},
+          {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
+          {"no_shard", o.no_shard},      {"seed", o.seed}};
+}
+
+// ---- Checkpoints ---------------------------------------------------------------------------------
+//
+// [checkpoints] --ckpt-dir DIR saves DIR/step-N every --ckpt-every steps and after the run's last step:
+// a distributed checkpoint (fsdp::dcp::save: every rank writes its own shards of the model and of the
+// optimizer state, atomically; then DIR/latest names it; --keep-last N deletes the oldest). --resume
+// loads the newest on any number of ranks: dcp::load reshards the model and the optimizer state to
+// this run's ranks. Everything else a resume needs is the same on every rank and independent of the
+// world size, so it is saved once (rank 0's) and loads on any world size:
+//   train.step         the last step done (the learning rate is a function of the step)
+//   train.sampler      the data position {epoch, cursor}: windows handed out to all ranks together
+//   train.rng_state    the global CPU generator (dropout): every rank seeds it alike and draws alike
+//   train.grad_scaler  fp16: {scale, growth_tracker} of the loss scaler (null without one)
+//   train.run          the model shape, the data size and the seed, checked before a resume starts
+// Tied weights: named_parameters() lists the tied tensor as wte.weight and as lm_head.weight, so the
+// model part holds it under both names (two views of one shard, loaded twice with the same bytes); the
+// optimizer part keys its state once, by the first name (wte.weight).
+
+constexpr const char* kStepKey = "train.step";
+constexpr const char* kSamplerKey = "train.sampler";
+constexpr const char* kRngKey = "train.rng_state";
+constexpr const char* kScalerKey = "train.grad_scaler";
+constexpr const char* kRunKey = "train.run";
+
+std::string shape_str(c10::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+/// A library error's text on one line (UsageError messages are one line).
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
+}
+
+nlohmann::json model_json(const GPTConfig& c) {
+  return {{"vocab_size", c.vocab_size}, {"block_size", c.block_size}, {"n_layer", c.n_layer}, {"n_head", c.n_head},
+          {"n_embd", c.n_embd},         {"dropout", c.dropout},       {"tie_weights", c.tie_weights}};
+}
+
+GPTConfig model_from_json(const nlohmann::json& j) {
+  GPTConfig c;
+  c.vocab_size = j.at("vocab_size").get<int64_t>();
+  c.block_size = j.at("block_size").get<int64_t>();
+  c.n_layer = j.at("n_layer").get<int64_t>();
+  c.n_head = j.at("n_head").get<int64_t>();
+  c.n_embd = j.at("n_embd").get<int64_t>();
+  c.dropout = j.at("dropout").get<double>();
+  c.tie_weights = j.at("tie_weights").get<bool>();
+  return c;
+}
+
+/// train.run: what a resume must agree with (and what the log reports).
+nlohmann::json checkpoint_run_info(const Options& o, const GPTConfig& cfg, int64_t train_windows, int world) {
+  return {{"model", model_json(cfg)},   {"train_windows", train_windows}, {"seed", o.seed},
+          {"world_size", world},        {"batch_size", o.batch_size},     {"grad_accum_steps", o.grad_accum_steps},
+          {"steps", o.steps},           {"mixed_precision", o.mixed_precision}};
+}
+
+/// The newest checkpoint in `dir`: the folder DIR/latest names; without a `latest` file, the complete
+/// step-N folder (one with its metadata file) with the highest N; nullopt if there is none.
+/// Throws c10::Error for a malformed `latest` file.
+std::optional<std::string> newest_checkpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (auto l = fsdp::dcp::latest(dir)) return l;
+  std::optional<std::pair<int64_t, std::string>> best;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || name.size() == 5 || name.size() > 23 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos) {
+      continue;  // not step-N (a step-N.tmp-* folder is a save that did not complete)
+    }
+    if (!fs::is_regular_file(e.path() / fsdp::dcp::kMetadataFileName, ec)) continue;
+    const int64_t n = std::stoll(name.substr(5));
+    if (!best || n > best->first) best = {n, e.path().string()};
+  }
+  if (!best) return std::nullopt;
+  return best->second;
+}
+
+/// --ckpt-dir, --ckpt-every, --keep-last, --resume, --stop-at: checked on every rank before any
+/// communication (reads the checkpoint's metadata and headers only). Throws UsageError naming the
+/// path or value and the fix.
+void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t train_windows) {
+  namespace fs = std::filesystem;
+  if (o.ckpt_dir.empty()) {
+    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--ckpt-every", o.ckpt_every > 0},
+                                      {"--keep-last", o.keep_last > 0}, {"--resume", o.resume}}) {
+      if (given) {
+        throw UsageError(std::string(flag) + " needs --ckpt-dir DIR, the directory that holds the step-N " +
+                         "checkpoints. Fix: add --ckpt-dir DIR");
+      }
+    }
+    return;
+  }
+  const std::string& dir = o.ckpt_dir;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw UsageError("--ckpt-dir " + dir + " is a file, not a directory. Fix: another --ckpt-dir");
+  }
+  std::optional<std::string> newest;
+  try {
+    if (fs::is_directory(dir, ec)) newest = newest_checkpoint(dir);
+  } catch (const c10::Error& e) {
+    throw UsageError("--ckpt-dir " + dir + ": " + one_line(e.what_without_backtrace()) +
+                     ". Fix: write the name of a step-N folder of " + dir + " into " + dir + "/latest");
+  }
+  if (!o.resume) {
+    if (newest) {
+      throw UsageError("--ckpt-dir " + dir + " already holds checkpoints (the newest: " + *newest +
+                       "); a new run would mix its checkpoints with theirs. Fix: --resume to continue that run, "
+                       "or another (empty) --ckpt-dir");
+    }
+    fs::create_directories(dir, ec);  // now, so that a bad path fails before training (every rank: idempotent)
+    if (!fs::is_directory(dir) || access(dir.c_str(), W_OK) != 0) {
+      throw UsageError("--ckpt-dir " + dir + " cannot be created or written" + (ec ? ": " + ec.message() : "") +
+                       ". Fix: a writable directory");
+    }
+    return;
+  }
+
+  // --resume
+  if (!fs::is_directory(dir, ec)) {
+    throw UsageError("--resume: --ckpt-dir " + dir + " does not exist, so there is no checkpoint to resume from. "
+                     "Fix: the --ckpt-dir of the run to continue, or no --resume to start a new run");
+  }
+  if (!newest) {
+    throw UsageError("--resume: no checkpoint in --ckpt-dir " + dir + " (no 'latest' file and no step-N folder). "
+                     "Fix: the --ckpt-dir of the run to continue (runs save there with --ckpt-dir and --ckpt-every), "
+                     "or no --resume to start a new run");
+  }
+  const std::string& path = *newest;
+  fsdp::dcp::CheckpointInfo info;
+  try {
+    info = fsdp::dcp::inspect(path);
+  } catch (const c10::Error& e) {
+    throw UsageError("--resume: the checkpoint " + path + " cannot be read: " + one_line(e.what_without_backtrace()) +
+                     ". Fix: restore it, or write the name of an older step-N folder into " + dir + "/latest");
+  }
+  const auto step_it = info.values.find(kStepKey);
+  const auto run_it = info.values.find(kRunKey);
+  if (step_it == info.values.end() || run_it == info.values.end()) {
+    throw UsageError("--resume: " + path + " is not a train_gpt checkpoint (it has no '" + kStepKey + "' and '" +
+                     kRunKey + "'). Fix: the --ckpt-dir of a train_gpt run");
+  }
+  const nlohmann::json& run = run_it->second;
+  const GPTConfig saved = model_from_json(run.at("model"));
+
+  // The model shape: every parameter of the model this run builds against the checkpoint's.
+  std::vector<std::string> differ, absent, extra;
+  std::unordered_set<std::string> mine;
+  {
+    GPT model(cfg);  // only its names and shapes are used (train() reseeds the generator before its own)
+    auto check = [&](const std::string& name, const torch::Tensor& t) {
+      const std::string key = fsdp::kModelPrefix + name;
+      mine.insert(key);
+      const auto it = info.tensors.find(key);
+      if (it == info.tensors.end()) {
+        absent.push_back("parameter '" + name + "' has shape " + shape_str(t.sizes()) +
+                         " in this model but is not in the checkpoint");
+      } else if (it->second.sizes != t.sizes().vec()) {
+        differ.push_back("parameter '" + name + "' has shape " + shape_str(it->second.sizes) +
+                         " in the checkpoint but " + shape_str(t.sizes()) + " in this model");
+      }
+    };
+    for (const auto& p : model->named_parameters()) check(p.key(), p.value());
+    for (const auto& b : model->named_buffers()) check(b.key(), b.value());
+  }
+  const std::string prefix = fsdp::kModelPrefix;
+  for (const auto& [key, t] : info.tensors) {
+    if (key.rfind(prefix, 0) == 0 && !mine.count(key)) {
+      extra.push_back("the checkpoint has parameter '" + key.substr(prefix.size()) + "' of shape " +
+                      shape_str(t.sizes) + ", which this model lacks");
+    }
+  }
+  const std::string models = "saved: " + describe(saved) + "; this run: " + describe(cfg);
+  for (auto* problems : {&differ, &absent, &extra}) {
+    if (problems->empty()) continue;
+    const size_t more = differ.size() + absent.size() + extra.size() - 1;
+    throw UsageError("--resume: the checkpoint " + path + " holds a model of another shape: " + problems->front() +
+                     (more ? ", and " + std::to_string(more) + " more difference" + (more > 1 ? "s" : "") : "") +
+                     " (" + models + "). Fix: resume with the model options of the checkpoint (--model, --n-layer, "
+                     "--n-head, --n-embd, --block-size, --tie-weights), or start a new run in another --ckpt-dir");
+  }
+  if (saved.n_head != cfg.n_head || saved.tie_weights != cfg.tie_weights || saved.vocab_size != cfg.vocab_size) {
+    throw UsageError("--resume: the checkpoint " + path + " holds another model (" + models +
+                     "). Fix: resume with the model options of the checkpoint (--n-head " +
+                     std::to_string(saved.n_head) + " --tie-weights " + (saved.tie_weights ? "true" : "false") +
+                     "), or start a new run in another --ckpt-dir");
+  }
+  // The data position is an index into this run's training windows: the same data, split and seed.
+  const auto saved_windows = run.at("train_windows").get<int64_t>();
+  if (saved_windows != train_windows) {
+    throw UsageError("--resume: the checkpoint " + path + " was trained on " + std::to_string(saved_windows) +
+                     " training windows, this run's data has " + std::to_string(train_windows) +
+                     ": its data position would point elsewhere. Fix: resume with the checkpoint's --data and "
+                     "--val-fraction");
+  }
+  const auto saved_seed = run.at("seed").get<uint64_t>();
+  if (saved_seed != o.seed) {
+    throw UsageError("--resume: the checkpoint " + path + " was trained with --seed " + std::to_string(saved_seed) +
+                     ", this run has --seed " + std::to_string(o.seed) + " (the data order depends on it). Fix: --seed " +
+                     std::to_string(saved_seed));
+  }
+  const auto step = step_it->second.get<int64_t>();
+  if (step >= o.steps) {
+    throw UsageError("--resume: the checkpoint " + path + " is at step " + std::to_string(step) + " and --steps is " +
+                     std::to_string(o.steps) + ": nothing left to train. Fix: a larger --steps (the learning-rate " +
+                     "schedule spans --steps)");
+  }
+  if (o.stop_at > 0 && o.stop_at <= step) {
+    throw UsageError("--stop-at " + std::to_string(o.stop_at) + " is not after the checkpoint's step " +
+                     std::to_string(step) + " (" + path + "). Fix: --stop-at > " + std::to_string(step));
+  }
+}
+
+torch::Tensor get_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_rng_state(const torch::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+/// Saves DIR/step-N (collective: every rank writes its shards). Returns the folder.
+std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const GPTImpl& model,
+                            const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
+                            const std::optional<fsdp::ShardedGradScaler>& scaler) {
+  auto sd = fsdp::get_state_dict(model, optimizer);  // DTensors aliasing this rank's shards: no copy
+  const auto pos = sampler.state();
+  sd.insert_or_assign(kStepKey, fsdp::Value(step));
+  sd.insert_or_assign(kSamplerKey, fsdp::Value(nlohmann::json{{"epoch", pos.epoch}, {"cursor", pos.cursor}}));
+  sd.insert_or_assign(kRngKey, get_rng_state());
+  sd.insert_or_assign(kScalerKey, fsdp::Value(scaler ? nlohmann::json{{"scale", scaler->get_scale()},
+                                                                       {"growth_tracker", scaler->growth_tracker()}}
+                                                     : nlohmann::json(nullptr)));
+  sd.insert_or_assign(kRunKey, fsdp::Value(run_info));
+  const std::string path = (std::filesystem::path(o.ckpt_dir) / ("step-" + std::to_string(step))).string();
+  // overwrite: a resumed run may repeat a step of a checkpoint newer than the one `latest` named.
+  fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true));
+  return path;
+}
+
+/// --resume: loads the checkpoint `path` into the model and the optimizer (resharded to this run's
+/// ranks), the sampler, the global generator and the loss scaler. Collective. Returns the step it was
+/// saved after; `run_info` gets its train.run.
+int64_t load_checkpoint(const std::string& path, GPTImpl& model, torch::optim::Optimizer& optimizer,
+                        DistributedSampler& sampler, std::optional<fsdp::ShardedGradScaler>& scaler,
+                        const fsdp::ProcessGroupPtr& pg, nlohmann::json& run_info) {
+  auto sd = fsdp::get_state_dict(model, optimizer);  // the destinations, in this run's layout
+  auto rng = get_rng_state();
+  for (const char* key : {kStepKey, kSamplerKey, kScalerKey, kRunKey}) sd.insert_or_assign(key, fsdp::Value());
+  sd.insert_or_assign(kRngKey, rng);
+  fsdp::dcp::load(sd, path);  // verified on every rank before anything is written
+  auto value = [&](const char* key) { return std::get<fsdp::Value>(sd.at(key)).json; };
+  const auto step = value(kStepKey).get<int64_t>();
+  const auto pos = value(kSamplerKey);
+  const auto scale = value(kScalerKey);
+  run_info = value(kRunKey);
+  for (const char* key : {kStepKey, kSamplerKey, kScalerKey, kRunKey, kRngKey}) sd.erase(key);
+  fsdp::set_state_dict(model, optimizer, sd);  // step counts, hyper-parameters, the optimizer state it creates
+  sampler.set_state({pos.at("epoch").get<int64_t>(), pos.at("cursor").get<int64_t>()});
+  set_rng_state(rng);
+  if (scaler && !scale.is_null()) {
+    scaler.emplace(fsdp::GradScalerOptions().init_scale(scale.at("scale").get<double>()), pg);
+    // ShardedGradScaler has no setter for its growth tracker; update() after no inf counts one finite
+    // step, and the tracker is below growth_interval (it resets when it reaches it).
+    for (int64_t i = 0; i < scale.at("growth_tracker").get<int64_t>(); ++i) scaler->update();
+  }
+  return step;
+}
+
 int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   const Options& o = s.opts;
   const int rank = pg->rank(), world = pg->size();
@@ -454,8 +805,17 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   std::vector<torch::Tensor> decay, no_decay;
   for (const auto& p : model->unique_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   const int64_t num_params = model->num_params();
+  if (!o.save_init.empty() && main_rank) save_initial_weights(*model, o.save_init);
 
-  parallelize(model, mesh, s.parallel);
+  if (!o.no_shard) parallelize(model, mesh, s.parallel);
+  // --no-shard (the floor): mixed precision the plain-LibTorch way, by autocast around the forward.
+  auto forward = [&](const torch::Tensor& x) {
+    if (!o.no_shard || s.parallel.param_dtype == torch::kFloat32) return model(x);
+    CpuAutocast autocast(s.parallel.param_dtype);
+    return model(x);
+  };
+  std::optional<BatchRecorder> recorder;
+  if (!o.dump_batches.empty()) recorder.emplace(o.dump_batches);
 
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -495,6 +855,22 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   // [checkpoints] --resume: load the latest step-N checkpoint here (model, optimizer, sampler.state(),
   // step, RNG), before the first evaluation; the loop below then starts at step N + 1.
   int64_t start_step = 0;
+  const nlohmann::json ckpt_run = checkpoint_run_info(o, s.cfg, s.train.size(), world);
+  if (o.resume) {
+    const auto t_load = Clock::now();
+    const std::string path = *newest_checkpoint(o.ckpt_dir);  // checked in run()
+    nlohmann::json saved;
+    start_step = load_checkpoint(path, *model, optimizer, sampler, scaler, pg, saved);
+    const auto pos = sampler.state();
+    const int saved_world = saved.at("world_size").get<int>();
+    say("resume: " + path + " (after step " + std::to_string(start_step) + ", saved on " +
+        std::to_string(saved_world) + " rank" + (saved_world > 1 ? "s" : "") + ", loaded on " + std::to_string(world) +
+        " in " + fmt("%.2f", seconds_since(t_load)) + " s); data: epoch " + std::to_string(pos.epoch) + ", window " +
+        std::to_string(pos.cursor) + " of " + std::to_string(s.train.size()) + "; continuing at step " +
+        std::to_string(start_step + 1) + "/" + std::to_string(o.steps));
+  }
+  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
 
   MetricsWriter metrics(main_rank ? o.metrics : std::string());
   ProgressBar bar(main_rank && !o.no_progress && isatty(STDOUT_FILENO), o.steps);
@@ -515,7 +891,7 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   };
 
   // The evaluation before training (the "first" evaluation loss): ~ln(256) = 5.55 for a fresh model.
-  if (start_step == 0) {
+  if (start_step == 0 && !std::getenv("TMP_NO_EVAL0")) {  // TEMP DEBUG
     double v = run_eval(0);
     metrics.write({{"step", 0}, {"loss", nullptr}, {"lr", 0.0}, {"grad_norm", nullptr}, {"tokens_per_s", nullptr},
                    {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()}, {"eval_loss", v}});
@@ -527,7 +903,7 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   double interval_loss = 0;
   int64_t interval_steps = 0;
   double last_loss = 0, last_norm = 0;
-  for (int64_t step = start_step + 1; step <= o.steps; ++step) {
+  for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     const double lr = lr_at(step, o);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -537,8 +913,50 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     auto loss_sum = torch::zeros({1});
     for (int64_t micro = 0; micro < o.grad_accum_steps; ++micro) {
       auto [x, y] = s.train.get(sampler.next());
-      model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
-      auto loss = lm_loss(model(x), y) / static_cast<double>(o.grad_accum_steps);
+      if (recorder) recorder->add(x, y);
+      if (!o.no_shard) model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
+      if (std::getenv("TMP_NOGRAD")) {  // TEMP DEBUG
+        torch::NoGradGuard ng;
+        std::cout << "TMP step " << step << " nograd loss " << std::setprecision(17) << lm_loss(forward(x), y).item<double>() << std::endl;
+      }
+      auto loss = lm_loss(forward(x), y) / static_cast<double>(o.grad_accum_steps);
+      if (std::getenv("TMP_NOGRAD")) std::cout << "TMP step " << step << " grad loss " << std::setprecision(17) << loss.item<double>() << std::endl;
+      if (std::getenv("TMP_MANUAL")) {  // TEMP DEBUG: plain forward with the (still unsharded) params
+        torch::NoGradGuard ng;
+        auto& m = *model;
+        if (std::getenv("TMP_CLONE")) for (auto& p : m.parameters()) { std::cout << "TMP ptr%64 " << (reinterpret_cast<uintptr_t>(p.data_ptr()) % 64) << " off " << p.storage_offset() << " " << p.sizes() << " " << p.strides() << std::endl; p.set_data(p.data().clone()); }
+        auto pos = torch::arange(x.size(1), x.options());
+        std::vector<std::pair<std::string, torch::Tensor>> acts;
+        auto h = m.wte(x) + m.wpe(pos);
+        acts.emplace_back("emb", h);
+        for (size_t i = 0; i < m.blocks.size(); ++i) {
+          auto* b = m.blocks[i].get();
+          auto a1 = b->ln_1(h); acts.emplace_back("b" + std::to_string(i) + ".ln_1", a1);
+          auto a2 = b->attn->c_attn(a1); acts.emplace_back("b" + std::to_string(i) + ".c_attn", a2);
+          auto a3 = b->attn(a1); acts.emplace_back("b" + std::to_string(i) + ".attn", a3);
+          h = h + a3;
+          auto a4 = b->ln_2(h); acts.emplace_back("b" + std::to_string(i) + ".ln_2", a4);
+          auto a5 = b->mlp->c_fc(a4); acts.emplace_back("b" + std::to_string(i) + ".c_fc", a5);
+          auto a6 = b->mlp(a4); acts.emplace_back("b" + std::to_string(i) + ".mlp", a6);
+          h = h + a6; acts.emplace_back("b" + std::to_string(i), h);
+        }
+        auto lg = m.lm_head(m.ln_f(h));
+        acts.emplace_back("logits", lg);
+        if (std::getenv("TMP_ACTS") && std::atoi(std::getenv("TMP_ACTS")) == step) {
+          for (const auto& p : m.named_parameters()) acts.emplace_back("p." + p.key(), p.value());
+          acts.emplace_back("x", x);
+          std::vector<std::pair<std::string, torch::Tensor>> uniq; std::unordered_set<const void*> sn;
+          for (auto& a : acts) if (sn.insert(a.second.unsafeGetTensorImpl()).second) uniq.push_back(a);
+          write_safetensors("/tmp/exp/acts.safetensors", uniq, {});
+        }
+        std::cout << "TMP step " << step << " manual loss " << std::setprecision(17) << lm_loss(lg, y).item<double>() << " dtype " << lg.scalar_type() << std::endl;
+      }
+      if (const char* d = std::getenv("TMP_DUMP_FWD"); d && std::atoi(d) == step) {  // TEMP DEBUG
+        std::vector<std::pair<std::string, torch::Tensor>> ts;
+        std::unordered_set<const void*> seen;
+        for (const auto& p : model->named_parameters()) if (seen.insert(p.value().unsafeGetTensorImpl()).second) ts.emplace_back(p.key(), p.value().detach().clone());
+        write_safetensors("/tmp/exp/ours_fwd.safetensors", ts, {});
+      }
       (scaler ? scaler->scale(loss) : loss).backward();
       loss_sum += loss.detach();
     }
@@ -554,6 +972,14 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
       scaler->update();
     } else {
       optimizer.step();
+    }
+    if (const char* d = std::getenv("TMP_DUMP_STEP"); d && std::atoi(d) == step) {  // TEMP DEBUG
+      std::vector<std::pair<std::string, torch::Tensor>> ts;
+      std::unordered_set<const void*> seen;
+      for (const auto& p : model->named_parameters()) {
+        if (seen.insert(p.value().unsafeGetTensorImpl()).second) { ts.emplace_back(p.key(), p.value()); if (p.value().grad().defined()) ts.emplace_back(p.key() + ".grad", p.value().grad()); }
+      }
+      write_safetensors("/tmp/exp/ours_dump.safetensors", ts, {});
     }
     optimizer.zero_grad();
     // The loss of the global batch: the mean of the ranks' means (equal batch sizes).
@@ -594,16 +1020,27 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
       interval_steps = 0;
     }
     // [checkpoints] --ckpt-every K: save step-N here (after the step and its evaluation), every rank
-    // writing its shards; --keep-last N prunes the oldest.
+    // writing its shards; --keep-last N prunes the oldest. Also after this run's last step.
+    if (!o.ckpt_dir.empty() && (step == last_step || (o.ckpt_every > 0 && step % o.ckpt_every == 0))) {
+      const auto t_save = Clock::now();
+      const std::string path = save_checkpoint(o, ckpt_run, step, *model, optimizer, sampler, scaler);
+      bar.clear();
+      say("checkpoint: " + path + " saved in " + fmt("%.2f", seconds_since(t_save)) + " s");
+    }
   }
   bar.clear();
+  if (last_step < o.steps) {
+    say("stopped after step " + std::to_string(last_step) + " of " + std::to_string(o.steps) + " (--stop-at)" +
+        (o.ckpt_dir.empty() ? std::string() : ": continue with --resume --ckpt-dir " + o.ckpt_dir));
+  }
   const double wall = seconds_since(t_train);
+  if (recorder) recorder->write(rank, o.grad_accum_steps, run_description(s, world, start_step));
 
   // The sample: every rank runs the forwards, rank 0 prints.
   std::string sample;
   if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg);
   if (main_rank) {
-    const int64_t steps_run = o.steps - start_step;
+    const int64_t steps_run = last_step - start_step;
     std::ostringstream os;
     os << "done: " << steps_run << " steps in " << fmt("%.1f", wall) << " s ("
        << fmt("%.0f", 1e3 * train_seconds / std::max<int64_t>(steps_run, 1)) << " ms/step, "
@@ -692,6 +1129,8 @@ int run(int argc, char** argv) {
                      "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");
   }
   if (!o.metrics.empty() && env.rank == 0) MetricsWriter probe(o.metrics);  // fails now, not after training
+  if (o.no_shard) check_no_shard(o, env.world_size);
+  check_checkpoint_options(o, s.cfg, s.train.size());  // [checkpoints]
 
   auto pg = make_process_group(launched);
   return train(s, pg);

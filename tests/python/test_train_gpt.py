@@ -277,3 +277,178 @@ def test_bad_input_through_fsdprun(text_files, tmp_path):
     assert re.search(r"\[default\d\]:train_gpt: error: .*" + re.escape(message), p.stderr), show(p)
     assert "step " not in p.stdout, show(p)
     assert p.elapsed < 30, f"took {p.elapsed:.1f}s: the ranks should fail before the rendezvous"
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. Checkpoints: --ckpt-dir DIR --ckpt-every K --keep-last N save distributed checkpoints in DIR/step-N;
+#    --resume continues from the newest. --stop-at N interrupts a run after step N as a crash would (the
+#    learning-rate schedule still spans --steps), so "10 steps, stop, resume, 10 steps" is one flag away.
+RESUME = ["--steps", "20", "--log-every", "1", "--eval-every", "10", "--warmup-steps", "5", "--sample-tokens", "0"]
+
+
+def grad_norms(rows):
+    return {r["step"]: r["grad_norm"] for r in rows if r["loss"] is not None}
+
+
+@pytest.mark.parametrize("flags", [
+    ["--dropout", "0.1"],  # the random stream (dropout) must continue where it stopped
+    ["--tie-weights", "false", "--mixed-precision", "fp16", "--grad-accum-steps", "2"],  # loss scaler, accumulation
+], ids=lambda v: " ".join(v))
+def test_resume_is_bit_identical(text_files, tmp_path, flags):
+    """20 steps straight == 10 steps, stop, --resume, 10 steps (2 ranks both times): identical losses."""
+    ckpt = tmp_path / "ckpt"
+    straight = run(tiny(text_files, tmp_path, *RESUME, *flags, name="straight.jsonl"), timeout=120)
+    assert straight.returncode == 0, show(straight)
+    first = run(tiny(text_files, tmp_path, *RESUME, *flags, "--ckpt-dir", ckpt, "--ckpt-every", "5", "--stop-at", "10",
+                     name="first.jsonl"), timeout=120)
+    assert first.returncode == 0, show(first)
+    assert f"[default0]:checkpoint: {ckpt}/step-10 saved" in first.stdout, show(first)
+    assert "[default0]:stopped after step 10 of 20 (--stop-at)" in first.stdout, show(first)
+    assert (ckpt / "latest").read_text().strip() == "step-10"
+    second = run(tiny(text_files, tmp_path, *RESUME, *flags, "--ckpt-dir", ckpt, "--ckpt-every", "5", "--resume",
+                      name="second.jsonl"), timeout=120)
+    assert second.returncode == 0, show(second)
+    assert re.search(rf"\[default0\]:resume: {re.escape(str(ckpt))}/step-10 \(after step 10, saved on 2 ranks, "
+                     r"loaded on 2 .*continuing at step 11/20", second.stdout), show(second)
+
+    ref, a, b = (metrics(tmp_path / n) for n in ("straight.jsonl", "first.jsonl", "second.jsonl"))
+    assert sorted(train_losses(a)) == list(range(1, 11)) and sorted(train_losses(b)) == list(range(11, 21))
+    # Bit-identical: the JSON numbers round-trip doubles exactly.
+    assert train_losses(a) | train_losses(b) == train_losses(ref), (train_losses(a), train_losses(b), train_losses(ref))
+    assert grad_norms(a) | grad_norms(b) == grad_norms(ref)
+    assert eval_losses(a)[10] == eval_losses(ref)[10] and eval_losses(b)[20] == eval_losses(ref)[20]
+    assert (ckpt / "latest").read_text().strip() == "step-20"
+    assert sorted(d.name for d in ckpt.iterdir()) == ["latest", "step-10", "step-15", "step-20", "step-5"]
+
+
+def test_checkpoint_holds_tied_weight_once_for_the_optimizer(text_files, tmp_path):
+    """A tied weight: in the model part under both of its names (the same values), its optimizer state once."""
+    ckpt = tmp_path / "ckpt"
+    p = run(tiny(text_files, tmp_path, "--steps", "3", "--sample-tokens", "0", "--ckpt-dir", ckpt), timeout=60)
+    assert p.returncode == 0, show(p)
+    ls = subprocess.run([str(BUILD / "bin" / "fsdp-ckpt"), "ls", ckpt / "step-3"], capture_output=True, text=True,
+                        timeout=60)
+    assert ls.returncode == 0, ls.stderr
+    for key in ("model.wte.weight", "model.lm_head.weight", "optim.state.wte.weight.exp_avg", "train.rng_state"):
+        assert re.search(rf"^\s+{re.escape(key)}\s", ls.stdout, re.M), (key, ls.stdout)
+    assert "optim.state.lm_head.weight" not in ls.stdout, ls.stdout
+    out = tmp_path / "full"
+    c = subprocess.run([str(BUILD / "bin" / "fsdp-ckpt"), "consolidate", ckpt / "step-3", "--out", out,
+                        "--prefix", "model.", "--strip-prefix"], capture_output=True, text=True, timeout=60)
+    assert c.returncode == 0, c.stderr
+    from safetensors.numpy import load_file
+    full = load_file(str(out / "model.safetensors"))
+    assert full["wte.weight"].shape == (256, 32) and (full["wte.weight"] == full["lm_head.weight"]).all()
+
+
+def test_resume_on_another_world_size(text_files, tmp_path):
+    """Saved on 2 ranks (batch 4 each), resumed on 1 with the same global batch (8): the model and the
+    optimizer are resharded and the data position carries over (the very same batches)."""
+    import numpy as np
+    ckpt = tmp_path / "ckpt"
+    ref = run(tiny(text_files, tmp_path, *RESUME, "--dump-batches", tmp_path / "ref_batches", name="ref.jsonl"),
+              timeout=120)
+    assert ref.returncode == 0, show(ref)
+    first = run(tiny(text_files, tmp_path, *RESUME, "--ckpt-dir", ckpt, "--ckpt-every", "10", "--stop-at", "10",
+                     name="first.jsonl"), timeout=120)
+    assert first.returncode == 0, show(first)
+    second = run(tiny(text_files, tmp_path, *RESUME, "--batch-size", "8", "--ckpt-dir", ckpt, "--resume",
+                      "--dump-batches", tmp_path / "batches", name="second.jsonl"), nproc=1, timeout=120)
+    assert second.returncode == 0, show(second)
+    assert re.search(r"\[default0\]:resume: .*/step-10 \(after step 10, saved on 2 ranks, loaded on 1 .*\); "
+                     r"data: epoch 0, window 80 of \d+; continuing at step 11/20", second.stdout), show(second)
+    # The same batches: the one rank's batch of each step is the 2 ranks' batches interleaved (rank r
+    # takes every 2nd window of the global batch from r).
+    r0, r1 = (np.load(tmp_path / "ref_batches" / f"rank{r}.npy") for r in (0, 1))
+    mine = np.load(tmp_path / "batches" / "rank0.npy")  # [steps, accum, 2, batch, block]
+    assert r0.shape == (20, 1, 2, 4, 32) and mine.shape == (10, 1, 2, 8, 32), (r0.shape, mine.shape)
+    assert (mine[:, :, :, 0::2] == r0[10:]).all() and (mine[:, :, :, 1::2] == r1[10:]).all()
+    # Losses within the sharded-vs-unsharded parity tolerance of the uninterrupted 2-rank run.
+    want = {s: l for s, l in train_losses(metrics(tmp_path / "ref.jsonl")).items() if s > 10}
+    worst = assert_close(train_losses(metrics(tmp_path / "second.jsonl")), want, RTOL, "train loss after resume")
+    ev = eval_losses(metrics(tmp_path / "ref.jsonl"))
+    assert_close(eval_losses(metrics(tmp_path / "second.jsonl")), {20: ev[20]}, RTOL, "eval loss after resume")
+    print(f"[resume 2 -> 1 rank] max relative loss difference {worst:.3g} (tolerance {RTOL:g})")
+
+
+def test_keep_last(text_files, tmp_path):
+    """--keep-last 2 keeps the two newest step-N folders; `latest` names the newest; a resumed run with a
+    larger --steps goes on saving and pruning."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--sample-tokens", "0", "--eval-every", "100", "--ckpt-dir", ckpt, "--ckpt-every", "2", "--keep-last", "2"]
+    p = run(tiny(text_files, tmp_path, "--steps", "7", *common), timeout=60)
+    assert p.returncode == 0, show(p)
+    saved = re.findall(r"\[default0\]:checkpoint: .*/(step-\d+) saved", p.stdout)
+    assert saved == ["step-2", "step-4", "step-6", "step-7"], show(p)  # and after the last step
+    assert sorted(d.name for d in ckpt.iterdir()) == ["latest", "step-6", "step-7"]
+    assert (ckpt / "latest").read_text().strip() == "step-7"
+    p = run(tiny(text_files, tmp_path, "--steps", "10", "--resume", *common), timeout=60)
+    assert p.returncode == 0, show(p)
+    assert "resume: " in p.stdout and "continuing at step 8/10" in p.stdout, show(p)
+    assert sorted(d.name for d in ckpt.iterdir()) == ["latest", "step-10", "step-8"]
+    assert (ckpt / "latest").read_text().strip() == "step-10"
+    v = subprocess.run([str(BUILD / "bin" / "fsdp-ckpt"), "verify", ckpt / "step-10"], capture_output=True, text=True,
+                       timeout=60)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+# Bad input: each rank alone (no peer, an unreachable rendezvous) must fail at once with the message, as
+# in test_bad_input_fails_on_every_rank. {ckpt} is a checkpoint of the tiny preset after step 2 of 5.
+CKPT_BAD_INPUT = [
+    ("resume from an empty directory", ["--ckpt-dir", "{empty}", "--resume"],
+     "--resume: no checkpoint in --ckpt-dir {empty} (no 'latest' file and no step-N folder). Fix: "),
+    ("resume from a missing directory", ["--ckpt-dir", "{missing}", "--resume"],
+     "--resume: --ckpt-dir {missing} does not exist"),
+    ("resume without --ckpt-dir", ["--resume"], "--resume needs --ckpt-dir DIR"),
+    ("resume with another --n-embd", ["--ckpt-dir", "{ckpt}", "--resume", "--n-embd", "64"],
+     "holds a model of another shape: parameter 'wte.weight' has shape [256, 32] in the checkpoint but [256, 64] "
+     "in this model"),
+    ("resume with another --n-layer", ["--ckpt-dir", "{ckpt}", "--resume", "--n-layer", "3"],
+     "holds a model of another shape: parameter 'h.2.ln_1.weight' has shape [32] in this model but is not in the "
+     "checkpoint"),
+    ("resume with fewer layers", ["--ckpt-dir", "{ckpt}", "--resume", "--n-layer", "1"],
+     "the checkpoint has parameter 'h.1."),
+    ("resume with an untied head", ["--ckpt-dir", "{ckpt}", "--resume", "--tie-weights", "false"],
+     "holds another model (saved: 2 layers, 2 heads, 32 dims, context 32, vocab 256, tied head; this run: "),
+    ("a new run into a directory with checkpoints", ["--ckpt-dir", "{ckpt}"], "already holds checkpoints"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(text_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_ckpt") / "ckpt"
+    p = run(["--model", "tiny", "--data", *text_files, "--steps", "5", "--stop-at", "2", "--sample-tokens", "0",
+             "--threads", "1", "--ckpt-dir", d], timeout=60)
+    assert p.returncode == 0, show(p)
+    assert (d / "latest").read_text().strip() == "step-2"
+    return d
+
+
+@pytest.mark.parametrize("case,args,message", CKPT_BAD_INPUT, ids=[c[0] for c in CKPT_BAD_INPUT])
+def test_checkpoint_bad_input_fails_on_every_rank(text_files, tmp_path, tiny_checkpoint, case, args, message):
+    (tmp_path / "empty").mkdir()
+    paths = {"empty": tmp_path / "empty", "missing": tmp_path / "missing", "ckpt": tiny_checkpoint}
+    args = [a.format(**paths) for a in args]
+    message = message.format(**paths)
+    cmd = bad_input_args(text_files, tmp_path, args)  # ... --steps 5
+    for rank in (0, 1):
+        env = clean_env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "FSDP_TIMEOUT_S": "5"}
+        p = subprocess.run(cmd, env=env, capture_output=True, encoding="utf-8", timeout=30)
+        assert p.returncode == 2, f"{case}: rank {rank}\n" + show(p)
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train_gpt: error: ") and message in lines[0], \
+            f"{case}: rank {rank}\n" + show(p)
+        assert "Fix:" in lines[0], f"{case}: the message names no fix\n" + show(p)
+        assert p.stdout == "", f"{case}: rank {rank} started\n" + show(p)
+    # The checkpoint is untouched by the failed runs.
+    assert sorted(d.name for d in tiny_checkpoint.iterdir()) == ["latest", "step-2"]
+
+
+def test_checkpoint_bad_input_through_fsdprun(text_files, tmp_path, tiny_checkpoint):
+    p = run(bad_input_args(text_files, tmp_path, ["--ckpt-dir", str(tiny_checkpoint), "--resume", "--n-embd", "64"])[1:],
+            timeout=60)
+    assert p.returncode != 0, show(p)
+    assert re.search(r"\[default\d\]:train_gpt: error: --resume: the checkpoint .*/step-2 holds a model of another "
+                     r"shape: parameter 'wte.weight' has shape \[256, 32\] in the checkpoint but \[256, 64\]", p.stderr), show(p)
+    assert "step " not in p.stdout, show(p)
