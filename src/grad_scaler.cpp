@@ -51,6 +51,17 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
   return true;
 }
 
+void ShardedGradScaler::load_state(double scale, int64_t growth_tracker) {
+  TORCH_CHECK(scale > 0, "ShardedGradScaler::load_state: expected a positive scale, got ", scale);
+  TORCH_CHECK(growth_tracker >= 0 && growth_tracker < options_.growth_interval(),
+              "ShardedGradScaler::load_state: growth_tracker ", growth_tracker, " is outside [0, growth_interval(",
+              options_.growth_interval(), "))");
+  scale_ = scale;
+  growth_tracker_ = growth_tracker;
+  unscaled_ = false;
+  found_inf_ = false;
+}
+
 void ShardedGradScaler::update() {
   if (!options_.enabled()) return;
   if (found_inf_) {

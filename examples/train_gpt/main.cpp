@@ -891,7 +891,7 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   };
 
   // The evaluation before training (the "first" evaluation loss): ~ln(256) = 5.55 for a fresh model.
-  if (start_step == 0 && !std::getenv("TMP_NO_EVAL0")) {  // TEMP DEBUG
+  if (start_step == 0) {
     double v = run_eval(0);
     metrics.write({{"step", 0}, {"loss", nullptr}, {"lr", 0.0}, {"grad_norm", nullptr}, {"tokens_per_s", nullptr},
                    {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()}, {"eval_loss", v}});
@@ -915,48 +915,7 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
       auto [x, y] = s.train.get(sampler.next());
       if (recorder) recorder->add(x, y);
       if (!o.no_shard) model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
-      if (std::getenv("TMP_NOGRAD")) {  // TEMP DEBUG
-        torch::NoGradGuard ng;
-        std::cout << "TMP step " << step << " nograd loss " << std::setprecision(17) << lm_loss(forward(x), y).item<double>() << std::endl;
-      }
       auto loss = lm_loss(forward(x), y) / static_cast<double>(o.grad_accum_steps);
-      if (std::getenv("TMP_NOGRAD")) std::cout << "TMP step " << step << " grad loss " << std::setprecision(17) << loss.item<double>() << std::endl;
-      if (std::getenv("TMP_MANUAL")) {  // TEMP DEBUG: plain forward with the (still unsharded) params
-        torch::NoGradGuard ng;
-        auto& m = *model;
-        if (std::getenv("TMP_CLONE")) for (auto& p : m.parameters()) { std::cout << "TMP ptr%64 " << (reinterpret_cast<uintptr_t>(p.data_ptr()) % 64) << " off " << p.storage_offset() << " " << p.sizes() << " " << p.strides() << std::endl; p.set_data(p.data().clone()); }
-        auto pos = torch::arange(x.size(1), x.options());
-        std::vector<std::pair<std::string, torch::Tensor>> acts;
-        auto h = m.wte(x) + m.wpe(pos);
-        acts.emplace_back("emb", h);
-        for (size_t i = 0; i < m.blocks.size(); ++i) {
-          auto* b = m.blocks[i].get();
-          auto a1 = b->ln_1(h); acts.emplace_back("b" + std::to_string(i) + ".ln_1", a1);
-          auto a2 = b->attn->c_attn(a1); acts.emplace_back("b" + std::to_string(i) + ".c_attn", a2);
-          auto a3 = b->attn(a1); acts.emplace_back("b" + std::to_string(i) + ".attn", a3);
-          h = h + a3;
-          auto a4 = b->ln_2(h); acts.emplace_back("b" + std::to_string(i) + ".ln_2", a4);
-          auto a5 = b->mlp->c_fc(a4); acts.emplace_back("b" + std::to_string(i) + ".c_fc", a5);
-          auto a6 = b->mlp(a4); acts.emplace_back("b" + std::to_string(i) + ".mlp", a6);
-          h = h + a6; acts.emplace_back("b" + std::to_string(i), h);
-        }
-        auto lg = m.lm_head(m.ln_f(h));
-        acts.emplace_back("logits", lg);
-        if (std::getenv("TMP_ACTS") && std::atoi(std::getenv("TMP_ACTS")) == step) {
-          for (const auto& p : m.named_parameters()) acts.emplace_back("p." + p.key(), p.value());
-          acts.emplace_back("x", x);
-          std::vector<std::pair<std::string, torch::Tensor>> uniq; std::unordered_set<const void*> sn;
-          for (auto& a : acts) if (sn.insert(a.second.unsafeGetTensorImpl()).second) uniq.push_back(a);
-          write_safetensors("/tmp/exp/acts.safetensors", uniq, {});
-        }
-        std::cout << "TMP step " << step << " manual loss " << std::setprecision(17) << lm_loss(lg, y).item<double>() << " dtype " << lg.scalar_type() << std::endl;
-      }
-      if (const char* d = std::getenv("TMP_DUMP_FWD"); d && std::atoi(d) == step) {  // TEMP DEBUG
-        std::vector<std::pair<std::string, torch::Tensor>> ts;
-        std::unordered_set<const void*> seen;
-        for (const auto& p : model->named_parameters()) if (seen.insert(p.value().unsafeGetTensorImpl()).second) ts.emplace_back(p.key(), p.value().detach().clone());
-        write_safetensors("/tmp/exp/ours_fwd.safetensors", ts, {});
-      }
       (scaler ? scaler->scale(loss) : loss).backward();
       loss_sum += loss.detach();
     }
@@ -972,14 +931,6 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
       scaler->update();
     } else {
       optimizer.step();
-    }
-    if (const char* d = std::getenv("TMP_DUMP_STEP"); d && std::atoi(d) == step) {  // TEMP DEBUG
-      std::vector<std::pair<std::string, torch::Tensor>> ts;
-      std::unordered_set<const void*> seen;
-      for (const auto& p : model->named_parameters()) {
-        if (seen.insert(p.value().unsafeGetTensorImpl()).second) { ts.emplace_back(p.key(), p.value()); if (p.value().grad().defined()) ts.emplace_back(p.key() + ".grad", p.value().grad()); }
-      }
-      write_safetensors("/tmp/exp/ours_dump.safetensors", ts, {});
     }
     optimizer.zero_grad();
     // The loss of the global batch: the mean of the ranks' means (equal batch sizes).

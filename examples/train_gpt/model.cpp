@@ -26,6 +26,14 @@ const std::map<std::string, GPTConfig>& presets() {
   return p;
 }
 
+// The linear layers' forward. torch::nn::Linear's own forward (torch::nn::functional::linear) multiplies
+// and then adds the bias in a second pass when the input has more than 2 dims: in bf16 that rounds twice
+// (and sweeps the output once more). at::linear, which PyTorch's nn.Linear calls, fuses the bias into the
+// matmul (addmm): one rounding, and PyTorch's numbers to the bit (bench/compare_fsdp2.py checks it).
+torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return at::linear(x, layer->weight, layer->bias);
+}
+
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
@@ -65,7 +73,7 @@ void validate(const GPTConfig& cfg) {
 
 std::string describe(const GPTConfig& cfg) {
   std::ostringstream os;
-  os << cfg.n_layer << " layers, " << cfg.n_head << " heads, " << cfg.n_embd << " dims, context "
+  os << cfg.n_layer << (cfg.n_layer == 1 ? " layer, " : " layers, ") << cfg.n_head << " heads, " << cfg.n_embd << " dims, context "
      << cfg.block_size << ", vocab " << cfg.vocab_size << (cfg.tie_weights ? ", tied head" : ", untied head");
   if (cfg.dropout > 0) os << ", dropout " << cfg.dropout;
   return os.str();
@@ -81,13 +89,13 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head(
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), C = x.size(2);
-  auto qkv = c_attn(x).split(C, /*dim=*/2);  // 3 x [B, T, C]
+  auto qkv = linear(c_attn, x).split(C, /*dim=*/2);  // 3 x [B, T, C]
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
   // [B, H, T, D]; is_causal masks the future (no explicit mask tensor).
   auto y = torch::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
                                                /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
   y = y.transpose(1, 2).contiguous().view({B, T, C});
-  return resid_dropout(c_proj(y));
+  return resid_dropout(linear(c_proj, y));
 }
 
 MLPImpl::MLPImpl(const GPTConfig& cfg) {
@@ -97,7 +105,7 @@ MLPImpl::MLPImpl(const GPTConfig& cfg) {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return dropout(c_proj(torch::gelu(c_fc(x), "tanh")));
+  return dropout(linear(c_proj, torch::gelu(linear(c_fc, x), "tanh")));
 }
 
 BlockImpl::BlockImpl(const GPTConfig& cfg) {

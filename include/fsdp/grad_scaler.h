@@ -48,6 +48,10 @@ class ShardedGradScaler {
   void update();
 
   double get_scale() const { return options_.enabled() ? scale_ : 1.0; }
+  /// Restores the scale and growth tracker saved from get_scale() / growth_tracker() (e.g. on resume).
+  /// Throws c10::Error if scale <= 0 or the tracker is outside [0, growth_interval).
+  /// Mirrors GradScaler.load_state_dict().
+  void load_state(double scale, int64_t growth_tracker);
   /// Whether the last unscale_ found inf/nan on any rank.
   bool found_inf() const { return found_inf_; }
   int64_t growth_tracker() const { return growth_tracker_; }
