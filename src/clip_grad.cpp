@@ -16,13 +16,15 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
   std::vector<torch::Tensor> sharded, replicated;
   std::vector<torch::Tensor> grads;
   torch::ScalarType dtype = torch::kFloat32;
+  const auto owners = detail::param_owners();
   for (const auto& p : parameters) {
     const auto& g = p.grad();
     if (!g.defined()) continue;
     grads.push_back(g);
     if (g.scalar_type() == torch::kDouble) dtype = torch::kDouble;
-    auto state = detail::state_of_param(p);
-    if (state) {
+    auto it = owners.find(p.unsafeGetTensorImpl());
+    if (it != owners.end()) {
+      const auto& state = it->second;
       if (!group) group = state->group->mesh()->get_group(state->group->mesh()->ndim() - 1);
       sharded.push_back(g);
     } else {

@@ -35,8 +35,9 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   const int global_rank = mesh->get_rank();
   torch::NoGradGuard no_grad;
 
-  std::optional<torch::ScalarType> trainable_dtype;
-  std::string trainable_dtype_fqn;
+  // Validate every parameter before sharding any: a failed fully_shard leaves the module untouched.
+  std::optional<torch::ScalarType> trainable_dtype, gather_dtype;
+  std::string trainable_dtype_fqn, gather_dtype_fqn;
   for (auto& [name, tensor] : params) {
     TORCH_CHECK(tensor.dim() > 0, "fully_shard: parameter '", name, "' of ", module_name, " on rank ", global_rank,
                 " is a scalar (0-D): FSDP shards dim 0. Fix: give it shape [1] (e.g. `register_parameter(\"", name,
@@ -45,21 +46,31 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
                 global_rank, " is not contiguous (shape ", tensor.sizes(), ", strides ", tensor.strides(),
                 "): FSDP shards contiguous dim-0 rows. Fix: make it contiguous before fully_shard (p.set_data(p.contiguous()))");
     TORCH_CHECK(!tensor.is_sparse(), "fully_shard: parameter '", name, "' is sparse, which FSDP does not support");
+    if (tensor.requires_grad()) {
+      TORCH_CHECK(!trainable_dtype || *trainable_dtype == tensor.scalar_type(), "fully_shard: trainable parameters of ",
+                  module_name, " have different dtypes: '", trainable_dtype_fqn, "' is ", *trainable_dtype, " and '",
+                  name, "' is ", tensor.scalar_type(), ". FSDP reduces one group in one dtype. Fix: shard them in separate "
+                  "fully_shard calls or cast them to one dtype");
+      trainable_dtype = tensor.scalar_type();
+      trainable_dtype_fqn = name;
+    }
+    // One flat all-gather per group: every parameter must gather in the same dtype.
+    auto gdtype = (opts_.mp.param_dtype() && at::isFloatingType(tensor.scalar_type())) ? *opts_.mp.param_dtype()
+                                                                                       : tensor.scalar_type();
+    TORCH_CHECK(!gather_dtype || *gather_dtype == gdtype, "fully_shard: parameters '", gather_dtype_fqn, "' (",
+                *gather_dtype, ") and '", name, "' (", gdtype, ") of ", module_name, " would be all-gathered in different ",
+                "dtypes, but a group is gathered as one flat buffer. Fix: shard them in separate fully_shard calls, cast "
+                "them to one dtype, or pass one of them in ignored_params");
+    gather_dtype = gdtype;
+    gather_dtype_fqn = name;
+  }
+  for (auto& [name, tensor] : params) {
     FSDPParam p;
     p.fqn = name;
     p.param = tensor;
     p.orig_size = tensor.sizes().vec();
     p.orig_dtype = tensor.scalar_type();
-    bool floating = at::isFloatingType(p.orig_dtype);
-    p.param_dtype = (opts_.mp.param_dtype() && floating) ? *opts_.mp.param_dtype() : p.orig_dtype;
-    if (tensor.requires_grad()) {
-      TORCH_CHECK(!trainable_dtype || *trainable_dtype == p.orig_dtype, "fully_shard: trainable parameters of ",
-                  module_name, " have different dtypes: '", trainable_dtype_fqn, "' is ", *trainable_dtype, " and '",
-                  name, "' is ", p.orig_dtype, ". FSDP reduces one group in one dtype. Fix: shard them in separate "
-                  "fully_shard calls or cast them to one dtype");
-      trainable_dtype = p.orig_dtype;
-      trainable_dtype_fqn = name;
-    }
+    p.param_dtype = *gather_dtype;
     for (size_t d = 1; d < p.orig_size.size(); ++d) p.row_numel *= p.orig_size[d];
     p.padded_rows = (p.orig_size[0] + ws - 1) / ws;
     auto range = chunk_range(p.orig_size[0], ws, rank);
@@ -88,13 +99,6 @@ void FSDPParamGroup::unshard(bool async_op) {
   int64_t n = 0;
   for (const auto& p : params_) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
   auto dtype = params_.empty() ? torch::kFloat32 : params_[0].param_dtype;
-  // Parameters of one group may differ in param dtype only if some are not floating; gather those
-  // groups in the widest dtype would lose ints, so require one dtype (checked here, rare).
-  for (const auto& p : params_) {
-    TORCH_CHECK(p.param_dtype == dtype, "fully_shard: parameters '", params_[0].fqn, "' (", dtype, ") and '", p.fqn,
-                "' (", p.param_dtype, ") of one group have different all-gather dtypes. Fix: shard them in "
-                "separate fully_shard calls");
-  }
   auto output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
   // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
   auto input = output.narrow(0, pg.rank() * n, n);
@@ -300,6 +304,21 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
     } else {
       target = shard;
     }
+  }
+}
+
+void FSDPParamGroup::discard_gradients_in_flight() {
+  if (pending_rs_) {
+    try {
+      pending_rs_->work.wait();  // the collective must complete on every rank; its result is dropped
+    } catch (...) {
+      // the failure that interrupted the backward is already being reported
+    }
+    pending_rs_.reset();
+  }
+  for (auto& p : params_) {
+    auto& g = p.param.mutable_grad();
+    if (g.defined() && g.sizes() != p.sharded_data.sizes()) g = torch::Tensor();  // an unsharded leftover
   }
 }
 

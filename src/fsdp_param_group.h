@@ -104,6 +104,9 @@ class FSDPParamGroup {
   /// group (HSDP), and accumulates into (or sets) the sharded gradients.
   void finish_reduce(double divide_factor);
   bool reduce_in_flight() const { return pending_rs_.has_value(); }
+  /// After a backward that did not finish (an exception): completes and drops an in-flight
+  /// reduce-scatter and drops unsharded gradients, so they cannot leak into the next step.
+  void discard_gradients_in_flight();
 
   /// The sharded parameter as a DTensor (aliases the local shard).
   DTensor sharded_dtensor(const FSDPParam& p) const;

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "fsdp/fully_shard.h"
@@ -92,5 +93,7 @@ std::shared_ptr<FSDPState> state_by_id(int64_t id);
 
 /// The FSDP state managing `param` (a registered parameter of a sharded module), or null.
 std::shared_ptr<FSDPState> state_of_param(const torch::Tensor& param);
+/// Every parameter managed by a live FSDP state, with its state (one registry scan).
+std::unordered_map<const c10::TensorImpl*, std::shared_ptr<FSDPState>> param_owners();
 
 }  // namespace fsdp::detail

@@ -102,6 +102,17 @@ std::shared_ptr<FSDPState> state_by_id(int64_t id) {
   return it == r.by_id.end() ? nullptr : it->second.lock();
 }
 
+std::unordered_map<const c10::TensorImpl*, std::shared_ptr<FSDPState>> param_owners() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::unordered_map<const c10::TensorImpl*, std::shared_ptr<FSDPState>> owners;
+  for (auto& [mod, entry] : r.by_module) {
+    if (entry.module.expired() || !entry.state->group) continue;
+    for (const auto& p : entry.state->group->params()) owners.emplace(p.param.unsafeGetTensorImpl(), entry.state);
+  }
+  return owners;
+}
+
 std::shared_ptr<FSDPState> state_of_param(const torch::Tensor& param) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -178,8 +189,16 @@ void FSDPState::lazy_init() {
 void FSDPState::root_pre_forward() {
   // A new iteration. Groups left unsharded by a forward without backward (evaluation) or by an unused
   // prefetch are resharded, so that no stale all-gather survives an optimizer step.
+  const bool backward_unfinished = ctx->callback_queued;  // the last backward threw before its end
   for (FSDPState* s : ctx->states) {
-    if (s != this && s->group && s->reshard_after_forward_k != 0) s->group->reshard();
+    if (!s->group) continue;
+    if (backward_unfinished) {
+      // Its in-flight reduce-scatters and unsharded gradients must not leak into this step.
+      s->group->discard_gradients_in_flight();
+      s->group->reshard();
+    } else if (s != this && s->reshard_after_forward_k != 0) {
+      s->group->reshard();
+    }
   }
   ctx->reset_iteration();
 }
@@ -321,7 +340,10 @@ void FSDPState::root_post_backward_final() {
   for (FSDPState* s : ctx->states) {
     if (!s->group) continue;
     if (s->is_last_backward) s->group->finish_reduce(s->divide_factor());
-    if (s->reshard_after_backward) s->group->reshard();
+    // After a synchronised backward the optimizer steps next: it must see the shards and their
+    // gradients, so the group reshards even with reshard_after_backward=false (which keeps the
+    // parameters unsharded only between microbatches that skip the gradient sync).
+    if (s->reshard_after_backward || (s->requires_gradient_sync && s->is_last_backward)) s->group->reshard();
   }
   ctx->reset_iteration();
 }
@@ -335,10 +357,10 @@ std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Ten
 }
 
 void forward_failed(FSDPState& state, std::exception_ptr error) {
-  // Leave the module consistent: sharded, idle.
+  // Leave the module consistent: sharded, idle (the next forward gathers again).
   state.training_state = TrainingState::IDLE;
   try {
-    if (state.group && state.reshard_after_forward_k != 0) state.group->reshard();
+    if (state.group) state.group->reshard();
   } catch (...) {
     // keep the original error
   }
@@ -567,6 +589,20 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
   TORCH_CHECK(root, "fully_shard_tree: got a null root");
   std::vector<std::string> wrapped;
   std::vector<std::string> unreachable;
+  auto type_selected = [&](const torch::nn::Module& m) {
+    // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
+    const std::string type = m.name();
+    const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
+    return policy.module_types().count(type) > 0 || policy.module_types().count(short_type) > 0;
+  };
+  // Refuse before sharding anything: a failed call leaves the model untouched.
+  for (const auto& item : root->named_modules("", /*include_self=*/false)) {
+    if (type_selected(*item.value()) && !detail::state_of(*item.value()) && !detail::is_marked(*item.value())) {
+      unreachable.push_back("'" + item.key() + "' (" + item.value()->name() + ")");
+    }
+  }
+  TORCH_CHECK(unreachable.empty(), "fully_shard_tree: the policy selects ", c10::Join(", ", unreachable),
+              ", whose forward cannot go through FSDP. Fix: declare each as fsdp::FSDPModule<Holder> instead of Holder");
   // Post-order: children before parents, the root last. Returns the parameter elements of the
   // subtree not yet wrapped.
   std::function<int64_t(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
@@ -577,24 +613,15 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
     }
     for (const auto& p : m->named_parameters(/*recurse=*/false)) unwrapped += p.value().numel();
     if (path.empty() || detail::state_of(*m)) return unwrapped;  // the root comes last; already sharded
-    // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
-    const std::string type = m->name();
-    const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
-    bool by_type = policy.module_types().count(type) > 0 || policy.module_types().count(short_type) > 0;
+    bool by_type = type_selected(*m);
     bool by_size = policy.min_num_params() > 0 && unwrapped >= policy.min_num_params();
     if (!by_type && !by_size) return unwrapped;
-    if (!detail::is_marked(*m)) {
-      if (by_type) unreachable.push_back("'" + path + "' (" + m->name() + ")");
-      return unwrapped;  // a size-selected module FSDP cannot intercept stays with its parent
-    }
+    if (!detail::is_marked(*m)) return unwrapped;  // a size-selected module FSDP cannot intercept stays with its parent
     fully_shard(m, options);
     wrapped.push_back(path);
     return 0;
   };
-  int64_t left = visit(root, "");
-  (void)left;
-  TORCH_CHECK(unreachable.empty(), "fully_shard_tree: the policy selects ", c10::Join(", ", unreachable),
-              ", whose forward cannot go through FSDP. Fix: declare each as fsdp::FSDPModule<Holder> instead of Holder");
+  visit(root, "");
   if (!detail::state_of(*root)) fully_shard(root, options);
   wrapped.push_back("");
   return wrapped;

@@ -259,6 +259,56 @@ TEST(Parity, OptimizerBuiltAfterForwardWithUnshardedRoot) {
   });
 }
 
+// reshard_after_backward=false keeps the parameters unsharded between no-sync microbatches; after
+// the synchronised one the optimizer sees shards with their gradients.
+TEST(GradientAccumulation, ReshardAfterBackwardFalseStillStepsShards) {
+  constexpr int k = 3;
+  auto batches = make_batches(1, kBatch * k, kSeq, 99);
+  Net ref;
+  load_full(*ref, initial_weights());
+  loss_fn(ref->forward(batches[0].idx), batches[0].targets).backward();
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    Net net = build_sharded({}, pg);
+    FSDPModule<Net> model(net);
+    model.set_reshard_after_backward(false);
+    for (int m = 0; m < k; ++m) {
+      auto b = batches[0].slice(m * kBatch + pg->rank() * 6, 6);
+      model.set_requires_gradient_sync(m == k - 1);
+      (loss_fn(model(b.idx), b.targets) / k).backward();
+      if (m < k - 1) EXPECT_EQ(net->blocks[0]->fc1->weight.size(0), kHidden) << "kept unsharded between microbatches";
+    }
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    for (const auto& p : net->named_parameters()) {
+      auto expect = distribute_tensor(ref->named_parameters()[p.key()].grad(), mesh, {Shard(0)}).to_local();
+      ASSERT_EQ(p.value().sizes(), expect.sizes()) << p.key() << " is resharded after the synchronised backward";
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_TRUE(torch::allclose(p.value().grad(), expect, 1e-5, 1e-6)) << p.key();
+    }
+  });
+}
+
+TEST(BadInput, FailedFullyShardLeavesTheModuleUnchanged) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto m = std::make_shared<torch::nn::Module>();
+    m->register_parameter("a", torch::ones({4, 3}));
+    m->register_parameter("b", torch::ones({4, 3}).t());  // non-contiguous: rejected
+    EXPECT_THROW(fully_shard(m, FullyShardOptions().mesh(mesh)), c10::Error);
+    EXPECT_EQ(m->named_parameters()["a"].size(0), 4) << "validated before sharding";
+    // Parameters that would be gathered in different dtypes are refused at fully_shard.
+    auto n = std::make_shared<torch::nn::Module>();
+    n->register_parameter("w", torch::ones({4, 3}));
+    n->register_parameter("ids", torch::zeros({4}, torch::kLong), /*requires_grad=*/false);
+    try {
+      fully_shard(n, FullyShardOptions().mesh(mesh));
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("different dtypes"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(n->named_parameters()["w"].size(0), 4);
+  });
+}
+
 // Ignored parameters are neither sharded nor reduced.
 TEST(Layout, IgnoredParamsStayFull) {
   run_ranks(2, [](ProcessGroupPtr pg) {

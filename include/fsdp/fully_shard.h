@@ -134,7 +134,10 @@ class FSDPModuleAPI {
   /// Enables/disables the gradient reduce-scatter in backward (disable for all but the last
   /// microbatch of gradient accumulation). Mirrors FSDPModule.set_requires_gradient_sync().
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
-  /// Reshard after backward (default true). Mirrors FSDPModule.set_reshard_after_backward().
+  /// Reshard after backward (default true). With false, the parameters stay unsharded after a
+  /// backward that skipped the gradient sync (the microbatches of gradient accumulation), which saves
+  /// the next forward's all-gather; after a synchronised backward the group reshards anyway, so that
+  /// the optimizer sees the shards and their gradients. Mirrors FSDPModule.set_reshard_after_backward().
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
   /// Changes reshard_after_forward of this module (and, with recurse, its sharded submodules).
   void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
@@ -248,11 +251,16 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 
 /// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
 /// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module.
+/// Afterwards, between forward/backward passes, the registered parameters hold their local shard:
+/// their sizes() are [rows of this rank (possibly 0), *rest] and the optimizer steps those shards.
+/// Everything is validated before anything is sharded: when it throws, the module is unchanged.
 /// Throws c10::Error (messages name the parameter's fully qualified name and the rank) for: a scalar
 /// or non-contiguous parameter, a parameter tied to one managed by another fully_shard call (shard
-/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters, a
-/// mesh of more than 2 dims, reshard_after_forward = k not dividing the shard group size, a module
-/// already sharded.
+/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters,
+/// parameters that would be all-gathered in different dtypes (e.g. a frozen int buffer-like
+/// parameter beside float ones: ignore it or shard it separately), a mesh of more than 2 dims, a
+/// module already sharded. reshard_after_forward = k not dividing the shard group size throws at the
+/// first forward.
 FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
 /// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
 /// holds the group's state; the forward of each must go through FSDP.
