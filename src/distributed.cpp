@@ -1,5 +1,7 @@
 #include "fsdp/distributed.h"
 
+#include <netdb.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -255,6 +257,14 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
 
   // Rendezvous. With an agent store the launcher hosts the TCPStore and we are clients under the
   // attempt's prefix (torchrun's contract); otherwise rank 0 hosts it.
+  // An unresolvable host would make the TCPStore retry until the timeout: fail now, naming it.
+  {
+    addrinfo* res = nullptr;
+    int rc = getaddrinfo(env.master_addr.c_str(), nullptr, nullptr, &res);
+    if (res) freeaddrinfo(res);
+    TORCH_CHECK(rc == 0, "init_process_group: MASTER_ADDR=", env.master_addr, " cannot be resolved (",
+                gai_strerror(rc), "). Fix: set MASTER_ADDR to the host name or IP address of rank 0");
+  }
   c10::intrusive_ptr<c10d::Store> store;
   c10d::TCPStoreOptions sopts;
   sopts.port = static_cast<std::uint16_t>(env.master_port);

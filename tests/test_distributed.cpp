@@ -237,6 +237,15 @@ TEST_F(Env, UnreachableMasterFailsWithinTheTimeout) {
   EXPECT_LT(s, 2.0 + 5.0) << "took " << s << " s";
 }
 
+TEST_F(Env, UnresolvableMasterAddrFailsAtOnce) {
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "no-such-host.invalid", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  auto msg = error_of([] { fsdp::init_process_group(); });
+  EXPECT_NE(msg.find("MASTER_ADDR=no-such-host.invalid cannot be resolved"), std::string::npos) << msg;
+}
+
 TEST_F(Env, SingleProcessNeedsNoMaster) {
   setenv("RANK", "0", 1);
   setenv("WORLD_SIZE", "1", 1);

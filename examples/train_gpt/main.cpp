@@ -215,8 +215,10 @@ GPTConfig model_config(const Options& o) {
 
 /// "true" | "false" | N. Throws UsageError unless N divides the world size.
 fsdp::ReshardAfterForward parse_reshard_after_forward(const std::string& s, int world_size) {
-  if (s == "true" || s == "1") return true;
-  if (s == "false" || s == "0") return false;
+  // As fully_shard's int: N ranks keep 1/N each between forward and backward, so 1 keeps everything
+  // (= false) and the world size keeps nothing extra (= true); fully_shard maps both itself.
+  if (s == "true") return true;
+  if (s == "false") return false;
   int n = 0;
   size_t used = 0;
   try {
