@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+"""gpt_twin: train_gpt's GPT in PyTorch, sharded with PyTorch's own FSDP2 (torch.distributed.fsdp.fully_shard)
+on Gloo, replaying a train_gpt run: the same weights, the same token batches, the same optimizer and schedule.
+
+    build/bin/fsdprun --standalone --nproc-per-node 2 -- build/bin/train_gpt --model tiny --steps 20 \\
+        --save-init /tmp/r/init.safetensors --dump-batches /tmp/r/batches ...
+    torchrun --standalone --nproc-per-node 2 bench/gpt_twin.py \\
+        --init /tmp/r/init.safetensors --batches /tmp/r/batches --metrics /tmp/r/torch.jsonl
+
+What makes the two runs identical (examples/train_gpt/{model.cpp,main.cpp} are the reference):
+  * the model: the same modules, parameter names and forward (examples/train_gpt/model.cpp), built from the
+    shape in the safetensors metadata and loaded from the weights train_gpt wrote before sharding
+    (--save-init; a tied lm_head.weight is stored once, as wte.weight);
+  * the data: the batches train_gpt's ranks trained on (--dump-batches DIR: DIR/rank<R>.npy), rank R
+    replays DIR/rank<R>.npy; the hyper-parameters come from DIR/run.json;
+  * the parallelism: each block a fully_shard group, then the root (default reshard_after_forward: False for
+    the root); MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16;
+  * the step: loss / accum per microbatch (gradient sync on the last one only), clip to the global norm,
+    AdamW (betas and eps from run.json; weight decay on dim >= 2 only), warmup + cosine learning rate,
+    zero_grad(set_to_none), the loss all-reduced (SUM / world) -- the step time covers exactly that.
+
+--math torch (default) is what a PyTorch user writes: torch.optim.AdamW and torch.nn.utils' clipping on
+DTensors. --math libtorch replays the arithmetic of LibTorch's C++ AdamW and of fsdp::clip_grad_norm_
+operation by operation (on the local shards), to separate "different formulas" from "different results":
+the two implementations round differently in two places (see the functions below).
+
+--no-shard: plain PyTorch in one process, no fully_shard (bf16 by CPU autocast): PyTorch's floor.
+
+Metrics (rank 0, JSON lines, one per step): step, loss, lr, grad_norm, step_ms, peak_rss_mb (max over ranks
+of VmHWM), as train_gpt's --metrics with --log-every 1.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+
+# ---- Model (examples/train_gpt/model.cpp, line by line) ------------------------------------------------
+
+class Config:
+    def __init__(self, meta):
+        self.vocab_size = int(meta["vocab_size"])
+        self.block_size = int(meta["block_size"])
+        self.n_layer = int(meta["n_layer"])
+        self.n_head = int(meta["n_head"])
+        self.n_embd = int(meta["n_embd"])
+        self.dropout = float(meta["dropout"])
+        self.tie_weights = meta["tie_weights"] == "true"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # noqa: E731
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=None,
+                                           dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LMHead(nn.Module):
+    def __init__(self, cfg, tied):
+        super().__init__()
+        self.weight = tied if tied is not None else nn.Parameter(torch.empty(cfg.vocab_size, cfg.n_embd))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = LMHead(cfg, self.wte.weight if cfg.tie_weights else None)
+
+    def forward(self, idx):
+        T = idx.size(1)
+        pos = torch.arange(T, dtype=idx.dtype, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def load_model(path):
+    """The model of train_gpt --save-init FILE: shape from the metadata, every parameter from the file."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        missing = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "tie_weights"} - meta.keys()
+        if missing:
+            sys.exit(f"gpt_twin: {path} has no model shape in its metadata (missing {sorted(missing)}): "
+                     "expected a file written by train_gpt --save-init")
+        cfg = Config(meta)
+        model = GPT(cfg)
+        names = dict(model.named_parameters())  # a tied weight once, as wte.weight (as train_gpt writes it)
+        if set(names) != set(f.keys()):
+            sys.exit(f"gpt_twin: {path} does not match the model: only in the file {sorted(set(f.keys()) - set(names))}, "
+                     f"only in the model {sorted(set(names) - set(f.keys()))}")
+        with torch.no_grad():
+            for name, p in names.items():
+                t = f.get_tensor(name)
+                if t.shape != p.shape:
+                    sys.exit(f"gpt_twin: {name} is {list(t.shape)} in {path}, {list(p.shape)} in the model")
+                p.copy_(t)
+    return model, cfg
+
+
+# ---- The step (examples/train_gpt/main.cpp: lr_at, lm_loss, train) -----------------------------------
+
+def lr_at(step, run):
+    """Linear warmup to lr, then cosine decay to min_lr at the last step (same double arithmetic as lr_at)."""
+    lr, min_lr, warmup, steps = run["lr"], run["min_lr"], run["warmup_steps"], run["steps"]
+    if warmup > 0 and step <= warmup:
+        return lr * float(step) / float(warmup)
+    span = float(max(steps - warmup, 1))
+    progress = min(1.0, float(step - warmup) / span)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.to(torch.float32).reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_torch(params, max_norm):
+    """torch.nn.utils' clipping on DTensor gradients, the norm made a full tensor once (as torchtitan does:
+    one all-reduce, shared by the clipping and the log)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+@torch.no_grad()
+def clip_libtorch(params, max_norm, world):
+    """fsdp::clip_grad_norm_ (src/clip_grad.cpp), operation by operation. It differs from torch.nn.utils in
+    rounding only: it accumulates sum(norm_i^2) one gradient at a time (PyTorch: the 2-norm of the stacked
+    norms), and computes max_norm / (norm + 1e-6) as a division (PyTorch: reciprocal times max_norm)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    acc = torch.zeros(1)
+    for g in grads:
+        if g.numel() > 0:
+            acc += torch.linalg.vector_norm(g.to(torch.float32), 2.0).pow(2.0)
+    if world > 1:
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM)
+    total = (acc + torch.zeros(1)).pow(1.0 / 2.0).reshape(())
+    shifted = total + 1e-6
+    coef = torch.clamp_max(torch.empty_like(shifted).fill_(max_norm).div_(shifted), 1.0)  # C++ Scalar / Tensor
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+class LibTorchAdamW:
+    """torch::optim::AdamW of LibTorch (torch/csrc/api/src/optim/adamw.cpp), operation by operation, on the
+    local shards. It differs from torch.optim.AdamW in rounding only: exp_avg.mul_(beta1).add_(grad, 1 - beta1)
+    where PyTorch writes exp_avg.lerp_(grad, 1 - beta1), and addcdiv_ by (sqrt(v) / sqrt(bc2) + eps) with
+    -lr / bc1 where PyTorch folds the step size into the denominator only when capturable."""
+
+    def __init__(self, groups, betas, eps):
+        self.param_groups = [dict(g) for g in groups]
+        self.betas, self.eps = betas, eps
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self):
+        beta1, beta2 = self.betas
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                w, grad = local(p), local(p.grad)
+                st = self.state.setdefault(p, {"step": 0, "exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)})
+                if wd != 0:
+                    w.mul_(1 - lr * wd)
+                st["step"] += 1
+                bc1 = 1 - math.pow(beta1, st["step"])
+                bc2 = 1 - math.pow(beta2, st["step"])
+                st["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(self.eps)
+                w.addcdiv_(st["exp_avg"], denom, value=-(lr / bc1))
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def peak_rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def parse_reshard(value):
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    return int(value)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--init", required=True, help="initial weights: train_gpt --save-init FILE")
+    ap.add_argument("--batches", required=True, help="train_gpt --dump-batches DIR (rank<R>.npy, run.json)")
+    ap.add_argument("--steps", type=int, help="steps to run (default: all the recorded ones)")
+    ap.add_argument("--mixed-precision", choices=["fp32", "bf16"], help="default: as recorded in run.json")
+    ap.add_argument("--reshard-after-forward", help="true|false|N for the blocks (default: as recorded)")
+    ap.add_argument("--math", choices=["torch", "libtorch"], default="torch",
+                    help="torch: torch.optim.AdamW and torch.nn.utils clipping; libtorch: the arithmetic of "
+                         "LibTorch's AdamW and fsdp::clip_grad_norm_ replayed (for bitwise comparison)")
+    ap.add_argument("--no-shard", action="store_true", help="plain PyTorch in one process (no fully_shard)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: leave the default)")
+    ap.add_argument("--metrics", help="JSON lines, one per step (rank 0)")
+    args = ap.parse_args()
+
+    batches_dir = Path(args.batches)
+    run = json.loads((batches_dir / "run.json").read_text())
+    mp = args.mixed_precision or run["mixed_precision"]
+    if mp not in ("fp32", "bf16"):
+        sys.exit(f"gpt_twin: mixed precision {mp} is not supported (fp32 or bf16)")
+    reshard = parse_reshard(args.reshard_after_forward or run["reshard_after_forward"])
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    launched = "RANK" in os.environ
+    if args.no_shard and launched and int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        sys.exit("gpt_twin: --no-shard runs one process: launch it without torchrun")
+    if not args.no_shard:
+        if not launched:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not args.no_shard and world != run["world_size"]:
+        sys.exit(f"gpt_twin: {world} ranks, but the batches were recorded on {run['world_size']}: "
+                 f"launch with --nproc-per-node {run['world_size']}")
+
+    # The batches this rank trained on in train_gpt: [steps, accum, 2, B, T] int64.
+    batches = torch.from_numpy(np.load(batches_dir / f"rank{rank}.npy"))
+    steps = args.steps or batches.size(0)
+    if steps > batches.size(0) or steps > run["steps"]:
+        sys.exit(f"gpt_twin: --steps {steps} exceeds the {batches.size(0)} recorded steps")
+    accum = batches.size(1)
+
+    model, cfg = load_model(args.init)
+    # AdamW groups as train_gpt: weight decay on dim >= 2 (full shapes, decided before sharding).
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    all_params = list(model.parameters())
+
+    if not args.no_shard:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" \
+            else MixedPrecisionPolicy()
+        for block in model.h:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # the root last; its default: no reshard after forward
+        # fully_shard replaced the parameters by DTensors: regroup by name.
+        by_name = dict(model.named_parameters())
+        decay = [p for n, p in by_name.items() if p.dim() >= 2]
+        no_decay = [p for n, p in by_name.items() if p.dim() < 2]
+        all_params = list(by_name.values())
+
+    betas, eps = tuple(run["betas"]), run["eps"]
+    groups = [{"params": decay, "weight_decay": run["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.math == "torch":
+        optimizer = torch.optim.AdamW(groups, lr=run["lr"], betas=betas, eps=eps)
+    else:
+        optimizer = LibTorchAdamW([dict(g, lr=run["lr"]) for g in groups], betas, eps)
+    max_norm = run["clip_grad"] if run["clip_grad"] > 0 else math.inf
+
+    def forward(x):
+        if args.no_shard and mp == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(x)
+        return model(x)
+
+    out = open(args.metrics, "w") if args.metrics and rank == 0 else None
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step, run)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros(1)
+        for micro in range(accum):
+            x, y = batches[step - 1, micro, 0], batches[step - 1, micro, 1]
+            if not args.no_shard:
+                model.set_requires_gradient_sync(micro == accum - 1)
+            loss = lm_loss(forward(x), y) / float(accum)
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.math == "torch":
+            norm = clip_torch(all_params, max_norm).item()
+        else:
+            norm = clip_libtorch(all_params, max_norm, world).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        if world > 1:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        loss_value = loss_sum.item() / world
+        step_ms = 1e3 * (time.perf_counter() - t0)
+        if not math.isfinite(loss_value):
+            sys.exit(f"gpt_twin: the loss is {loss_value} at step {step}")
+        peak = torch.tensor([peak_rss_mb()], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if out:
+            out.write(json.dumps({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm, "step_ms": step_ms,
+                                  "peak_rss_mb": peak.item()}) + "\n")
+            out.flush()
+    if out:
+        out.close()
+    if dist.is_initialized():
+        # Every rank done with every collective before the group goes away (an early destroy on one rank
+        # can abort the other's teardown).
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Loss parity with PyTorch's own FSDP2 (CTest label vs_pytorch).
+
+train_gpt (ours, through fsdprun) and bench/gpt_twin.py (the same GPT sharded with
+torch.distributed.fsdp.fully_shard on Gloo, through torchrun) train from the same initial weights
+(train_gpt --save-init) on the same token batches (train_gpt --dump-batches), 2 ranks x 1 thread, tiny preset.
+
+* The acceptance figure (issue 8): fp32, 20 steps, PyTorch's own AdamW and gradient clipping:
+  max |loss difference| <= 1e-5. Measured: 0 (bitwise) over 20 steps; the two AdamW implementations
+  round differently (lerp vs mul + add), which shows after ~45 steps at the 1e-6..1e-5 level (fp32).
+* The stretch: with gpt_twin --math libtorch (LibTorch's AdamW and fsdp::clip_grad_norm_ arithmetic
+  replayed on the local shards) everything else -- forward, backward, all-gather, reduce-scatter, gradient
+  division, mixed-precision casts, accumulation -- is PyTorch's code against ours, and the losses and gradient
+  norms must be equal to the last bit, in fp32 and in bf16. If a deliberate change to the arithmetic of
+  clip_grad_norm_ or of the reduction breaks this, update gpt_twin's mirror of it in the same change.
+
+FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import compare_fsdp2 as cmp  # noqa: E402  (bench/compare_fsdp2.py: the launchers)
+
+TOLERANCE = 1e-5  # issue 8: fp32, 20 steps
+STEPS = 20
+# Warmup 5 of 20: the cosine part of the schedule runs too.
+TINY = ["--model", "tiny", "--batch-size", "4", "--seed", "7", "--steps", str(STEPS), "--warmup-steps", "5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def binaries():
+    for b in ("train_gpt", "fsdprun"):
+        assert (cmp.BUILD / "bin" / b).is_file(), f"{cmp.BUILD / 'bin' / b} is missing: cmake --build {cmp.BUILD} --target {b}"
+
+
+def train_both(tmp, flags, maths):
+    """Ours once (writing the weights and batches), then PyTorch's twin once per entry of `maths`."""
+    ours = cmp.run_ours(flags, cmp.default_data(), tmp / "ours.jsonl", save_init=tmp / "init.safetensors",
+                        dump_batches=tmp / "batches", timeout=300)
+    assert [r["step"] for r in ours] == list(range(1, STEPS + 1)), ours
+    twins = {m: cmp.run_torch(tmp / "init.safetensors", tmp / "batches", tmp / f"torch_{m}.jsonl", math=m, timeout=300)
+             for m in maths}
+    return ours, twins
+
+
+def diffs(ours, theirs, key):
+    assert [r["step"] for r in theirs] == [r["step"] for r in ours]
+    return [abs(a[key] - b[key]) for a, b in zip(ours, theirs)]
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tmp_path_factory):
+    return train_both(tmp_path_factory.mktemp("fp32"), TINY, ("torch", "libtorch"))
+
+
+def test_fp32_loss_parity_with_pytorch_optimizer(fp32_runs):
+    ours, twins = fp32_runs
+    d = diffs(ours, twins["torch"], "loss")
+    print(f"[vs_pytorch] fp32, {STEPS} steps, torch.optim.AdamW: max |dloss| = {max(d):.3g} "
+          f"(bitwise on {sum(x == 0 for x in d)}/{len(d)} steps; tolerance {TOLERANCE:g})")
+    assert max(d) <= TOLERANCE, f"max |dloss| {max(d):.3g} > {TOLERANCE:g}: per step {d}"
+    # The first step runs before any update: forward, backward and reduction alone, so bitwise.
+    assert d[0] == 0.0, f"step 1 differs by {d[0]:.3g}: the forward/backward or the gradient reduction differs"
+    g = diffs(ours, twins["torch"], "grad_norm")
+    assert max(x / r["grad_norm"] for x, r in zip(g, ours)) <= TOLERANCE, g
+    # Both learn: the loss falls from ~ln(256).
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.3, [r["loss"] for r in ours]
+
+
+def test_fp32_bitwise_with_libtorch_arithmetic(fp32_runs):
+    ours, twins = fp32_runs
+    assert diffs(ours, twins["libtorch"], "loss") == [0.0] * STEPS
+    assert diffs(ours, twins["libtorch"], "grad_norm") == [0.0] * STEPS
+
+
+def test_bf16_accumulation_no_reshard_bitwise_with_libtorch_arithmetic(tmp_path):
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on both sides, 2 microbatches per step
+    # (gradient sync on the last only), blocks kept unsharded between forward and backward.
+    flags = TINY + ["--mixed-precision", "bf16", "--grad-accum-steps", "2", "--reshard-after-forward", "false"]
+    ours, twins = train_both(tmp_path, flags, ("libtorch",))
+    d = diffs(ours, twins["libtorch"], "loss")
+    assert d == [0.0] * STEPS, f"bf16 losses differ: {d}"
+    assert diffs(ours, twins["libtorch"], "grad_norm") == [0.0] * STEPS
