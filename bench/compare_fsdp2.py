@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""compare_fsdp2: libfsdp vs PyTorch's own FSDP2, side by side: loss parity, step time and peak memory.
+
+    .venv/bin/python bench/compare_fsdp2.py            # every config, a table (docs/BENCHMARKS.md)
+    .venv/bin/python bench/compare_fsdp2.py --quick    # two configs, fewer runs: under 5 minutes
+    .venv/bin/python bench/compare_fsdp2.py --json     # one JSON object per config
+
+For each config, ours is train_gpt through fsdprun and PyTorch's is bench/gpt_twin.py (the same GPT, sharded
+with torch.distributed.fsdp.fully_shard on Gloo) through torchrun, with the same world size, threads per rank,
+steps, initial weights (train_gpt --save-init) and token batches (train_gpt --dump-batches). The two run
+alternately (ABBA order), several times; the step time is the median over all runs of every step after the
+first few (warmup), taken on rank 0 around the same work on both sides (forward, backward, clipping,
+optimizer step, zero_grad, loss all-reduce). Peak RSS is VmHWM, the largest over the ranks (median over runs).
+max |dloss| compares the per-step losses (global batch) of ours and PyTorch's, largest over steps and runs.
+
+The floor is the same per-rank work in one process without collectives or FSDP: train_gpt --no-shard, one
+process with the per-rank batch, plain LibTorch (bf16 by CPU autocast). As many such processes as ranks run
+at once, so that the machine is as busy as in the sharded run (on 2 cores, one process alone would get a
+core and the memory bandwidth to itself). "ours/floor" is what sharding costs us. PyTorch's own floor
+(gpt_twin --no-shard, plain eager PyTorch) is shown alongside. --breakdown adds both sides on 1 rank (FSDP
+at world size 1: the machinery without communication), again n copies at once.
+
+max |dloss| (same math): PyTorch's side rerun once with gpt_twin --math libtorch, which replays the
+arithmetic of LibTorch's AdamW and of fsdp::clip_grad_norm_: 0 means bitwise equal losses.
+
+Timings on a shared machine are noisy: the load average is printed with the results.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
+BIN = BUILD / "bin"      # where train_gpt and fsdprun are run from (main() may point it at a snapshot)
+LIB_DIR = None           # a snapshot's libraries, put first on LD_LIBRARY_PATH (before the binaries' RUNPATH)
+PYTHON = Path(sys.executable)
+TWIN = REPO / "bench" / "gpt_twin.py"
+LICENSES = Path("/usr/share/common-licenses")
+
+# Variables a launcher sets: never inherited from our own environment.
+LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
+                           r"|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|TORCHELASTIC_\w+|PET_\w+|SLURM_\w+|OMPI_\w+)$")
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
+    if LIB_DIR:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(LIB_DIR), env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
+def snapshot_build(dest):
+    """Copies train_gpt, fsdprun and the build's shared libraries to dest and runs from there: a rebuild in the
+    build directory during a long benchmark (others share it) then neither breaks a run nor mixes versions."""
+    global BIN, LIB_DIR
+    (dest / "bin").mkdir(parents=True, exist_ok=True)
+    (dest / "lib").mkdir(exist_ok=True)
+    for b in ("train_gpt", "fsdprun"):
+        shutil.copy2(BUILD / "bin" / b, dest / "bin" / b)
+    for lib in (BUILD / "lib").glob("*.so*"):
+        shutil.copy2(lib, dest / "lib" / lib.name)
+    BIN, LIB_DIR = dest / "bin", dest / "lib"
+
+
+def busy_cpus(interval=0.5):
+    """CPUs busy over `interval` s, from /proc/stat (all processes, ours included)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(interval)
+    t1, i1 = sample()
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(t1 - t0, 1))
+
+
+QUIET_WAITS = []  # seconds waited before runs for the machine to be idle
+
+
+def wait_until_quiet(max_wait, threshold=0.3):
+    """Before a timed run: waits (up to max_wait s) until the machine is idle (others' builds and tests on a
+    shared machine add noise to every step), so that runs start on a quiet machine as far as possible."""
+    t0 = time.monotonic()
+    while max_wait > 0 and time.monotonic() - t0 < max_wait and busy_cpus() > threshold:
+        pass
+    QUIET_WAITS.append(time.monotonic() - t0)
+
+
+def default_data():
+    """The licence texts every Debian system ships (as the tests): the content does not change the timing."""
+    return sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
+
+
+@dataclass
+class Config:
+    name: str
+    model: str            # train_gpt --model preset
+    batch_size: int       # per rank
+    precision: str        # fp32 | bf16
+    reshard: str          # reshard_after_forward of the blocks: true | false
+    steps: int
+    extra: list = field(default_factory=list)  # more train_gpt flags (both sides replay them via run.json)
+
+    def train_flags(self):
+        return ["--model", self.model, "--batch-size", str(self.batch_size), "--mixed-precision", self.precision,
+                "--reshard-after-forward", self.reshard, "--steps", str(self.steps), *self.extra]
+
+
+def configs(quick, steps=None):
+    """tiny: overhead-bound (a step is a few ms of compute); small: compute-heavier (~30x the FLOPs)."""
+    tiny_steps, small_steps = (steps, steps) if steps else ((40, 12) if quick else (60, 20))
+    all_configs = []
+    for model, batch, n in (("tiny", 4, tiny_steps), ("small", 8, small_steps)):
+        for precision in ("fp32", "bf16"):
+            for reshard in ("true", "false"):
+                all_configs.append(Config(f"{model} {precision} raf={reshard}", model, batch, precision, reshard, n))
+    if quick:
+        return [c for c in all_configs if c.reshard == "true" and c.precision == "fp32"]
+    return all_configs
+
+
+# ---- Launching -----------------------------------------------------------------------------------------
+
+RETRIES = []  # (what, return code, last line of stderr) of runs that failed once and were rerun
+
+
+def _run(cmd, what, timeout, retry=False):
+    """Runs cmd; raises with its output if it fails. With retry, a failed run is rerun once (and recorded in
+    RETRIES): PyTorch's Gloo teardown occasionally aborts ("terminate called without an active exception")
+    after the last step, which says nothing about the step times."""
+    for attempt in range(2 if retry else 1):
+        p = subprocess.run([str(c) for c in cmd], env=clean_env(), capture_output=True, encoding="utf-8",
+                           errors="replace", timeout=timeout)
+        if p.returncode == 0:
+            return p
+        if attempt == 0 and retry:
+            tail = (p.stderr.strip().splitlines() or [""])[-1]
+            RETRIES.append((what, p.returncode, tail))
+            log(f"  warning: {what} failed (rc={p.returncode}), running it again: {tail}")
+    raise RuntimeError(f"{what} failed (rc={p.returncode}): {' '.join(map(str, cmd))}\n"
+                       f"--- stdout ---\n{p.stdout[-3000:]}\n--- stderr ---\n{p.stderr[-3000:]}")
+
+
+def run_ours(flags, data, metrics, nproc=2, threads=1, save_init=None, dump_batches=None, no_shard=False,
+             timeout=600):
+    """train_gpt through fsdprun (or alone with no_shard); returns its metrics rows (one per step)."""
+    cmd = [BIN / "train_gpt", "--data", *data, *flags, "--threads", threads, "--log-every", "1",
+           "--eval-every", "1000000", "--eval-batches", "1", "--sample-tokens", "0", "--metrics", metrics]
+    if save_init:
+        cmd += ["--save-init", save_init]
+    if dump_batches:
+        cmd += ["--dump-batches", dump_batches]
+    if no_shard:
+        cmd += ["--no-shard"]
+    else:
+        cmd = [BIN / "fsdprun", "--standalone", "--nproc-per-node", nproc, "--", *cmd]
+    _run(cmd, "train_gpt", timeout)
+    return [r for r in read_metrics(metrics) if r.get("loss") is not None]
+
+
+def run_torch(init, batches, metrics, nproc=2, threads=1, math="torch", no_shard=False, extra=(), timeout=600):
+    """bench/gpt_twin.py through torchrun (or alone with no_shard); returns its metrics rows."""
+    twin = [TWIN, "--init", init, "--batches", batches, "--threads", threads, "--math", math, "--metrics", metrics,
+            *extra]
+    if no_shard:
+        cmd = [PYTHON, *twin, "--no-shard"]
+    else:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, *twin]
+    _run(cmd, "gpt_twin", timeout, retry=True)
+    return read_metrics(metrics)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def max_abs_loss_diff(a, b):
+    la = {r["step"]: r["loss"] for r in a}
+    lb = {r["step"]: r["loss"] for r in b}
+    if la.keys() != lb.keys():
+        raise RuntimeError(f"the runs logged different steps: {sorted(la)} vs {sorted(lb)}")
+    return max(abs(la[s] - lb[s]) for s in la)
+
+
+# ---- Benchmark -----------------------------------------------------------------------------------------
+
+@dataclass
+class Samples:
+    step_ms: list = field(default_factory=list)   # every timed step of every run (rank 0)
+    peak_mb: list = field(default_factory=list)   # one per run
+    run_medians: list = field(default_factory=list)
+
+    def add(self, rows, skip):
+        ms = [r["step_ms"] for r in rows if r["step"] > skip]
+        self.step_ms += ms
+        self.run_medians.append(statistics.median(ms))
+        self.peak_mb.append(rows[-1]["peak_rss_mb"])
+
+    def median_ms(self):
+        return statistics.median(self.step_ms) if self.step_ms else float("nan")
+
+    def peak(self):
+        return statistics.median(self.peak_mb) if self.peak_mb else float("nan")
+
+
+def concurrently(fns):
+    """Runs the callables at the same time (one thread each, each starting processes); returns their results."""
+    with ThreadPoolExecutor(max_workers=len(fns)) as ex:
+        futures = [ex.submit(fn) for fn in fns]
+        return [f.result() for f in futures]
+
+
+def bench_config(cfg, args, data, work):
+    """Runs one config: each variant once per repetition, in ABBA order across repetitions (ours first in the
+    first: it writes the weights and batches that every PyTorch run replays). Returns the result row."""
+    d = work / re.sub(r"[^\w.-]+", "_", cfg.name)
+    d.mkdir(parents=True, exist_ok=True)
+    init, batches = d / "init.safetensors", d / "batches"
+    init1, batches1 = d / "init_1rank.safetensors", d / "batches_1rank"
+    skip = min(args.warmup_steps, cfg.steps - 1)
+    flags = cfg.train_flags()
+    kw = dict(threads=args.threads)
+    n = args.nproc
+    samples = {}
+    ours_rows = []
+    diffs = []
+
+    # Each variant: a function of the repetition that returns the metrics of its runs (one list per process
+    # group). The floors and the 1-rank variants run n copies at once: the machine as busy as with n ranks.
+    def ours(rep):
+        rows = run_ours(flags, data, d / f"ours{rep}.jsonl", nproc=n, save_init=init if rep == 0 else None,
+                        dump_batches=batches if rep == 0 else None, **kw)
+        ours_rows.append(rows)
+        return [rows]
+
+    def torch_(rep):
+        rows = run_torch(init, batches, d / f"torch{rep}.jsonl", nproc=n, **kw)
+        diffs.append(max_abs_loss_diff(ours_rows[0], rows))
+        return [rows]
+
+    def floor(rep):
+        return concurrently([lambda i=i: run_ours(flags, data, d / f"floor{rep}_{i}.jsonl", no_shard=True, **kw)
+                             for i in range(n)])
+
+    def torch_floor(rep):
+        return concurrently([lambda i=i: run_torch(init, batches, d / f"torch_floor{rep}_{i}.jsonl", no_shard=True, **kw)
+                             for i in range(n)])
+
+    def ours_1rank(rep):
+        first = rep == 0
+        return concurrently([lambda i=i: run_ours(flags, data, d / f"ours_1rank{rep}_{i}.jsonl", nproc=1,
+                                                  save_init=init1 if first and i == 0 else None,
+                                                  dump_batches=batches1 if first and i == 0 else None, **kw)
+                             for i in range(n)])
+
+    def torch_1rank(rep):
+        return concurrently([lambda i=i: run_torch(init1, batches1, d / f"torch_1rank{rep}_{i}.jsonl", nproc=1, **kw)
+                             for i in range(n)])
+
+    variants = [("ours", ours, args.repeats), ("torch", torch_, args.repeats)]
+    if not args.no_floor:
+        variants += [("floor", floor, args.repeats), ("torch_floor", torch_floor, args.torch_floor_repeats)]
+    if args.breakdown:
+        variants += [("ours_1rank", ours_1rank, args.repeats), ("torch_1rank", torch_1rank, args.torch_floor_repeats)]
+    for rep in range(args.repeats):
+        for name, fn, reps in (variants if rep % 2 == 0 else variants[::-1]):
+            if rep >= reps:
+                continue
+            wait_until_quiet(args.quiet_wait)
+            runs = fn(rep)
+            s = samples.setdefault(name, Samples())
+            for rows in runs:
+                s.add(rows, skip)
+            log(f"  {cfg.name}: {name} run {rep + 1}/{reps}: "
+                f"{statistics.median([m for rows in runs for m in rows_ms(rows, skip)]):.1f} ms/step, "
+                f"peak {max(rows[-1]['peak_rss_mb'] for rows in runs):.0f} MiB")
+    # The stretch of the parity check: LibTorch's optimizer and clipping arithmetic replayed in PyTorch.
+    exact = run_torch(init, batches, d / "torch_libtorch_math.jsonl", nproc=n, math="libtorch", **kw)
+
+    def ms(name):
+        return round(samples[name].median_ms(), 3) if name in samples else None
+
+    o, t = samples["ours"].median_ms(), samples["torch"].median_ms()
+    row = {
+        "config": cfg.name,
+        "ours_step_ms": round(o, 3),
+        "torch_step_ms": round(t, 3),
+        "step_ratio": round(o / t, 3),
+        "ours_peak_rss_mb": round(samples["ours"].peak(), 1),
+        "torch_peak_rss_mb": round(samples["torch"].peak(), 1),
+        "rss_ratio": round(samples["ours"].peak() / samples["torch"].peak(), 3),
+        "max_abs_loss_diff": max(diffs),
+        # Beyond the required keys: parity with the same optimizer arithmetic, the floors, the breakdown,
+        # the spread of the runs, the run shape.
+        "max_abs_loss_diff_libtorch_math": max_abs_loss_diff(ours_rows[0], exact),
+        "floor_step_ms": ms("floor"),
+        "ours_floor_ratio": round(o / samples["floor"].median_ms(), 3) if "floor" in samples else None,
+        "floor_peak_rss_mb": round(samples["floor"].peak(), 1) if "floor" in samples else None,
+        "torch_floor_step_ms": ms("torch_floor"),
+        "torch_floor_ratio": round(t / samples["torch_floor"].median_ms(), 3) if "torch_floor" in samples else None,
+        "ours_1rank_step_ms": ms("ours_1rank"),
+        "torch_1rank_step_ms": ms("torch_1rank"),
+        "ours_run_medians_ms": [round(m, 2) for m in samples["ours"].run_medians],
+        "torch_run_medians_ms": [round(m, 2) for m in samples["torch"].run_medians],
+        "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
+        "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model,
+    }
+    return row
+
+
+def rows_ms(rows, skip):
+    return [r["step_ms"] for r in rows if r["step"] > skip]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def print_table(rows, load_before, load_after):
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    head = (f"{'config':<20} {'ours ms':>8} {'torch ms':>9} {'ratio':>6} {'floor ms':>9} {'ours/floor':>10} "
+            f"{'torch floor':>11} {'torch/floor':>11} {'ours MiB':>9} {'torch MiB':>10} {'ratio':>6} "
+            f"{'max|dloss|':>10} {'(same math)':>11}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['config']:<20} {r['ours_step_ms']:>8.1f} {r['torch_step_ms']:>9.1f} {r['step_ratio']:>6.2f} "
+              f"{f(r['floor_step_ms'], '.1f'):>9} {f(r['ours_floor_ratio'], '.2f'):>10} "
+              f"{f(r['torch_floor_step_ms'], '.1f'):>11} {f(r['torch_floor_ratio'], '.2f'):>11} "
+              f"{r['ours_peak_rss_mb']:>9.0f} {r['torch_peak_rss_mb']:>10.0f} {r['rss_ratio']:>6.2f} "
+              f"{r['max_abs_loss_diff']:>10.2g} {r['max_abs_loss_diff_libtorch_math']:>11.2g}")
+    if any(r["ours_1rank_step_ms"] is not None for r in rows):
+        print(f"\nbreakdown (ms/step; every column with {rows[0]['ranks']} processes busy at once):")
+        head = (f"{'config':<20} {'floor':>8} {'ours 1 rank':>12} {'ours':>8} {'torch floor':>12} "
+                f"{'torch 1 rank':>13} {'torch':>8}")
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            print(f"{r['config']:<20} {f(r['floor_step_ms'], '.1f'):>8} {f(r['ours_1rank_step_ms'], '.1f'):>12} "
+                  f"{r['ours_step_ms']:>8.1f} {f(r['torch_floor_step_ms'], '.1f'):>12} "
+                  f"{f(r['torch_1rank_step_ms'], '.1f'):>13} {r['torch_step_ms']:>8.1f}")
+    r0 = rows[0]
+    print(f"\n{r0['ranks']} ranks x {r0['threads_per_rank']} thread; step time = median over {r0['runs']} runs per "
+          f"variant in ABBA order (steps after the first {r0['steps'] - r0['timed_steps']}); floor = {r0['ranks']} "
+          f"one-process runs without FSDP at once; peak RSS = max over ranks of VmHWM; max|dloss| with "
+          f"torch.optim.AdamW, (same math) with LibTorch's AdamW/clipping arithmetic; load average "
+          f"{load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny and small, fp32, raf=true; 2 runs each (< 5 min)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per config on stdout")
+    ap.add_argument("--configs", help="only the configs whose name matches this regex (e.g. 'tiny.*fp32')")
+    ap.add_argument("--repeats", type=int, help="runs per side and config (default: 3, --quick 2)")
+    ap.add_argument("--steps", type=int, help="steps per run (default: tiny 60 / small 20, --quick 40 / 12)")
+    ap.add_argument("--warmup-steps", type=int, default=5, help="first steps of each run left out of the timing")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks per side")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank, both sides")
+    ap.add_argument("--no-floor", action="store_true", help="skip the one-process floors")
+    ap.add_argument("--torch-floor-repeats", type=int, help="runs of PyTorch's floor (and 1-rank run) per config "
+                                                         "(default: --repeats, --quick 1)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time both sides on 1 rank (FSDP without communication), n copies at once")
+    ap.add_argument("--data", nargs="+", help="text files for train_gpt (default: the licence texts)")
+    ap.add_argument("--quiet-wait", type=float, default=20,
+                    help="before each run, wait up to this many seconds for the machine to be idle (0: never)")
+    ap.add_argument("--no-snapshot", action="store_true",
+                    help="run the build directory's binaries in place (default: a private copy, immune to rebuilds)")
+    ap.add_argument("--keep", help="keep the runs' files (weights, batches, metrics) in this directory")
+    args = ap.parse_args()
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    if args.torch_floor_repeats is None:
+        args.torch_floor_repeats = 1 if args.quick else args.repeats
+    for b in ("train_gpt", "fsdprun"):
+        if not (BUILD / "bin" / b).is_file():
+            sys.exit(f"compare_fsdp2: {BUILD / 'bin' / b} is missing: cmake --build {BUILD} --target {b}")
+
+    todo = [c for c in configs(args.quick, args.steps) if not args.configs or re.search(args.configs, c.name)]
+    if not todo:
+        sys.exit(f"compare_fsdp2: no config matches {args.configs!r}")
+    data = args.data or default_data()
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="compare_fsdp2."))
+    if not args.no_snapshot:
+        snapshot_build(work / "snapshot")
+    t0 = time.monotonic()
+    load_before = os.getloadavg()[0]
+    rows = []
+    try:
+        for cfg in todo:
+            row = bench_config(cfg, args, data, work)
+            row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if not args.json:
+        print_table(rows, load_before, os.getloadavg()[0])
+    if QUIET_WAITS and sum(QUIET_WAITS) > 1:
+        log(f"compare_fsdp2: waited {sum(QUIET_WAITS):.0f} s in all for an idle machine before runs "
+            f"({sum(w >= args.quiet_wait for w in QUIET_WAITS)} of {len(QUIET_WAITS)} runs started on a busy one)")
+    for what, rc, tail in RETRIES:
+        log(f"compare_fsdp2: note: a {what} run failed once (rc={rc}: {tail}) and was rerun")
+    log(f"compare_fsdp2: {len(rows)} configs in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
