@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -61,16 +62,18 @@ def clean_env():
 
 
 def snapshot_build(dest):
-    """Copies train_gpt, fsdprun and the build's shared libraries to dest and runs from there: a rebuild in the
-    build directory during a long benchmark (others share it) then neither breaks a run nor mixes versions."""
-    global BIN, LIB_DIR
+    """Copies train_gpt, fsdprun, the build's shared libraries and gpt_twin.py to dest and runs from there: a
+    rebuild or an edit during a long benchmark (others share the tree) then neither breaks a run nor mixes
+    versions."""
+    global BIN, LIB_DIR, TWIN
     (dest / "bin").mkdir(parents=True, exist_ok=True)
     (dest / "lib").mkdir(exist_ok=True)
     for b in ("train_gpt", "fsdprun"):
         shutil.copy2(BUILD / "bin" / b, dest / "bin" / b)
     for lib in (BUILD / "lib").glob("*.so*"):
         shutil.copy2(lib, dest / "lib" / lib.name)
-    BIN, LIB_DIR = dest / "bin", dest / "lib"
+    shutil.copy2(TWIN, dest / TWIN.name)
+    BIN, LIB_DIR, TWIN = dest / "bin", dest / "lib", dest / TWIN.name
 
 
 def busy_cpus(interval=0.5):
@@ -86,6 +89,35 @@ def busy_cpus(interval=0.5):
 
 
 QUIET_WAITS = []  # seconds waited before runs for the machine to be idle
+DISCARDED = []    # (variant, CPUs other processes used on average) of runs measured again
+
+
+def cpu_seconds():
+    """(CPU seconds used by the whole machine, by this process and its finished children) so far."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    machine = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    ours = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+    return machine, ours
+
+
+def measured(name, fn, args):
+    """Runs fn (which starts processes and waits for them) on a machine as quiet as can be had: waits for
+    idle CPUs first, then checks how much CPU other processes took during the run (the whole machine's busy
+    time minus ours and our children's); above --max-foreign-cpus on average, the run is discarded and
+    measured again, at most --max-reruns times (then kept, and counted as disturbed)."""
+    for attempt in range(args.max_reruns + 1):
+        wait_until_quiet(args.quiet_wait)
+        m0, o0 = cpu_seconds()
+        t0 = time.monotonic()
+        result = fn()
+        m1, o1 = cpu_seconds()
+        foreign = max(0.0, (m1 - m0) - (o1 - o0)) / max(time.monotonic() - t0, 1e-9)
+        if foreign <= args.max_foreign_cpus or attempt == args.max_reruns:
+            return result, foreign > args.max_foreign_cpus
+        DISCARDED.append((name, foreign))
+        log(f"  {name}: other processes used {foreign:.2f} CPUs during the run: measuring it again")
 
 
 def wait_until_quiet(max_wait, threshold=0.3):
@@ -235,6 +267,7 @@ def bench_config(cfg, args, data, work):
     samples = {}
     ours_rows = []
     diffs = []
+    disturbed = 0  # runs kept although other processes were busy during them
 
     # Each variant: a function of the repetition that returns the metrics of its runs (one list per process
     # group). The floors and the 1-rank variants run n copies at once: the machine as busy as with n ranks.
@@ -277,8 +310,8 @@ def bench_config(cfg, args, data, work):
         for name, fn, reps in (variants if rep % 2 == 0 else variants[::-1]):
             if rep >= reps:
                 continue
-            wait_until_quiet(args.quiet_wait)
-            runs = fn(rep)
+            runs, noisy = measured(f"{cfg.name}: {name}", lambda: fn(rep), args)
+            disturbed += noisy
             s = samples.setdefault(name, Samples())
             for rows in runs:
                 s.add(rows, skip)
@@ -314,7 +347,7 @@ def bench_config(cfg, args, data, work):
         "ours_run_medians_ms": [round(m, 2) for m in samples["ours"].run_medians],
         "torch_run_medians_ms": [round(m, 2) for m in samples["torch"].run_medians],
         "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
-        "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model,
+        "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
     }
     return row
 
@@ -357,6 +390,10 @@ def print_table(rows, load_before, load_after):
           f"one-process runs without FSDP at once; peak RSS = max over ranks of VmHWM; max|dloss| with "
           f"torch.optim.AdamW, (same math) with LibTorch's AdamW/clipping arithmetic; load average "
           f"{load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
+    disturbed = sum(r["disturbed_runs"] for r in rows)
+    if disturbed:
+        print(f"warning: {disturbed} runs were kept although other processes used more than the allowed CPU "
+              f"during them (--max-foreign-cpus, --max-reruns): their times are inflated")
 
 
 def main():
@@ -377,6 +414,9 @@ def main():
     ap.add_argument("--data", nargs="+", help="text files for train_gpt (default: the licence texts)")
     ap.add_argument("--quiet-wait", type=float, default=20,
                     help="before each run, wait up to this many seconds for the machine to be idle (0: never)")
+    ap.add_argument("--max-foreign-cpus", type=float, default=0.25,
+                    help="a run during which other processes used more CPUs than this on average is measured again")
+    ap.add_argument("--max-reruns", type=int, default=3, help="times a disturbed run is measured again")
     ap.add_argument("--no-snapshot", action="store_true",
                     help="run the build directory's binaries in place (default: a private copy, immune to rebuilds)")
     ap.add_argument("--keep", help="keep the runs' files (weights, batches, metrics) in this directory")
@@ -410,6 +450,8 @@ def main():
             shutil.rmtree(work, ignore_errors=True)
     if not args.json:
         print_table(rows, load_before, os.getloadavg()[0])
+    if DISCARDED:
+        log(f"compare_fsdp2: {len(DISCARDED)} runs measured again: other processes were busy during them")
     if QUIET_WAITS and sum(QUIET_WAITS) > 1:
         log(f"compare_fsdp2: waited {sum(QUIET_WAITS):.0f} s in all for an idle machine before runs "
             f"({sum(w >= args.quiet_wait for w in QUIET_WAITS)} of {len(QUIET_WAITS)} runs started on a busy one)")

@@ -207,9 +207,10 @@ def clip_libtorch(params, max_norm, world):
 
 class LibTorchAdamW:
     """torch::optim::AdamW of LibTorch (torch/csrc/api/src/optim/adamw.cpp), operation by operation, on the
-    local shards. It differs from torch.optim.AdamW in rounding only: exp_avg.mul_(beta1).add_(grad, 1 - beta1)
-    where PyTorch writes exp_avg.lerp_(grad, 1 - beta1), and addcdiv_ by (sqrt(v) / sqrt(bc2) + eps) with
-    -lr / bc1 where PyTorch folds the step size into the denominator only when capturable."""
+    local shards. It differs from torch.optim.AdamW (its single-tensor path, the one taken on CPU) in one
+    rounding: the first moment is exp_avg.mul_(beta1).add_(grad, 1 - beta1) where PyTorch writes
+    exp_avg.lerp_(grad, 1 - beta1). The rest (decoupled decay, second moment, bias corrections in double,
+    addcdiv_ by sqrt(v) / sqrt(bc2) + eps with -lr / bc1) is the same arithmetic."""
 
     def __init__(self, groups, betas, eps):
         self.param_groups = [dict(g) for g in groups]
