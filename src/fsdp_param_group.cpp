@@ -24,7 +24,7 @@ void resize_storage(const torch::Tensor& t, size_t nbytes) {
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>> params, GroupOptions options,
                                const std::string& module_name)
-    : opts_(std::move(options)) {
+    : opts_(std::move(options)), module_name_(module_name) {
   const auto& mesh = opts_.mesh;
   TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
               mesh->str());
@@ -91,8 +91,25 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
 }
 
+void FSDPParamGroup::check_params_hold_shards() const {
+  for (const auto& p : params_) {
+    const auto& d = p.param;
+    // set_data() swaps the TensorImpl's storage: the data is ours while it views the padded shard.
+    const bool ours = d.scalar_type() == p.sharded_data.scalar_type() && d.device() == p.sharded_data.device() &&
+                      d.sizes() == p.sharded_data.sizes() && d.is_alias_of(p.padded_shard);
+    TORCH_CHECK(ours, "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", opts_.mesh->get_rank(),
+                " no longer holds its FSDP shard: its data is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
+                " but FSDP holds the shard as ", p.sharded_data.scalar_type(), " ", p.sharded_data.sizes(), " on ",
+                p.sharded_data.device(), " and gathers from it, so the change would be silently undone. It was "
+                "replaced after fully_shard (e.g. by module->to(dtype or device), or param.set_data()). Fix: convert the "
+                "module before fully_shard; to compute in another dtype use FullyShardOptions().mp_policy(param_dtype); "
+                "to change the values, copy_ into the parameter under torch::NoGradGuard");
+  }
+}
+
 void FSDPParamGroup::unshard(bool async_op) {
   if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
+  check_params_hold_shards();  // before any collective: every rank refuses alike
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
   const int world = pg.size();
@@ -222,6 +239,10 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
     auto& p = params_[i];
     if (!p.requires_grad()) continue;
     auto& g = p.param.mutable_grad();
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ",
+                opts_.mesh->get_rank(), " got a sparse gradient, which FSDP cannot reduce-scatter (it shards dense "
+                "rows). Fix: compute it with a dense gradient (e.g. embedding(..., sparse=false)), or pass the "
+                "parameter in ignored_params and reduce its gradient yourself");
     if (g.defined() && state_ == ShardedState::UNSHARDED && g.sizes() == p.unsharded_data.sizes()) {
       grads[i] = std::move(g);
       g = torch::Tensor();

@@ -116,11 +116,15 @@ class FSDPParamGroup {
  private:
   void to_unsharded_data();
   void to_sharded_data();
+  /// Throws if a parameter's data is no longer this group's shard (replaced after fully_shard, e.g. by
+  /// module->to(dtype)): FSDP gathers from its own shards, so the change would be silently undone.
+  void check_params_hold_shards() const;
   void alloc_unsharded();
   void free_unsharded();
 
   std::vector<FSDPParam> params_;
   GroupOptions opts_;
+  std::string module_name_;  // type of the fully_shard module(s), for messages
   ProcessGroupPtr shard_pg_;
   ProcessGroupPtr replicate_pg_;  // HSDP only
   torch::ScalarType reduce_dtype_;

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/nn/modules/embedding.h>
 
 #include "fsdp_state.h"
 
@@ -501,6 +502,21 @@ std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_parameters()
   return out;
 }
 
+namespace {
+// Modules whose parameters get sparse gradients, which a reduce-scatter of dense rows cannot take: refused
+// at fully_shard, before anything is sharded, instead of failing deep in backward. (A custom module that
+// asks for a sparse gradient through the functional form is caught when the gradient arrives.)
+void check_dense_gradients(const torch::nn::Module& m, const std::string& path, const std::string& param, int rank) {
+  bool sparse = false;
+  if (const auto* e = m.as<torch::nn::EmbeddingImpl>()) sparse = e->options.sparse();
+  if (const auto* e = m.as<torch::nn::EmbeddingBagImpl>()) sparse = e->options.sparse();
+  TORCH_CHECK(!sparse, "fully_shard: module '", path, "' (", m.name(), ") on rank ", rank, " has sparse=true, so its ",
+              "parameter '", param, "' would get sparse gradients, which FSDP cannot reduce-scatter (it shards dense ",
+              "rows). Fix: construct it with sparse(false) (the default), or pass '", param, "' in ignored_params and ",
+              "reduce its gradient yourself");
+}
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------------
 FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                           const FullyShardOptions& options) {
@@ -557,6 +573,7 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
                     rank, " is the same tensor as ", it->second,
                     ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
                     "or leave both modules to their common parent's fully_shard");
+        check_dense_gradients(*item.value(), prefix + path, name, rank);
         params.emplace_back(name, pp.value());
       }
     }
@@ -589,6 +606,7 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
   TORCH_CHECK(root, "fully_shard_tree: got a null root");
   std::vector<std::string> wrapped;
   std::vector<std::string> unreachable;
+  std::vector<std::string> skipped;  // selected by min_num_params, but their forward cannot go through FSDP
   auto type_selected = [&](const torch::nn::Module& m) {
     // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
     const std::string type = m.name();
@@ -616,12 +634,22 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
     bool by_type = type_selected(*m);
     bool by_size = policy.min_num_params() > 0 && unwrapped >= policy.min_num_params();
     if (!by_type && !by_size) return unwrapped;
-    if (!detail::is_marked(*m)) return unwrapped;  // a size-selected module FSDP cannot intercept stays with its parent
+    if (!detail::is_marked(*m)) {
+      // Selected by size only (a type-selected one was refused above): it stays in its parent's group.
+      skipped.push_back("'" + path + "' (" + m->name() + ", " + std::to_string(unwrapped) + " parameter elements)");
+      return unwrapped;
+    }
     fully_shard(m, options);
     wrapped.push_back(path);
     return 0;
   };
   visit(root, "");
+  if (!skipped.empty()) {
+    TORCH_WARN("fully_shard_tree: min_num_params=", policy.min_num_params(), " selects ", c10::Join(", ", skipped),
+               ", whose forward cannot go through FSDP; their parameters stay in the group of the nearest wrapped ",
+               "ancestor (gathered with it, for its whole forward). Fix: declare each module to wrap as ",
+               "fsdp::FSDPModule<Holder> instead of Holder, or raise min_num_params");
+  }
   if (!detail::state_of(*root)) fully_shard(root, options);
   wrapped.push_back("");
   return wrapped;

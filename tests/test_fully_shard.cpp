@@ -3,10 +3,16 @@
 // Every test trains the same tiny model (tests/fsdp_test_model.h) from identical initial weights:
 // once unsharded in one thread on the global batch (the reference), and sharded on N ranks (threads
 // over Gloo), each rank on its slice of the global batch. Losses (averaged over ranks) must equal the
-// reference's at every step and the parameters at the end, within kRtol relative.
+// reference's at every step and the parameters at the end, within kRtol relative. The full gradients
+// (the sharded gradients gathered) and their global norm must equal the reference's at every step:
+// AdamW normalises the update, so parameters alone cannot see a gradient off by a constant factor
+// (x2, x0.5, the wrong divisor); the SGD runs make such a factor visible in the parameters too.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
+#include <tuple>
 
 #include "fsdp_test_model.h"
 #include "fsdp_state.h"
@@ -24,11 +30,25 @@ constexpr double kAtol = 1e-6;
 constexpr int kSteps = 10;
 constexpr int64_t kBatch = 12;  // global batch: divides by 1, 2, 3 and 4 ranks
 constexpr int64_t kSeq = 3;
+// Gradients at step s: the sharded run's parameters differ from the reference's by up to kRtol after
+// s AdamW steps, which moves the gradients a little more; measured max |diff| ~1e-7 against gradients
+// of ~1e-2. A constant factor is a 50-100% difference.
+constexpr double kGradRtol = 1e-4;
+constexpr double kGradAtol = 1e-6;
 
 struct Reference {
   std::vector<float> losses;
+  std::vector<std::map<std::string, torch::Tensor>> grads;  // full gradients, per step
+  std::vector<double> grad_norms;                            // their global 2-norm, per step
   std::map<std::string, torch::Tensor> final_params;
 };
+
+enum class Opt { ADAMW, SGD };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& params, Opt opt) {
+  if (opt == Opt::SGD) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1));
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+}
 
 std::map<std::string, torch::Tensor> initial_weights() {
   static std::map<std::string, torch::Tensor> w = [] {
@@ -41,17 +61,25 @@ std::map<std::string, torch::Tensor> initial_weights() {
 
 // Trains the unsharded model on the global batches. `microbatches` > 1 splits each batch into that
 // many pieces whose losses are divided by their number (gradient accumulation, same result).
-Reference run_reference(const std::vector<Batch>& batches, int calls_per_block = 1) {
+Reference run_reference(const std::vector<Batch>& batches, int calls_per_block = 1, Opt opt_kind = Opt::ADAMW) {
   Net net;
   net->calls_per_block = calls_per_block;
   load_full(*net, initial_weights());
-  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  auto opt = make_optimizer(net->parameters(), opt_kind);
   Reference ref;
   for (const auto& b : batches) {
-    opt.zero_grad();
+    opt->zero_grad();
     auto loss = loss_fn(net->forward(b.idx), b.targets);
     loss.backward();
-    opt.step();
+    std::map<std::string, torch::Tensor> grads;
+    double sq = 0;
+    for (const auto& p : net->named_parameters()) {
+      grads[p.key()] = p.value().grad().clone();
+      sq += p.value().grad().to(torch::kDouble).pow(2).sum().item<double>();
+    }
+    ref.grads.push_back(std::move(grads));
+    ref.grad_norms.push_back(std::sqrt(sq));
+    opt->step();
     ref.losses.push_back(loss.item<float>());
   }
   ref.final_params = snapshot(*net);
@@ -65,7 +93,35 @@ struct ShardConfig {
   bool explicit_prefetch = false;
   bool explicit_unshard = false;
   int calls_per_block = 1;
+  Opt opt = Opt::ADAMW;
 };
+
+// Checks this rank's gradients against the reference's at one step: the full gradient of every
+// parameter (the sharded gradients gathered with DTensor::full_tensor, a collective over the mesh)
+// and the global norm (fsdp::clip_grad_norm_ with an infinite max_norm: no clipping). Returns the
+// largest |diff| of the gradients.
+double compare_gradients(torch::nn::Module& net, const DeviceMeshPtr& mesh, const std::vector<Placement>& placements,
+                         const Reference& ref, size_t step, int rank) {
+  double worst = 0;
+  std::vector<torch::Tensor> params;
+  for (const auto& p : net.named_parameters()) {
+    const auto& expect = ref.grads[step].at(p.key());
+    if (!p.value().grad().defined()) {
+      ADD_FAILURE() << p.key() << " has no gradient at step " << step << " on rank " << rank;
+      continue;
+    }
+    auto full = DTensor(p.value().grad(), mesh, placements, expect.sizes().vec()).full_tensor();
+    worst = std::max(worst, max_abs_diff(full, expect));
+    EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
+        << "gradient of " << p.key() << " at step " << step << " on rank " << rank << ": max |diff| "
+        << max_abs_diff(full, expect) << ", reference max |g| " << expect.abs().max().item<double>();
+    params.push_back(p.value());
+  }
+  double norm = clip_grad_norm_(params, std::numeric_limits<double>::infinity()).item<double>();
+  EXPECT_NEAR(norm, ref.grad_norms[step], kGradRtol * ref.grad_norms[step])
+      << "gradient norm at step " << step << " on rank " << rank;
+  return worst;
+}
 
 // Shards a fresh model bottom-up (blocks, then root). Returns it.
 Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
@@ -88,27 +144,27 @@ Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
 
 // Trains a sharded model on this rank's slice of each global batch; checks every step's loss and
 // the final parameters against the reference. Returns the largest relative differences seen.
-std::pair<double, double> train_and_compare(const ShardConfig& cfg, ProcessGroupPtr pg,
-                                            const std::vector<Batch>& batches, const Reference& ref) {
+// Trains a sharded model on this rank's slice of each global batch; checks every step's loss, full
+// gradients and gradient norm, and the final parameters against the reference. Returns the largest
+// relative loss difference, |param diff| and |grad diff| seen.
+std::tuple<double, double, double> train_and_compare(const ShardConfig& cfg, ProcessGroupPtr pg,
+                                                     const std::vector<Batch>& batches, const Reference& ref) {
   const int ws = pg->size();
   const int64_t local = kBatch / ws;
-  std::unique_ptr<torch::optim::AdamW> opt;
-  auto make_opt = [&](Net& n) {
-    opt = std::make_unique<torch::optim::AdamW>(n->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  };
+  std::unique_ptr<torch::optim::Optimizer> opt;
   Net net{nullptr};
   if (cfg.optimizer_before) {
     // The optimizer holds the parameter tensors; fully_shard keeps their identity and swaps their data.
     net = Net();
     net->calls_per_block = cfg.calls_per_block;
     load_full(*net, initial_weights());
-    make_opt(net);
+    opt = make_optimizer(net->parameters(), cfg.opt);
     auto mesh = init_device_mesh(torch::kCPU, {ws});
     for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
     fully_shard(net, FullyShardOptions().mesh(mesh));
   } else {
     net = build_sharded(cfg, pg);
-    make_opt(net);
+    opt = make_optimizer(net->parameters(), cfg.opt);
   }
   FSDPModule<Net> model(net);
   if (cfg.explicit_prefetch) {
@@ -116,7 +172,8 @@ std::pair<double, double> train_and_compare(const ShardConfig& cfg, ProcessGroup
     bl[0].set_modules_to_forward_prefetch({bl[1].ptr()});
     bl[1].set_modules_to_backward_prefetch({bl[0].ptr()});
   }
-  double max_loss = 0;
+  auto mesh = init_device_mesh(torch::kCPU, {ws});
+  double max_loss = 0, max_grad = 0;
   for (size_t step = 0; step < batches.size(); ++step) {
     auto b = batches[step].slice(pg->rank() * local, local);
     opt->zero_grad();
@@ -126,6 +183,7 @@ std::pair<double, double> train_and_compare(const ShardConfig& cfg, ProcessGroup
     }
     auto loss = loss_fn(model(b.idx), b.targets);
     loss.backward();
+    max_grad = std::max(max_grad, compare_gradients(*net, mesh, {Shard(0)}, ref, step, pg->rank()));
     opt->step();
     auto global = loss.detach().clone();
     all_reduce(global, *pg, ReduceOp::AVG);
@@ -135,7 +193,6 @@ std::pair<double, double> train_and_compare(const ShardConfig& cfg, ProcessGroup
                         << ref.losses[step] << " on rank " << pg->rank();
   }
   // Compare the local shards with the reference's final parameters sliced the same way.
-  auto mesh = init_device_mesh(torch::kCPU, {ws});
   double max_param = 0;
   for (const auto& p : net->named_parameters()) {
     auto expect = distribute_tensor(ref.final_params.at(p.key()), mesh, {Shard(0)}).to_local();
@@ -145,22 +202,25 @@ std::pair<double, double> train_and_compare(const ShardConfig& cfg, ProcessGroup
     EXPECT_TRUE(torch::allclose(p.value(), expect, kRtol, kAtol))
         << p.key() << " on rank " << pg->rank() << ": max |diff| " << max_abs_diff(p.value(), expect);
   }
-  return {max_loss, max_param};
+  return {max_loss, max_param, max_grad};
 }
 
 void run_parity(int ws, const ShardConfig& cfg) {
   auto batches = make_batches(kSteps, kBatch, kSeq);
-  auto ref = run_reference(batches, cfg.calls_per_block);
+  auto ref = run_reference(batches, cfg.calls_per_block, cfg.opt);
   std::mutex mu;
-  double worst_loss = 0, worst_param = 0;
+  double worst_loss = 0, worst_param = 0, worst_grad = 0;
   run_ranks(ws, [&](ProcessGroupPtr pg) {
-    auto [l, p] = train_and_compare(cfg, pg, batches, ref);
+    auto [l, p, g] = train_and_compare(cfg, pg, batches, ref);
     std::lock_guard<std::mutex> lock(mu);
     worst_loss = std::max(worst_loss, l);
     worst_param = std::max(worst_param, p);
+    worst_grad = std::max(worst_grad, g);
   });
-  std::printf("[parity] world size %d: max relative loss diff %.3g (tolerance %.0e), max |param diff| %.3g "
-              "(tolerance %.0e + %.0e * |ref|)\n", ws, worst_loss, kRtol, worst_param, kAtol, kRtol);
+  std::printf("[parity] world size %d, %s: max relative loss diff %.3g (tolerance %.0e), max |param diff| %.3g "
+              "(tolerance %.0e + %.0e * |ref|), max |grad diff| %.3g (tolerance %.0e + %.0e * |ref|)\n",
+              ws, cfg.opt == Opt::SGD ? "SGD" : "AdamW", worst_loss, kRtol, worst_param, kAtol, kRtol, worst_grad,
+              kGradAtol, kGradRtol);
 }
 
 class Parity : public ::testing::TestWithParam<int> {};
@@ -173,6 +233,26 @@ TEST_P(Parity, AutoWrapTreeEqualsManual) {
   run_parity(GetParam(), c);
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Parity, ::testing::Values(1, 2, 3, 4));
+
+// SGD applies the gradient as it is: a gradient off by a constant factor moves the parameters off too
+// (issue 17, item 10). Regressions* suite: CTest label `regressions`.
+class RegressionsParitySGD : public ::testing::TestWithParam<int> {};
+TEST_P(RegressionsParitySGD, TenStepsMatchSingleProcess) {
+  ShardConfig c;
+  c.opt = Opt::SGD;
+  run_parity(GetParam(), c);
+}
+TEST_P(RegressionsParitySGD, ReshardAfterForwardFalse) {
+  ShardConfig c{ReshardAfterForward(false)};
+  c.opt = Opt::SGD;
+  run_parity(GetParam(), c);
+}
+INSTANTIATE_TEST_SUITE_P(RegressionsWorldSizes, RegressionsParitySGD, ::testing::Values(1, 2, 3));
+TEST(RegressionsParitySGD, ReshardAfterForwardTwoOnFourRanks) {
+  ShardConfig c{ReshardAfterForward(2)};
+  c.opt = Opt::SGD;
+  run_parity(4, c);
+}
 
 TEST(Parity, ReshardAfterForwardTwoOnFourRanks) { run_parity(4, ShardConfig{ReshardAfterForward(2)}); }
 
@@ -196,10 +276,11 @@ TEST(Parity, ModuleCalledTwiceInOneForward) {
 }
 
 // HSDP: a 2 x 2 mesh (replicate, shard): shards over the shard dim, replicas over the other;
-// gradients reduce-scattered over "shard" and all-reduced over "replicate".
-TEST(Parity, HybridShardingOnTwoByTwoMesh) {
+// gradients reduce-scattered over "shard", all-reduced over "replicate" and divided by the 4
+// data-parallel ranks (not the 2 of the shard group: the full gradients and their norm see it).
+void run_hsdp_parity(Opt opt_kind) {
   auto batches = make_batches(kSteps, kBatch, kSeq);
-  auto ref = run_reference(batches);
+  auto ref = run_reference(batches, 1, opt_kind);
   run_ranks(4, [&](ProcessGroupPtr pg) {
     Net net;
     load_full(*net, initial_weights());
@@ -207,14 +288,15 @@ TEST(Parity, HybridShardingOnTwoByTwoMesh) {
     for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
     fully_shard(net, FullyShardOptions().mesh(mesh));
     FSDPModule<Net> model(net);
-    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    auto opt = make_optimizer(net->parameters(), opt_kind);
     const int64_t local = kBatch / 4;
     for (size_t step = 0; step < batches.size(); ++step) {
       auto b = batches[step].slice(pg->rank() * local, local);
-      opt.zero_grad();
+      opt->zero_grad();
       auto loss = loss_fn(model(b.idx), b.targets);
       loss.backward();
-      opt.step();
+      compare_gradients(*net, mesh, {Replicate(), Shard(0)}, ref, step, pg->rank());
+      opt->step();
       auto global = loss.detach().clone();
       all_reduce(global, *pg, ReduceOp::AVG);
       EXPECT_NEAR(global.item<double>(), ref.losses[step], kRtol * std::abs(ref.losses[step])) << "step " << step;
@@ -229,6 +311,9 @@ TEST(Parity, HybridShardingOnTwoByTwoMesh) {
     }
   });
 }
+
+TEST(Parity, HybridShardingOnTwoByTwoMesh) { run_hsdp_parity(Opt::ADAMW); }
+TEST(RegressionsParitySGD, HybridShardingOnTwoByTwoMesh) { run_hsdp_parity(Opt::SGD); }
 
 // An optimizer built after a forward that left the root unsharded (reshard_after_forward=false for
 // the root): it holds the same parameter tensors, which are sharded again after backward.

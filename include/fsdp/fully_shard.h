@@ -21,6 +21,19 @@
 // (declare the module as fsdp::FSDPModule<Block> instead of Block) or through fsdp::fsdp_forward() for
 // other entry points. A forward that bypasses FSDP fails with a message that says so.
 //
+// After fully_shard, FSDP owns the parameters' data: do not replace it. `module->to(dtype or device)`
+// or `param.set_data(...)` after fully_shard is refused at the next all-gather (the next forward, or an
+// explicit unshard) with an error naming the parameter: FSDP gathers from the shards it holds, so the
+// change would otherwise be silently undone. Convert the module before fully_shard; compute in another
+// dtype with mp_policy; change values in place (copy_ under torch::NoGradGuard, or set_model_state_dict).
+//
+// Buffers (BatchNorm's running_mean/running_var/num_batches_tracked, any register_buffer) are neither
+// sharded nor synchronised, as in PyTorch's FSDP2: every rank keeps and updates its own copy, so a
+// train-mode BatchNorm keeps per-rank running statistics computed from that rank's batches (use
+// SyncBatchNorm-like code of your own, or eval-mode statistics, if they must agree). get_model_state_dict
+// returns each rank's own buffers; dcp::save writes rank 0's copy (rank 0 of the save's group; the
+// other ranks' buffers are not saved), and dcp::load gives every rank that copy.
+//
 // Mirrors torch.distributed.fsdp.fully_shard and FSDPModule (FSDP2).
 #pragma once
 
@@ -258,9 +271,12 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 /// or non-contiguous parameter, a parameter tied to one managed by another fully_shard call (shard
 /// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters,
 /// parameters that would be all-gathered in different dtypes (e.g. a frozen int buffer-like
-/// parameter beside float ones: ignore it or shard it separately), a mesh of more than 2 dims, a
+/// parameter beside float ones: ignore it or shard it separately), a parameter of a module that makes
+/// sparse gradients (torch::nn::Embedding or EmbeddingBag with sparse=true: the message names the module
+/// FQN and type; pass its weight in ignored_params or use sparse=false), a mesh of more than 2 dims, a
 /// module already sharded. reshard_after_forward = k not dividing the shard group size throws at the
-/// first forward.
+/// first forward; a sparse gradient made by custom code (e.g. torch::embedding(..., sparse=true)) throws
+/// at the end of that backward, naming the parameter, on every rank, before any gradient is reduced.
 FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
 /// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
 /// holds the group's state; the forward of each must go through FSDP.
@@ -283,8 +299,11 @@ struct AutoWrapPolicy {
 
 /// Applies fully_shard bottom-up to every module of `root`'s tree that `policy` selects, then to
 /// `root` — the same result as the manual calls. Only modules whose forward goes through FSDP
-/// (declared as fsdp::FSDPModule<...>) can be wrapped: a selected module that is not is reported
-/// in the error with its fully qualified name. Returns the FQNs wrapped, bottom-up ("" is the root).
+/// (declared as fsdp::FSDPModule<...>) can be wrapped: a module selected by module_types that is not
+/// is an error naming its fully qualified name (thrown before anything is sharded); modules selected
+/// only by min_num_params that are not stay in the group of their nearest wrapped ancestor, and one
+/// warning (TORCH_WARN, on every rank) lists them with their FQN, type and size.
+/// Returns the FQNs wrapped, bottom-up ("" is the root).
 std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
                                           const AutoWrapPolicy& policy, const FullyShardOptions& options = {});
 template <typename T>
