@@ -91,25 +91,30 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
 }
 
-void FSDPParamGroup::check_params_hold_shards() const {
+void FSDPParamGroup::check_params_hold_fsdp_data() const {
+  const bool unsharded = state_ == ShardedState::UNSHARDED;
   for (const auto& p : params_) {
     const auto& d = p.param;
-    // set_data() swaps the TensorImpl's storage: the data is ours while it views the padded shard.
-    const bool ours = d.scalar_type() == p.sharded_data.scalar_type() && d.device() == p.sharded_data.device() &&
-                      d.sizes() == p.sharded_data.sizes() && d.is_alias_of(p.padded_shard);
+    // set_data() swaps the TensorImpl's storage: the data is ours while it views our shard (or, when
+    // unsharded, our unsharded tensor).
+    const auto& want = unsharded ? p.unsharded_data : p.sharded_data;
+    const auto& base = unsharded ? p.unsharded_padded : p.padded_shard;
+    const bool ours = d.scalar_type() == want.scalar_type() && d.device() == want.device() &&
+                      d.sizes() == want.sizes() && d.is_alias_of(base);
     TORCH_CHECK(ours, "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", opts_.mesh->get_rank(),
-                " no longer holds its FSDP shard: its data is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
-                " but FSDP holds the shard as ", p.sharded_data.scalar_type(), " ", p.sharded_data.sizes(), " on ",
-                p.sharded_data.device(), " and gathers from it, so the change would be silently undone. It was "
-                "replaced after fully_shard (e.g. by module->to(dtype or device), or param.set_data()). Fix: convert the "
-                "module before fully_shard; to compute in another dtype use FullyShardOptions().mp_policy(param_dtype); "
-                "to change the values, copy_ into the parameter under torch::NoGradGuard");
+                " no longer holds FSDP's data: it is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
+                " but FSDP holds it as ", want.scalar_type(), " ", want.sizes(), " on ", want.device(),
+                (unsharded ? " (unsharded)" : " (this rank's shard)"), " and gathers from its shard, so the change would "
+                "be silently undone. It was replaced after fully_shard (e.g. by module->to(dtype or device), or "
+                "param.set_data()). Fix: convert the module before fully_shard; to compute in another dtype use "
+                "FullyShardOptions().mp_policy(param_dtype); to change the values, copy_ into the parameter under "
+                "torch::NoGradGuard");
   }
 }
 
 void FSDPParamGroup::unshard(bool async_op) {
+  if (!pending_ag_) check_params_hold_fsdp_data();  // before any collective: every rank refuses alike
   if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
-  check_params_hold_shards();  // before any collective: every rank refuses alike
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
   const int world = pg.size();

@@ -116,9 +116,10 @@ class FSDPParamGroup {
  private:
   void to_unsharded_data();
   void to_sharded_data();
-  /// Throws if a parameter's data is no longer this group's shard (replaced after fully_shard, e.g. by
-  /// module->to(dtype)): FSDP gathers from its own shards, so the change would be silently undone.
-  void check_params_hold_shards() const;
+  /// Throws if a parameter's data is no longer this group's shard, or its unsharded tensor when unsharded
+  /// (replaced after fully_shard, e.g. by module->to(dtype)): FSDP gathers from its own shards, so the
+  /// change would be silently undone.
+  void check_params_hold_fsdp_data() const;
   void alloc_unsharded();
   void free_unsharded();
 

@@ -99,6 +99,17 @@ TEST(RegressionsInit, ModuleToDtypeAfterFullyShardIsRefusedAtTheNextForward) {
     other->blocks[1]->to(torch::kFloat64);
     msg = what_of([&] { other->blocks[1].unshard(); });
     EXPECT_NE(msg.find("fully_shard: parameter 'blocks.1.scale'"), std::string::npos) << msg;
+    // While unsharded: an evaluation forward leaves the root (reshard_after_forward=false) unsharded.
+    FSDPModule<Net> third(shard_net(mesh));
+    {
+      torch::NoGradGuard no_grad;
+      third(b.idx);
+    }
+    ASSERT_EQ(third->wte->weight.size(0), kVocab) << "the root stays unsharded after an evaluation forward";
+    third->to(torch::kFloat64);
+    msg = what_of([&] { third(b.idx); });
+    EXPECT_NE(msg.find("fully_shard: parameter 'wte.weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(unsharded)"), std::string::npos) << msg;
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
