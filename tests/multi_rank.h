@@ -24,7 +24,8 @@
 
 namespace fsdp::testing {
 
-/// Runs fn(group) on `world` threads. Returns the error message of each rank ("" when it succeeded).
+/// Runs fn(group) on `world` threads. Returns the error message of each rank: "" when it succeeded,
+/// never "" when it threw (an exception with an empty message is reported as such).
 /// `collective_timeout` bounds every collective (so a mismatch fails instead of hanging).
 inline std::vector<std::string> run_ranks_collect(int world, const std::function<void(ProcessGroupPtr)>& fn,
                                                   std::chrono::seconds timeout = std::chrono::seconds(90),
@@ -46,9 +47,13 @@ inline std::vector<std::string> run_ranks_collect(int world, const std::function
         fn(group);
       } catch (const c10::Error& e) {
         err = e.what_without_backtrace();
+        // "" means success to the callers: a failure must never read as one, whatever its message.
+        if (err.empty()) err = "c10::Error with an empty message";
       } catch (const std::exception& e) {
         err = e.what();
         if (err.empty()) err = "exception with an empty message";
+      } catch (...) {
+        err = "exception of a type that is not std::exception";
       }
       set_thread_default_process_group(nullptr);
       std::lock_guard<std::mutex> lock(mu);

@@ -2,10 +2,13 @@
 // resume equivalence; async save; atomicity; and every bad input failing clearly without changing the
 // model or the optimizer. Ranks are threads over Gloo (tests/multi_rank.h). The crash of a real process
 // (kill -9 mid-save) and the interop with PyTorch are in tests/python/test_checkpoint_interop.py.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -371,7 +374,9 @@ TEST(BadInput, RanksWhoseStateDictsDisagreeAtSave) {
 }
 
 // A full disk during save: a real ENOSPC from a tiny tmpfs when this process can mount one in a private
-// user+mount namespace (unshare -rm), else an injected ENOSPC through the fault hook.
+// user+mount namespace (unshare -rm), else a real ENOSPC from /dev/full: the fault hook swaps /dev/full
+// in under the descriptor of rank 1's file after its first tensor, so the library's next write() fails
+// with ENOSPC from the kernel. Either way every message checked below is the library's own text.
 TEST(BadInput, FullDiskDuringSave) {
   const char* inner = std::getenv("FSDP_TEST_TMPFS");
   if (!inner) {
@@ -389,12 +394,13 @@ TEST(BadInput, FullDiskDuringSave) {
       std::printf("[full disk] real ENOSPC on a 256 KiB tmpfs (unshare -rm)\n");
       return;
     }
-    std::printf("[full disk] no private tmpfs (unshare -rm unavailable): injecting ENOSPC instead\n");
+    std::printf("[full disk] no private tmpfs (unshare -rm unavailable): ENOSPC from /dev/full instead\n");
   }
   const std::string base = inner ? std::string(inner) : temp_dir("fulldisk");
   if (inner) std::ofstream(std::string(inner) + ".ran") << "1";
   FullState saved;
   std::vector<std::string> errors;
+  std::atomic<bool> full_fd_swapped{false};
   {
     std::mutex mu;
     run_ranks(2, [&](ProcessGroupPtr pg) {
@@ -405,10 +411,23 @@ TEST(BadInput, FullDiskDuringSave) {
       if (pg->rank() == 0) saved = s;
     });
     if (!inner) {
-      dcp::detail::set_fault_hook([](const dcp::detail::FaultPoint& p) {
-        if (p.stage == "write" && p.path.find("shard-00002") != std::string::npos && p.bytes_written > 1000)
-          TORCH_CHECK(false, "dcp::save: writing to ", p.path, " failed after ", p.bytes_written,
-                      " bytes: No space left on device (ENOSPC) [injected]");
+      dcp::detail::set_fault_hook([&full_fd_swapped](const dcp::detail::FaultPoint& p) {
+        if (p.stage != "write" || p.path.find("shard-00002-model") == std::string::npos ||
+            full_fd_swapped.exchange(true)) {
+          return;
+        }
+        // The file's descriptor: the /proc/self/fd link naming it (ranks are threads of this process).
+        const auto target = fs::weakly_canonical(p.path);
+        for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+          std::error_code ec;
+          if (fs::read_symlink(e.path(), ec) != target || ec) continue;
+          const int full = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+          ASSERT_GE(full, 0) << "/dev/full: " << std::strerror(errno);
+          ASSERT_GE(::dup2(full, std::stoi(e.path().filename().string())), 0) << std::strerror(errno);
+          ::close(full);
+          return;
+        }
+        ADD_FAILURE() << "no open descriptor for " << p.path;
       });
     }
     errors = run_ranks_collect(2, [&](ProcessGroupPtr pg) {
@@ -420,10 +439,13 @@ TEST(BadInput, FullDiskDuringSave) {
     });
     dcp::detail::set_fault_hook(nullptr);
   }
+  if (!inner) EXPECT_TRUE(full_fd_swapped) << "the save never wrote rank 1's file";
   for (const auto& e : errors) {
-    EXPECT_NE(e.find("ENOSPC"), std::string::npos) << e;
-    EXPECT_NE(e.find("shard-0000"), std::string::npos) << e;
-    if (inner) EXPECT_NE(e.find("writing 'model."), std::string::npos) << e;  // names the tensor being written
+    // All of it the library's text: errno's name, the file, the tensor, the advice, the outcome.
+    EXPECT_NE(e.find("No space left on device (ENOSPC)"), std::string::npos) << e;
+    EXPECT_NE(e.find("The disk is full: free space or save elsewhere"), std::string::npos) << e;
+    EXPECT_NE(e.find(inner ? "shard-0000" : "shard-00002-model"), std::string::npos) << e;
+    EXPECT_NE(e.find("writing 'model."), std::string::npos) << e;  // names the tensor being written
     EXPECT_NE(e.find("previous checkpoint and `latest` are untouched"), std::string::npos) << e;
   }
   std::printf("[full disk] %s\n", errors[0].c_str());

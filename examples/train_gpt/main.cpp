@@ -12,7 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -94,43 +97,123 @@ struct Options {
   std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
   int64_t ckpt_every = 0;   // steps between saves; 0: only after the last step (with --ckpt-dir)
   int keep_last = 0;        // keep the newest N step-N folders; 0: all
-  bool resume = false;      // continue from the newest checkpoint in ckpt_dir (any world size)
+  std::string resume;       // "": new run (a restart resumes, as auto); "always": --resume; "auto": --resume auto
   int64_t stop_at = 0;      // stop after this step, as an interrupted run would; 0: run to --steps
 };
+
+// ---- Flag values -------------------------------------------------------------------------------------
+//
+// Checks of numeric flags that fail with one line naming the flag, what it expects and what it got.
+// CLI11's own PositiveNumber/NonNegativeNumber/Range print the type's whole range (1.8e308 written out
+// in full) on a second line, and let NaN through (every comparison with NaN is false).
+
+/// An integer of type T, at least `min`.
+template <typename T>
+CLI::Validator integer_at_least(T min) {
+  const std::string expected = "expected an integer >= " + std::to_string(min);
+  return CLI::Validator(
+      [min, expected](std::string& s) -> std::string {
+        errno = 0;
+        char* end = nullptr;
+        const bool is_signed = std::numeric_limits<T>::is_signed;
+        // strtoull accepts "-1" (as 2^64 - 1): refuse a sign for unsigned types.
+        if (s.empty() || std::isspace(static_cast<unsigned char>(s[0])) || (!is_signed && s[0] == '-')) {
+          return expected + ", got '" + s + "'";
+        }
+        long long v = 0;
+        unsigned long long u = 0;
+        if (is_signed) {
+          v = std::strtoll(s.c_str(), &end, 10);
+        } else {
+          u = std::strtoull(s.c_str(), &end, 10);
+        }
+        if (*end != '\0') return expected + ", got '" + s + "'";
+        const bool too_large = errno == ERANGE || (is_signed ? v > static_cast<long long>(std::numeric_limits<T>::max())
+                                                             : u > static_cast<unsigned long long>(
+                                                                       std::numeric_limits<T>::max()));
+        if (too_large || (is_signed && v < static_cast<long long>(std::numeric_limits<T>::min()))) {
+          return expected + ", got " + s + ", which is out of range";
+        }
+        if (is_signed ? v < static_cast<long long>(min) : u < static_cast<unsigned long long>(min)) {
+          return expected + ", got " + s;
+        }
+        return "";
+      },
+      "", "");
+}
+
+/// A finite number in [lo, hi] (or (lo, hi] with lo_open, [lo, hi) with hi_open; hi = inf: no bound).
+CLI::Validator number_in(double lo, bool lo_open, double hi = std::numeric_limits<double>::infinity(),
+                         bool hi_open = false) {
+  auto num = [](double v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
+  std::string expected = "expected a finite number ";
+  if (std::isinf(hi)) {
+    expected += (lo_open ? "> " : ">= ") + num(lo);
+  } else {
+    expected += std::string("in ") + (lo_open ? "(" : "[") + num(lo) + ", " + num(hi) + (hi_open ? ")" : "]");
+  }
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = s.empty() ? 0.0 : std::strtod(s.c_str(), &end);
+        if (s.empty() || std::isspace(static_cast<unsigned char>(s[0])) || *end != '\0') {
+          return expected + ", got '" + s + "'";
+        }
+        const bool ok = std::isfinite(v) && (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
+        return ok ? "" : expected + ", got " + s;
+      },
+      "", "");
+}
+
+/// --resume's value: none (the flag alone), or auto.
+CLI::Validator resume_value() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        return s == "always" || s == "auto" ? "" : "expected no value or 'auto', got '" + s + "'";
+      },
+      "", "");
+}
 
 void add_flags(CLI::App& app, Options& o) {
   std::string presets;
   for (const auto& n : preset_names()) presets += (presets.empty() ? "" : "|") + n;
   auto* g = app.add_option_group("Model");
   g->add_option("--model", o.model, "Preset: " + presets)->capture_default_str();
-  g->add_option("--n-layer", o.n_layer, "Transformer blocks (overrides the preset)");
-  g->add_option("--n-head", o.n_head, "Attention heads (overrides the preset)");
-  g->add_option("--n-embd", o.n_embd, "Embedding width, a multiple of --n-head (overrides the preset)");
-  g->add_option("--block-size", o.block_size, "Context length in bytes (overrides the preset)");
-  g->add_option("--dropout", o.dropout, "Dropout probability (Default: 0)");
+  g->add_option("--n-layer", o.n_layer, "Transformer blocks (overrides the preset)")->check(integer_at_least<int64_t>(1));
+  g->add_option("--n-head", o.n_head, "Attention heads (overrides the preset)")->check(integer_at_least<int64_t>(1));
+  g->add_option("--n-embd", o.n_embd, "Embedding width, a multiple of --n-head (overrides the preset)")
+      ->check(integer_at_least<int64_t>(1));
+  g->add_option("--block-size", o.block_size, "Context length in bytes (overrides the preset)")
+      ->check(integer_at_least<int64_t>(1));
+  g->add_option("--dropout", o.dropout, "Dropout probability (Default: 0)")->check(number_in(0, false, 1, true));
   g->add_option("--tie-weights", o.tie_weights, "Share the embedding and head weights")->capture_default_str();
 
   g = app.add_option_group("Data");
   g->add_option("--data", o.data, std::string("Text files to train on (Default: the fortunes in ") +
                                       kDefaultCorpusDir + ", installed by scripts/setup.sh)");
   g->add_option("--val-fraction", o.val_fraction, "Fraction of the text held out for evaluation")
-      ->capture_default_str()->check(CLI::Range(0.001, 0.5));
+      ->capture_default_str()->check(number_in(0.001, false, 0.5));
 
   g = app.add_option_group("Optimisation");
-  g->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--steps", o.steps, "Optimizer steps")
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--batch-size", o.batch_size, "Sequences per rank per microbatch")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--grad-accum-steps", o.grad_accum_steps, "Microbatches per step")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  g->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
+  g->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str()->check(number_in(0, true));
   g->add_option("--min-lr", o.min_lr, "Learning rate at the end of the cosine decay")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(number_in(0, false));
   g->add_option("--warmup-steps", o.warmup_steps, "Steps of linear warmup")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(0));
   g->add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices and embeddings only)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(number_in(0, false));
   g->add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: no clipping)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(number_in(0, false));
 
   g = app.add_option_group("Parallelism and memory");
   g->add_option("--mixed-precision", o.mixed_precision, "Compute dtype (parameters and optimizer stay fp32)")
@@ -141,14 +224,15 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
   g->add_option("--threads", o.threads, "Intra-op threads per rank (0: OMP_NUM_THREADS, 1 under fsdprun)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least<int>(0));
 
   g = app.add_option_group("Output");
-  g->add_option("--log-every", o.log_every, "Steps between log lines")->capture_default_str()->check(CLI::PositiveNumber);
+  g->add_option("--log-every", o.log_every, "Steps between log lines")
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--eval-every", o.eval_every, "Steps between evaluations (and at the start and the end)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--eval-batches", o.eval_batches, "Batches per rank per evaluation")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--metrics", o.metrics, "Write JSON lines (step, loss, lr, grad_norm, tokens_per_s, step_ms, "
                                         "peak_rss_mb, eval_loss) to FILE (rank 0)");
   g->add_flag("--no-progress", o.no_progress, "No progress bar even on a terminal");
@@ -156,26 +240,33 @@ void add_flags(CLI::App& app, Options& o) {
   g = app.add_option_group("Sampling");
   g->add_option("--sample-prompt", o.sample_prompt, "Text the sample continues")->capture_default_str();
   g->add_option("--sample-tokens", o.sample_tokens, "Bytes to generate (0: no sample)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(0));
   g->add_option("--temperature", o.temperature, "Sampling temperature (0: greedy)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(number_in(0, false));
   g->add_option("--top-k", o.top_k, "Sample among the k likeliest bytes (0: all)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--seed", o.seed, "Seed of the weights, the data order and the sample")->capture_default_str();
+      ->capture_default_str()->check(integer_at_least<int64_t>(0));
+  app.add_option("--seed", o.seed, "Seed of the weights, the data order and the sample")
+      ->capture_default_str()->check(integer_at_least<uint64_t>(0));
 
   // [checkpoints]
   g = app.add_option_group("Checkpoints");
   g->add_option("--ckpt-dir", o.ckpt_dir, "Save distributed checkpoints in DIR/step-N (every rank writes its "
                                           "shards; DIR/latest names the newest)");
   g->add_option("--ckpt-every", o.ckpt_every, "Steps between checkpoints (0: only after the last step)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least<int64_t>(0));
   g->add_option("--keep-last", o.keep_last, "Keep only the newest N checkpoints (0: all)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  g->add_flag("--resume", o.resume, "Continue from the newest checkpoint in --ckpt-dir, on any number of ranks "
-                                    "(model and optimizer resharded, the data position carried over)");
+      ->capture_default_str()->check(integer_at_least<int>(0));
+  g->add_option("--resume", o.resume,
+                "Continue from the newest checkpoint in --ckpt-dir, on any number of ranks (model and optimizer "
+                "resharded, the data position carried over); an error if there is none. --resume auto: continue "
+                "if --ckpt-dir holds a checkpoint, else start a new run. A restart by fsdprun/torchrun "
+                "(TORCHELASTIC_RESTART_COUNT > 0) resumes as with auto")
+      ->expected(0, 1)
+      ->default_str("always")
+      ->check(resume_value());
   g->add_option("--stop-at", o.stop_at, "Stop after step N, as an interrupted run (the learning-rate schedule "
                                         "still spans --steps; continue with --resume)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_at_least<int64_t>(0));
 
   g = app.add_option_group("Comparison with PyTorch (bench/compare_fsdp2.py)");
   g->add_option("--save-init", o.save_init, "Write the initial weights (full, before sharding) to FILE as "
@@ -320,10 +411,31 @@ class ProgressBar {
 /// where not measured: the evaluation before training has no training loss).
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path) {
+  /// A new run truncates `path`. A resumed run (keep_through_step >= 0) keeps the lines of the steps up
+  /// to its checkpoint's and drops the later ones (written by the attempt that failed after it, and
+  /// about to be trained again), so that a run restarted with the same --metrics FILE leaves one line
+  /// per step in FILE.
+  explicit MetricsWriter(const std::string& path, int64_t keep_through_step = -1) {
     if (path.empty()) return;
+    std::string kept;
+    if (keep_through_step >= 0) {
+      std::ifstream in(path);
+      for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<int64_t>() <= keep_through_step) {
+          kept += line + "\n";
+        }
+      }
+    }
     out_.open(path, std::ios::trunc);
     if (!out_) throw UsageError("--metrics " + path + " cannot be written (missing directory?)");
+    out_ << kept;
+  }
+  /// Throws UsageError now (not after training) if `path` cannot be written; leaves its content.
+  static void probe(const std::string& path) {
+    std::ofstream out(path, std::ios::app);
+    if (!out) throw UsageError("--metrics " + path + " cannot be written (missing directory?)");
   }
   void write(const nlohmann::json& line) {
     if (!out_.is_open()) return;
@@ -461,6 +573,14 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+/// How this run treats the checkpoints in --ckpt-dir, decided by check_checkpoint_options.
+struct ResumePlan {
+  bool resume = false;    ///< load the newest checkpoint before training
+  bool complete = false;  ///< (--resume auto, a restart) it is at or past this run's last step: train nothing
+  std::string why;        ///< "--resume", "--resume auto" or "restart N (TORCHELASTIC_RESTART_COUNT=N)"
+  int restart = 0;        ///< TORCHELASTIC_RESTART_COUNT (0 without a launcher)
+};
+
 struct RunSetup {
   Options opts;
   GPTConfig cfg;
@@ -469,6 +589,7 @@ struct RunSetup {
   int64_t eval_batches;  // per evaluation, capped by the validation split
   std::string data_name;
   int64_t data_bytes;
+  ResumePlan resume;
 };
 
 /// --no-shard is one process of plain LibTorch: no launcher's world, nothing FSDP-only. Throws UsageError.
@@ -534,6 +655,7 @@ constexpr const char* kSamplerKey = "train.sampler";
 constexpr const char* kRngKey = "train.rng_state";
 constexpr const char* kScalerKey = "train.grad_scaler";
 constexpr const char* kRunKey = "train.run";
+constexpr const char* kFirstEvalKey = "train.first_eval";  // {step, loss} of the run's first evaluation
 
 std::string shape_str(c10::IntArrayRef sizes) {
   std::string s = "[";
@@ -594,19 +716,34 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
 }
 
 /// --ckpt-dir, --ckpt-every, --keep-last, --resume, --stop-at: checked on every rank before any
-/// communication (reads the checkpoint's metadata and headers only). Throws UsageError naming the
-/// path or value and the fix.
-void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t train_windows) {
+/// communication (reads the checkpoint's metadata and headers only). `restart` is the launcher's
+/// TORCHELASTIC_RESTART_COUNT (0 on a run's first attempt, k on the k-th restart of the worker group;
+/// fsdprun and torchrun set it). Returns whether to resume. Throws UsageError naming the path or value
+/// and the fix.
+///
+/// One command line both starts and continues a run (the restart pattern): a new run refuses a
+/// --ckpt-dir that already holds checkpoints (it would mix two runs' checkpoints), but a restart of the
+/// worker group by fsdprun/torchrun (TORCHELASTIC_RESTART_COUNT > 0), like --resume auto, resumes
+/// from the newest checkpoint when there is one and starts afresh when there is none. A checkpoint
+/// of another model, other data or another seed is refused in every mode.
+ResumePlan check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t train_windows, int restart) {
   namespace fs = std::filesystem;
+  ResumePlan plan;
+  plan.restart = restart;
+  const bool always = o.resume == "always";
+  const bool automatic = o.resume == "auto" || (o.resume.empty() && restart > 0);
+  plan.why = always ? "--resume" : o.resume == "auto" ? "--resume auto"
+                                 : "restart " + std::to_string(restart) + " (TORCHELASTIC_RESTART_COUNT=" +
+                                       std::to_string(restart) + ")";
   if (o.ckpt_dir.empty()) {
     for (const auto& [flag, given] : {std::pair<const char*, bool>{"--ckpt-every", o.ckpt_every > 0},
-                                      {"--keep-last", o.keep_last > 0}, {"--resume", o.resume}}) {
+                                      {"--keep-last", o.keep_last > 0}, {"--resume", !o.resume.empty()}}) {
       if (given) {
         throw UsageError(std::string(flag) + " needs --ckpt-dir DIR, the directory that holds the step-N " +
                          "checkpoints. Fix: add --ckpt-dir DIR");
       }
     }
-    return;
+    return plan;  // a restart without --ckpt-dir has nothing to resume from: it starts afresh
   }
   const std::string& dir = o.ckpt_dir;
   std::error_code ec;
@@ -620,42 +757,46 @@ void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t tr
     throw UsageError("--ckpt-dir " + dir + ": " + one_line(e.what_without_backtrace()) +
                      ". Fix: write the name of a step-N folder of " + dir + " into " + dir + "/latest");
   }
-  if (!o.resume) {
+  if (!always && !(automatic && newest)) {
     if (newest) {
       throw UsageError("--ckpt-dir " + dir + " already holds checkpoints (the newest: " + *newest +
-                       "); a new run would mix its checkpoints with theirs. Fix: --resume to continue that run, "
-                       "or another (empty) --ckpt-dir");
+                       "); a new run would mix its checkpoints with theirs. Fix: --resume to continue that run "
+                       "(--resume auto: continue if there is a checkpoint, else start a new run), or another "
+                       "(empty) --ckpt-dir");
     }
     fs::create_directories(dir, ec);  // now, so that a bad path fails before training (every rank: idempotent)
     if (!fs::is_directory(dir) || access(dir.c_str(), W_OK) != 0) {
       throw UsageError("--ckpt-dir " + dir + " cannot be created or written" + (ec ? ": " + ec.message() : "") +
                        ". Fix: a writable directory");
     }
-    return;
+    return plan;
   }
 
-  // --resume
+  // Resume: --resume, or --resume auto / a restart with a checkpoint in --ckpt-dir.
+  plan.resume = true;
+  const std::string& who = plan.why;
   if (!fs::is_directory(dir, ec)) {
     throw UsageError("--resume: --ckpt-dir " + dir + " does not exist, so there is no checkpoint to resume from. "
-                     "Fix: the --ckpt-dir of the run to continue, or no --resume to start a new run");
+                     "Fix: the --ckpt-dir of the run to continue, --resume auto to start a new run when there is no "
+                     "checkpoint, or no --resume to start a new run");
   }
   if (!newest) {
     throw UsageError("--resume: no checkpoint in --ckpt-dir " + dir + " (no 'latest' file and no step-N folder). "
                      "Fix: the --ckpt-dir of the run to continue (runs save there with --ckpt-dir and --ckpt-every), "
-                     "or no --resume to start a new run");
+                     "--resume auto to start a new run when there is no checkpoint, or no --resume to start a new run");
   }
   const std::string& path = *newest;
   fsdp::dcp::CheckpointInfo info;
   try {
     info = fsdp::dcp::inspect(path);
   } catch (const c10::Error& e) {
-    throw UsageError("--resume: the checkpoint " + path + " cannot be read: " + one_line(e.what_without_backtrace()) +
+    throw UsageError(who + ": the checkpoint " + path + " cannot be read: " + one_line(e.what_without_backtrace()) +
                      ". Fix: restore it, or write the name of an older step-N folder into " + dir + "/latest");
   }
   const auto step_it = info.values.find(kStepKey);
   const auto run_it = info.values.find(kRunKey);
   if (step_it == info.values.end() || run_it == info.values.end()) {
-    throw UsageError("--resume: " + path + " is not a train_gpt checkpoint (it has no '" + kStepKey + "' and '" +
+    throw UsageError(who + ": " + path + " is not a train_gpt checkpoint (it has no '" + kStepKey + "' and '" +
                      kRunKey + "'). Fix: the --ckpt-dir of a train_gpt run");
   }
   const nlohmann::json& run = run_it->second;
@@ -692,13 +833,13 @@ void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t tr
   for (auto* problems : {&differ, &absent, &extra}) {
     if (problems->empty()) continue;
     const size_t more = differ.size() + absent.size() + extra.size() - 1;
-    throw UsageError("--resume: the checkpoint " + path + " holds a model of another shape: " + problems->front() +
+    throw UsageError(who + ": the checkpoint " + path + " holds a model of another shape: " + problems->front() +
                      (more ? ", and " + std::to_string(more) + " more difference" + (more > 1 ? "s" : "") : "") +
                      " (" + models + "). Fix: resume with the model options of the checkpoint (--model, --n-layer, "
                      "--n-head, --n-embd, --block-size, --tie-weights), or start a new run in another --ckpt-dir");
   }
   if (saved.n_head != cfg.n_head || saved.tie_weights != cfg.tie_weights || saved.vocab_size != cfg.vocab_size) {
-    throw UsageError("--resume: the checkpoint " + path + " holds another model (" + models +
+    throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models +
                      "). Fix: resume with the model options of the checkpoint (--n-head " +
                      std::to_string(saved.n_head) + " --tie-weights " + (saved.tie_weights ? "true" : "false") +
                      "), or start a new run in another --ckpt-dir");
@@ -706,20 +847,27 @@ void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t tr
   // The data position is an index into this run's training windows: the same data, split and seed.
   const auto saved_windows = run.at("train_windows").get<int64_t>();
   if (saved_windows != train_windows) {
-    throw UsageError("--resume: the checkpoint " + path + " was trained on " + std::to_string(saved_windows) +
+    throw UsageError(who + ": the checkpoint " + path + " was trained on " + std::to_string(saved_windows) +
                      " training windows, this run's data has " + std::to_string(train_windows) +
                      ": its data position would point elsewhere. Fix: resume with the checkpoint's --data and "
                      "--val-fraction");
   }
   const auto saved_seed = run.at("seed").get<uint64_t>();
   if (saved_seed != o.seed) {
-    throw UsageError("--resume: the checkpoint " + path + " was trained with --seed " + std::to_string(saved_seed) +
+    throw UsageError(who + ": the checkpoint " + path + " was trained with --seed " + std::to_string(saved_seed) +
                      ", this run has --seed " + std::to_string(o.seed) + " (the data order depends on it). Fix: --seed " +
                      std::to_string(saved_seed));
   }
   const auto step = step_it->second.get<int64_t>();
+  // --resume auto, a restart: a checkpoint at or past this run's last step means the run is done (e.g.
+  // a rank failed after the last checkpoint): load it and train nothing, instead of failing again.
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  if (automatic && !always && step >= last_step) {
+    plan.complete = true;
+    return plan;
+  }
   if (step >= o.steps) {
-    throw UsageError("--resume: the checkpoint " + path + " is at step " + std::to_string(step) + " and --steps is " +
+    throw UsageError(who + ": the checkpoint " + path + " is at step " + std::to_string(step) + " and --steps is " +
                      std::to_string(o.steps) + ": nothing left to train. Fix: a larger --steps (the learning-rate " +
                      "schedule spans --steps)");
   }
@@ -727,6 +875,7 @@ void check_checkpoint_options(const Options& o, const GPTConfig& cfg, int64_t tr
     throw UsageError("--stop-at " + std::to_string(o.stop_at) + " is not after the checkpoint's step " +
                      std::to_string(step) + " (" + path + "). Fix: --stop-at > " + std::to_string(step));
   }
+  return plan;
 }
 
 torch::Tensor get_rng_state() {
@@ -744,7 +893,7 @@ void set_rng_state(const torch::Tensor& state) {
 /// Saves DIR/step-N (collective: every rank writes its shards). Returns the folder.
 std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const GPTImpl& model,
                             const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
-                            const std::optional<fsdp::ShardedGradScaler>& scaler) {
+                            const std::optional<fsdp::ShardedGradScaler>& scaler, const nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // DTensors aliasing this rank's shards: no copy
   const auto pos = sampler.state();
   sd.insert_or_assign(kStepKey, fsdp::Value(step));
@@ -754,6 +903,7 @@ std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, in
                                                                        {"growth_tracker", scaler->growth_tracker()}}
                                                      : nlohmann::json(nullptr)));
   sd.insert_or_assign(kRunKey, fsdp::Value(run_info));
+  sd.insert_or_assign(kFirstEvalKey, fsdp::Value(first_eval));
   const std::string path = (std::filesystem::path(o.ckpt_dir) / ("step-" + std::to_string(step))).string();
   // overwrite: a resumed run may repeat a step of a checkpoint newer than the one `latest` named.
   fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true));
@@ -762,13 +912,16 @@ std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, in
 
 /// --resume: loads the checkpoint `path` into the model and the optimizer (resharded to this run's
 /// ranks), the sampler, the global generator and the loss scaler. Collective. Returns the step it was
-/// saved after; `run_info` gets its train.run.
+/// saved after; `run_info` gets its train.run, `first_eval` its train.first_eval (null when the
+/// checkpoint predates that key, or the run had not evaluated yet).
 int64_t load_checkpoint(const std::string& path, GPTImpl& model, torch::optim::Optimizer& optimizer,
                         DistributedSampler& sampler, std::optional<fsdp::ShardedGradScaler>& scaler,
-                        const fsdp::ProcessGroupPtr& pg, nlohmann::json& run_info) {
+                        const fsdp::ProcessGroupPtr& pg, nlohmann::json& run_info, nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // the destinations, in this run's layout
   auto rng = get_rng_state();
-  for (const char* key : {kStepKey, kSamplerKey, kScalerKey, kRunKey}) sd.insert_or_assign(key, fsdp::Value());
+  std::vector<const char*> values{kStepKey, kSamplerKey, kScalerKey, kRunKey};
+  if (fsdp::dcp::inspect(path).values.count(kFirstEvalKey)) values.push_back(kFirstEvalKey);
+  for (const char* key : values) sd.insert_or_assign(key, fsdp::Value());
   sd.insert_or_assign(kRngKey, rng);
   fsdp::dcp::load(sd, path);  // verified on every rank before anything is written
   auto value = [&](const char* key) { return std::get<fsdp::Value>(sd.at(key)).json; };
@@ -776,7 +929,9 @@ int64_t load_checkpoint(const std::string& path, GPTImpl& model, torch::optim::O
   const auto pos = value(kSamplerKey);
   const auto scale = value(kScalerKey);
   run_info = value(kRunKey);
-  for (const char* key : {kStepKey, kSamplerKey, kScalerKey, kRunKey, kRngKey}) sd.erase(key);
+  first_eval = sd.contains(kFirstEvalKey) ? value(kFirstEvalKey) : nlohmann::json(nullptr);
+  for (const char* key : values) sd.erase(key);
+  sd.erase(kRngKey);
   fsdp::set_state_dict(model, optimizer, sd);  // step counts, hyper-parameters, the optimizer state it creates
   sampler.set_state({pos.at("epoch").get<int64_t>(), pos.at("cursor").get<int64_t>()});
   set_rng_state(rng);
@@ -787,6 +942,23 @@ int64_t load_checkpoint(const std::string& path, GPTImpl& model, torch::optim::O
     for (int64_t i = 0; i < scale.at("growth_tracker").get<int64_t>(); ++i) scaler->update();
   }
   return step;
+}
+
+/// Fault injection for the restart test (tests/python/test_regressions_train_gpt.py):
+/// TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT=STEP:RANK makes rank RANK kill itself with SIGKILL (what
+/// `kill -9` does: no handler, no cleanup) right after the checkpoint of step STEP is complete, on the
+/// first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset), so that the launcher's restart has a
+/// checkpoint to resume from at a known step. Unset: nothing.
+std::optional<std::pair<int64_t, int>> kill_after_checkpoint(int restart) {
+  const char* v = std::getenv("TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT");
+  if (!v || !*v || restart > 0) return std::nullopt;
+  long long step = 0;
+  int rank = 0;
+  char extra = 0;
+  if (std::sscanf(v, "%lld:%d%c", &step, &rank, &extra) != 2) {
+    throw UsageError(std::string("TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT=") + v + ": expected STEP:RANK. Fix: unset it");
+  }
+  return std::make_pair(static_cast<int64_t>(step), rank);
 }
 
 int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
@@ -833,6 +1005,7 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
 
   DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
   const int64_t tokens_per_step = o.batch_size * s.cfg.block_size * o.grad_accum_steps;  // per rank
+  const auto kill_at = kill_after_checkpoint(s.resume.restart);
 
   {
     std::ostringstream os;
@@ -858,25 +1031,33 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   // step, RNG), before the first evaluation; the loop below then starts at step N + 1.
   int64_t start_step = 0;
   const nlohmann::json ckpt_run = checkpoint_run_info(o, s.cfg, s.train.size(), world);
-  if (o.resume) {
+  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  // The run's first evaluation (before its first step), carried in checkpoints so that a resumed run
+  // reports the whole run's progress; and the last one.
+  std::optional<std::pair<int64_t, double>> first_eval, last_eval;
+  if (s.resume.resume) {
     const auto t_load = Clock::now();
     const std::string path = *newest_checkpoint(o.ckpt_dir);  // checked in run()
-    nlohmann::json saved;
-    start_step = load_checkpoint(path, *model, optimizer, sampler, scaler, pg, saved);
+    nlohmann::json saved, saved_first_eval;
+    start_step = load_checkpoint(path, *model, optimizer, sampler, scaler, pg, saved, saved_first_eval);
+    if (saved_first_eval.is_object()) {
+      first_eval = {saved_first_eval.at("step").get<int64_t>(), saved_first_eval.at("loss").get<double>()};
+    }
     const auto pos = sampler.state();
     const int saved_world = saved.at("world_size").get<int>();
     say("resume: " + path + " (after step " + std::to_string(start_step) + ", saved on " +
         std::to_string(saved_world) + " rank" + (saved_world > 1 ? "s" : "") + ", loaded on " + std::to_string(world) +
         " in " + fmt("%.2f", seconds_since(t_load)) + " s); data: epoch " + std::to_string(pos.epoch) + ", window " +
-        std::to_string(pos.cursor) + " of " + std::to_string(s.train.size()) + "; continuing at step " +
-        std::to_string(start_step + 1) + "/" + std::to_string(o.steps));
+        std::to_string(pos.cursor) + " of " + std::to_string(s.train.size()) + "; " +
+        (s.resume.complete ? "nothing left to train (step " + std::to_string(start_step) + " of " +
+                                 std::to_string(last_step) + " done)"
+                           : "continuing at step " + std::to_string(start_step + 1) + "/" + std::to_string(o.steps)) +
+        (s.resume.why == "--resume" ? std::string() : " [" + s.resume.why + "]"));
   }
-  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
-  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
 
-  MetricsWriter metrics(main_rank ? o.metrics : std::string());
+  MetricsWriter metrics(main_rank ? o.metrics : std::string(), s.resume.resume ? start_step : -1);
   ProgressBar bar(main_rank && !o.no_progress && isatty(STDOUT_FILENO), o.steps);
-  std::optional<std::pair<int64_t, double>> first_eval, last_eval;
   auto run_eval = [&](int64_t step) {
     double v = evaluate(model, s.val, s.eval_batches, o.batch_size, *pg);
     if (!first_eval) first_eval = {step, v};
@@ -976,12 +1157,20 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     // writing its shards; --keep-last N prunes the oldest. Also after this run's last step.
     if (!o.ckpt_dir.empty() && (step == last_step || (o.ckpt_every > 0 && step % o.ckpt_every == 0))) {
       const auto t_save = Clock::now();
-      const std::string path = save_checkpoint(o, ckpt_run, step, *model, optimizer, sampler, scaler);
+      const nlohmann::json first =
+          first_eval ? nlohmann::json{{"step", first_eval->first}, {"loss", first_eval->second}} : nlohmann::json();
+      const std::string path = save_checkpoint(o, ckpt_run, step, *model, optimizer, sampler, scaler, first);
       bar.clear();
       say("checkpoint: " + path + " saved in " + fmt("%.2f", seconds_since(t_save)) + " s");
+      if (kill_at && kill_at->first == step && kill_at->second == rank) {
+        std::cout.flush();
+        ::kill(::getpid(), SIGKILL);
+      }
     }
   }
   bar.clear();
+  // A resumed run that had nothing left to train still reports where the model stands.
+  if (!last_eval && start_step > 0 && start_step >= last_step) run_eval(start_step);
   if (last_step < o.steps) {
     say("stopped after step " + std::to_string(last_step) + " of " + std::to_string(o.steps) + " (--stop-at)" +
         (o.ckpt_dir.empty() ? std::string() : ": continue with --resume --ckpt-dir " + o.ckpt_dir));
@@ -1001,9 +1190,13 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << " tok/s/rank, " << fmt("%.0f", static_cast<double>(tokens_per_step * steps_run * world) /
                                              std::max(train_seconds, 1e-9))
        << " tok/s in all)\n";
-    if (first_eval && last_eval) {
+    // The run's first evaluation (restored from the checkpoint after a resume) and its last. A run
+    // resumed from a checkpoint without train.first_eval that evaluated once shows that one only.
+    if (first_eval && last_eval && first_eval->first != last_eval->first) {
       os << "eval loss: " << fmt("%.4f", first_eval->second) << " (step " << first_eval->first << ") -> "
          << fmt("%.4f", last_eval->second) << " (step " << last_eval->first << ")\n";
+    } else if (last_eval) {
+      os << "eval loss: " << fmt("%.4f", last_eval->second) << " (step " << last_eval->first << ")\n";
     }
     if (o.sample_tokens > 0) {
       os << "sample (seed " << o.seed << ", temperature " << o.temperature << ", top-k " << o.top_k << "):\n"
@@ -1037,7 +1230,12 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    // One line, like every other usage error (CLI11 adds "Run with --help ..." on a second line).
+    // Our checks of flag values say what they expect; other parse errors (an unknown flag, a missing
+    // value) point to --help.
+    const bool says_expected = dynamic_cast<const CLI::ValidationError*>(&e) != nullptr;
+    throw UsageError(one_line(e.what()) + (says_expected ? "" : ". Fix: see train_gpt --help"));
   }
 
   // Everything that can be wrong with the input is checked here, identically on every rank and before
@@ -1081,9 +1279,9 @@ int run(int argc, char** argv) {
                      ") = " + std::to_string(global_batch) + ": more ranks than batches. Fix: more text, a larger "
                      "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");
   }
-  if (!o.metrics.empty() && env.rank == 0) MetricsWriter probe(o.metrics);  // fails now, not after training
+  if (!o.metrics.empty() && env.rank == 0) MetricsWriter::probe(o.metrics);  // fails now, not after training
   if (o.no_shard) check_no_shard(o, env.world_size);
-  check_checkpoint_options(o, s.cfg, s.train.size());  // [checkpoints]
+  s.resume = check_checkpoint_options(o, s.cfg, s.train.size(), env.restart_count);  // [checkpoints]
 
   auto pg = make_process_group(launched);
   return train(s, pg);

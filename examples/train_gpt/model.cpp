@@ -66,7 +66,7 @@ void validate(const GPTConfig& cfg) {
                                 "--n-embd a multiple of --n-head (e.g. --n-embd " +
                                 std::to_string((cfg.n_embd / cfg.n_head + 1) * cfg.n_head) + ")");
   }
-  if (cfg.dropout < 0.0 || cfg.dropout >= 1.0) {
+  if (!(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {  // written so that NaN fails too
     throw std::invalid_argument("--dropout=" + std::to_string(cfg.dropout) + " must be in [0, 1)");
   }
 }

@@ -34,7 +34,10 @@ std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector
 
 /// Functional form for any callable: checkpoint(fn, args...) returns what fn(args...) returns (a
 /// Tensor, a std::vector<Tensor>, or a tuple/pair of them and other values). Tensor arguments are
-/// the saved inputs; other arguments are copied and reused for the recomputation.
+/// the saved inputs; other arguments are copied and reused for the recomputation. `fn` is copied once
+/// and called as a non-const object, so a `mutable` lambda works (e.g. one that calls a module holder
+/// captured by value: ModuleHolder::operator() is not const); the forward and the recomputation call
+/// the same copy, so state it changes in the forward is seen by the recomputation.
 template <typename Fn, typename... Args>
 auto checkpoint(Fn fn, Args... args) {
   using Out = decltype(fn(args...));
@@ -45,7 +48,8 @@ auto checkpoint(Fn fn, Args... args) {
   // recomputation does not (it would keep activations alive).
   auto first = std::make_shared<std::optional<Out>>();
   auto first_run = std::make_shared<bool>(true);
-  CheckpointFn run = [fn, stored, first, first_run](const std::vector<torch::Tensor>& new_ins) {
+  // mutable: `fn` is called as a non-const object (std::function calls its target as one).
+  CheckpointFn run = [fn = std::move(fn), stored, first, first_run](const std::vector<torch::Tensor>& new_ins) mutable {
     size_t i = 0;
     auto call_args = std::apply(
         [&](auto&... a) { return std::tuple<decltype(detail::replace(a, new_ins, i))...>{detail::replace(a, new_ins, i)...}; },

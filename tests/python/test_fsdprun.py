@@ -99,7 +99,7 @@ def test_ranks_and_prefix(flag, marker):
     p = fsdprun(["--standalone", flag, "3", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE/$LOCAL_RANK"], marker)
     assert p.returncode == 0, show(p)
     assert rank_lines(p.stdout) == {r: [f"{r}/3/{r}"] for r in range(3)}, show(p)
-    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in p.stderr
+    assert "fsdprun: OMP_NUM_THREADS is unset: each of this node's 3 workers gets 1 thread" in p.stderr, show(p)
     assert procs_with_marker(marker) == []
 
 

@@ -3,15 +3,21 @@
 //
 //   fsdp-ckpt ls DIR                       tensors, dtypes, shapes, chunks per rank; Values
 //   fsdp-ckpt verify DIR                   files, sizes, checksums, exact coverage; exit 1 on a problem
-//   fsdp-ckpt consolidate DIR --out OUT    full tensors as model.safetensors (or model-0000i-of-0000n +
-//                                          model.safetensors.index.json with --max-file-size)
+//   fsdp-ckpt consolidate DIR OUT          full tensors as model.safetensors (or model-0000i-of-0000n +
+//                                          model.safetensors.index.json with --max-file-size); OUT may
+//                                          also be given as --out OUT
 //   fsdp-ckpt diff A B                     keys, dtypes, shapes, values; exit 1 when they differ
 //
-// DIR may also be a `latest` pointer file. Uses only the public API (fsdp/checkpoint.h).
+// DIR (and A, B) may also be a `latest` pointer file, or a run's --ckpt-dir (the folder holding
+// step-N folders and `latest`): then the checkpoint `latest` names. Uses only the public API
+// (fsdp/checkpoint.h).
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <set>
+#include <stdexcept>
 
 #include "fsdp/checkpoint.h"
 
@@ -51,10 +57,24 @@ const char* dtype_str(torch::ScalarType t) {
   }
 }
 
-/// "5GB", "100MiB", "4096" -> bytes.
+/// A usage error: printed as one line, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// "5GB", "100MiB", "4096" -> bytes. Throws UsageError naming the flag, the value and the expected form.
 int64_t parse_size(const std::string& s) {
+  const std::string expected = "--max-file-size " + s +
+                               ": expected a positive size, a number with an optional unit (B, KB, MB, GB, KiB, "
+                               "MiB, GiB), e.g. 5GB, 100MiB or 4096";
   size_t pos = 0;
-  double v = std::stod(s, &pos);
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);  // throws for "abc" (std::invalid_argument: "stod") or "1e999"
+  } catch (const std::exception&) {
+    throw UsageError(expected);
+  }
+  if (!std::isfinite(v) || v <= 0 || std::isspace(static_cast<unsigned char>(s[0]))) throw UsageError(expected);
   std::string unit = s.substr(pos);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double mult = 1;
@@ -65,8 +85,22 @@ int64_t parse_size(const std::string& s) {
   else if (unit == "MIB") mult = 1024.0 * 1024;
   else if (unit == "G" || unit == "GB") mult = 1e9;
   else if (unit == "GIB") mult = 1024.0 * 1024 * 1024;
-  else throw CLI::ValidationError("--max-file-size", "unknown unit '" + unit + "' (use B, KB, MB, GB, KiB, MiB, GiB)");
-  return static_cast<int64_t>(v * mult);
+  else throw UsageError(expected + " (unknown unit '" + unit + "')");
+  const double bytes = v * mult;
+  if (bytes < 1 || bytes > 9.2e18) throw UsageError(expected + " (out of range)");
+  return static_cast<int64_t>(bytes);
+}
+
+/// A checkpoint argument: a checkpoint folder, a `latest` file, or a run's --ckpt-dir, which holds
+/// step-N folders and the `latest` file naming the newest (then that one; the commands' output names
+/// it). A checkpoint folder holds no `latest` of its own, so the two cannot be confused.
+std::string resolve_checkpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec) || fs::exists(fs::path(dir) / fsdp::dcp::kMetadataFileName, ec)) return dir;
+  auto newest = fsdp::dcp::latest(dir);  // throws for a malformed `latest`
+  if (!newest) return dir;
+  return *newest;
 }
 
 /// "r0[0:3, 0:6]": the rank that wrote the chunk and its box.
@@ -203,9 +237,11 @@ int cmd_diff(const std::string& a, const std::string& b, double atol) {
 
 int main(int argc, char** argv) {
   CLI::App app{"fsdp-ckpt: inspect, verify, consolidate and compare distributed checkpoints (libfsdp's, or\n"
-               "safetensors folders written by PyTorch's HuggingFaceStorageWriter). DIR may be a `latest` file."};
+               "safetensors folders written by PyTorch's HuggingFaceStorageWriter). DIR may be a `latest`\n"
+               "file, or a run's --ckpt-dir (the folder of step-N folders and `latest`): then the checkpoint\n"
+               "`latest` names."};
   app.require_subcommand(1);
-  std::string dir, out, a, b, max_size, prefix;
+  std::string dir, out, out_flag, a, b, max_size, prefix;
   bool strip = false, all_values = false;
   double atol = 0;
   auto* ls = app.add_subcommand("ls", "List tensors (dtype, shape, chunks per rank), files and values");
@@ -215,7 +251,8 @@ int main(int argc, char** argv) {
   verify->add_option("DIR", dir)->required();
   auto* cons = app.add_subcommand("consolidate", "Write full tensors as safetensors loadable by the safetensors package");
   cons->add_option("DIR", dir)->required();
-  cons->add_option("--out", out, "Output folder")->required();
+  cons->add_option("OUT", out, "Output folder (or --out OUT)");
+  cons->add_option("--out", out_flag, "Output folder (or OUT after DIR)");
   cons->add_option("--max-file-size", max_size, "Split into files of at most this size, e.g. 5GB (default: one file)");
   cons->add_option("--prefix", prefix, "Only keys starting with this prefix, e.g. model.");
   cons->add_flag("--strip-prefix", strip, "Remove --prefix from the names written (e.g. Hugging Face names)");
@@ -225,13 +262,24 @@ int main(int argc, char** argv) {
   diff->add_option("--atol", atol, "Treat floating differences up to this as equal (default: 0, bitwise)");
   CLI11_PARSE(app, argc, argv);
   try {
-    if (*ls) return cmd_ls(dir, all_values);
-    if (*verify) return cmd_verify(dir);
-    if (*diff) return cmd_diff(a, b, atol);
+    if (*ls) return cmd_ls(resolve_checkpoint(dir), all_values);
+    if (*verify) return cmd_verify(resolve_checkpoint(dir));
+    if (*diff) return cmd_diff(resolve_checkpoint(a), resolve_checkpoint(b), atol);
+    if (!out.empty() && !out_flag.empty() && out != out_flag) {
+      throw UsageError("consolidate: two output folders, " + out + " (after DIR) and --out " + out_flag +
+                       ". Fix: give one");
+    }
+    if (out.empty()) out = out_flag;
+    if (out.empty()) throw UsageError("consolidate: no output folder. Fix: fsdp-ckpt consolidate DIR OUT");
     auto opts = fsdp::dcp::ConsolidateOptions().prefix(prefix).strip_prefix(strip);
     if (!max_size.empty()) opts.max_file_bytes(parse_size(max_size));
-    for (const auto& f : fsdp::dcp::consolidate(dir, out, opts)) std::cout << "wrote " << f << "\n";
+    for (const auto& f : fsdp::dcp::consolidate(resolve_checkpoint(dir), out, opts)) {
+      std::cout << "wrote " << f << "\n";
+    }
     return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "fsdp-ckpt: " << e.what() << "\n";
+    return 2;
   } catch (const c10::Error& e) {
     std::cerr << "fsdp-ckpt: " << e.what_without_backtrace() << "\n";
     return 2;

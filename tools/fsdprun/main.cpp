@@ -38,12 +38,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -182,6 +184,25 @@ int parse_nnodes(const std::string& s) {
   return static_cast<int>(n);
 }
 
+// Numeric flags fail with one line naming what is expected (CLI11's own checks print the type's whole
+// range, 1.8e308 written out, and let NaN through).
+CLI::Validator number_in(double lo, double hi, bool integer) {
+  std::ostringstream desc;
+  desc << "expected " << (integer ? "an integer" : "a finite number") << " >= " << lo;
+  if (!integer || hi < 1e6) desc << " and <= " << hi;
+  const std::string expected = desc.str();
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = s.empty() ? 0.0 : std::strtod(s.c_str(), &end);
+        const bool ok = !s.empty() && !std::isspace(static_cast<unsigned char>(s[0])) && *end == '\0' &&
+                        std::isfinite(v) && v >= lo && (!integer || v == std::floor(v));
+        if (!ok) return expected + ", got '" + s + "'";
+        return v <= hi ? "" : expected + ", got " + s + ", which is out of range";
+      },
+      "", "");
+}
+
 // PROGRAM and its arguments are not CLI11 positionals (see prefix_command), so say them in the usage.
 struct UsageFormatter : CLI::Formatter {
   std::string make_usage(const CLI::App*, std::string) const override {
@@ -191,6 +212,7 @@ struct UsageFormatter : CLI::Formatter {
 
 Options parse_args(int argc, char** argv) {
   Options o;
+  constexpr double kIntMax = std::numeric_limits<int>::max();
   CLI::App app{
       "Launches PROGRAM as N ranks per node with torchrun's environment (what `torchrun --no-python` does),\n"
       "hosts their rendezvous store, prefixes and collects their output, and stops or restarts them all\n"
@@ -207,16 +229,16 @@ Options parse_args(int argc, char** argv) {
                "Single node: host the store on a free port of localhost (ignores --nnodes/--master-*)");
   app.add_option("--nnodes", o.nnodes, "Number of nodes")->envname("PET_NNODES")->capture_default_str();
   app.add_option("--node-rank,--node_rank", o.node_rank, "Rank of this node (0 hosts the store)")
-      ->envname("PET_NODE_RANK")->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->envname("PET_NODE_RANK")->capture_default_str()->check(number_in(0, kIntMax, true));
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
                  "Workers on this node: an integer, cpu, gpu or auto")
       ->envname("PET_NPROC_PER_NODE")->capture_default_str();
   app.add_option("--master-addr,--master_addr", o.master_addr, "Host of node 0 (the store)")
       ->envname("PET_MASTER_ADDR")->capture_default_str();
   app.add_option("--master-port,--master_port", o.master_port, "Port of the store; 0 picks a free one (Default: 29500)")
-      ->envname("PET_MASTER_PORT")->check(CLI::Range(0, 65535));
+      ->envname("PET_MASTER_PORT")->check(number_in(0, 65535, true));
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "Restarts of the worker group before failing")
-      ->envname("PET_MAX_RESTARTS")->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->envname("PET_MAX_RESTARTS")->capture_default_str()->check(number_in(0, kIntMax, true));
   app.add_option("--log-dir,--log_dir", o.log_dir,
                  "Also write DIR/<run_id>_XXXXXX/attempt_<k>/<local_rank>/{stdout,stderr}.log and error.json")
       ->envname("PET_LOG_DIR");
@@ -231,12 +253,15 @@ Options parse_args(int argc, char** argv) {
   app.add_option("--role", o.role, "Role name (ROLE_NAME and the output prefix)")->capture_default_str();
   app.add_option("--shutdown-timeout,--shutdown_timeout", o.shutdown_timeout,
                  "Seconds between SIGTERM and SIGKILL when stopping workers (Default: 30)")
-      ->envname("PET_SHUTDOWN_TIMEOUT")->check(CLI::NonNegativeNumber);
+      ->envname("PET_SHUTDOWN_TIMEOUT")->check(number_in(0, 86400, false));
   app.add_flag("--no-python,--no_python", o.no_python, "Accepted for torchrun compatibility (always the case)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
+    if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    die(what + " (see fsdprun --help)");
   }
   o.command = app.remaining();
   if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
@@ -728,9 +753,10 @@ int main(int argc, char** argv) {
 
   // Environment every worker inherits, as torchrun sets it in its own process.
   if (!std::getenv("OMP_NUM_THREADS") && plan.nproc > 1) {
-    warn("\n*****************************************\nSetting OMP_NUM_THREADS environment variable for each "
-         "process to be 1 in default, to avoid your system being overloaded, please further tune the variable "
-         "for optimal performance in your application as needed. \n*****************************************");
+    // torchrun's policy (one intra-op thread per worker unless the user chose), in one line of our own.
+    warn("OMP_NUM_THREADS is unset: each of this node's " + std::to_string(plan.nproc) +
+         " workers gets 1 thread so that they do not oversubscribe the CPUs; set OMP_NUM_THREADS to choose "
+         "another number");
     ::setenv("OMP_NUM_THREADS", "1", 1);
   }
   ::setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", 1);
