@@ -91,6 +91,7 @@ struct JoinAccumCase {
   bool divide_by_initial = true;
   bool reshard_after_backward = true;
   bool two_level = false;
+  bool eval_after_step = false;  // a forward without autograd after every optimizer step
 };
 
 template <typename Model>
@@ -122,9 +123,15 @@ void run_join_accum(const JoinAccumCase& c, Model reference_model, std::function
           grads_before_step.push_back(g);
           opt.step();
           opt.zero_grad();
+          if (c.eval_after_step) {
+            torch::NoGradGuard no_grad;
+            m(mb_x(rank, i));
+          }
         }
       }
     }
+    // An evaluation forward leaves the root unsharded (reshard_after_forward false for the root).
+    m.reshard();
     // Gradients of the steps this rank took itself, then parameters, against the reference.
     for (size_t s = 0; s < grads_before_step.size(); ++s) {
       for (const auto& [name, g] : grads_before_step[s]) {
@@ -169,6 +176,15 @@ TEST(RegressionsJoinAccumulation, ReshardAfterBackwardFalseKeepsGroupsUnshardedB
   c.notify_every_microbatch = false;
   run_linear(c);
 }
+TEST(RegressionsJoinAccumulation, EvaluationForwardsAfterStepsAreShadowedWithoutBackward) {
+  for (bool every : {true, false}) {
+    JoinAccumCase c;
+    c.notify_every_microbatch = every;
+    c.eval_after_step = true;
+    run_linear(c);
+  }
+}
+
 TEST(RegressionsJoinAccumulation, TwoGroupsOnThreeRanksOneWithoutData) {
   // Rank 0: 4 microbatches, rank 1: 2, rank 2: none (it shadows from the start, lazy init included).
   for (bool every : {true, false}) {

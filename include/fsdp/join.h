@@ -33,10 +33,12 @@
 // gradient contribution is zero; gradients are divided as JoinOptions::divide_by_initial_world_size
 // says. Cost per round (each notify_join_context, as PyTorch's Join, and each announced forward): one
 // all-reduce of 4 + 2 + 3 x (FSDP groups) integers and a read of this rank's parameter shards.
-// Rules: the gradient-sync settings of a microbatch must be set before its forward; every rank runs the
-// same loop structure (a rank that runs out must reach the end of its loop where the others call
-// notify_join_context). Ranks still training that disagree (one in notify_join_context, another in a
-// forward, or with different settings) raise c10::Error on every rank instead of hanging.
+// Rules: a microbatch is one forward of the root followed by one backward (forwards without autograd,
+// e.g. evaluation, may come in between); the gradient-sync settings of a microbatch must be set before
+// its forward; every rank runs the same loop structure (a rank that runs out must leave its loop
+// where the others call notify_join_context or start a microbatch). Ranks still training that
+// disagree (one in notify_join_context, another in a forward, or with different settings) raise
+// c10::Error on every rank instead of hanging.
 // A rank that runs out in the middle of an accumulation keeps the microbatches it already ran.
 //
 // Mirrors torch.distributed.algorithms.{Join, Joinable, JoinHook}.
