@@ -49,13 +49,25 @@ std::string decode_tensor(const int64_t* f) {
   return os.str();
 }
 
+// The name of a ReduceOp as the user wrote it (the fingerprint stores its enum value).
+const char* reduce_op_name(int64_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
 std::string decode(const int64_t* f) {
   std::ostringstream os;
   int64_t op = f[1];
   os << (op >= 0 && op < static_cast<int64_t>(kOps.size()) ? kOps[op] : "?") << " #" << f[0] << "(";
   std::string in = decode_tensor(f + 3), out = decode_tensor(f + 3 + 2 + kMaxDims);
   os << (in.empty() ? "" : "input " + in) << (out.empty() ? "" : ", output " + out);
-  if (op == 2) os << ", reduce op " << f[2];
+  if (op == 1 || op == 2) os << ", reduce op " << reduce_op_name(f[2]);
   if (op == 3) os << ", src " << f[2];
   os << ")";
   return os.str();

@@ -1,5 +1,8 @@
 #include "fsdp_param_group.h"
 
+#include <algorithm>
+#include <map>
+
 
 namespace fsdp::detail {
 namespace {
@@ -86,6 +89,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
     tensor.set_data(p.sharded_data);
     params_.push_back(std::move(p));
   }
+  if (replicate_pg_ && replicate_pg_->size() > 1) broadcast_over_replicate();
   auto base = trainable_dtype.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
   auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
@@ -109,6 +113,28 @@ void FSDPParamGroup::check_params_hold_fsdp_data() const {
                 "param.set_data()). Fix: convert the module before fully_shard; to compute in another dtype use "
                 "FullyShardOptions().mp_policy(param_dtype); to change the values, copy_ into the parameter under "
                 "torch::NoGradGuard");
+  }
+}
+
+void FSDPParamGroup::broadcast_over_replicate() {
+  // HSDP keeps replicas equal only by all-reducing identical updates: replicas that start from
+  // different weights (ranks seeded differently) would stay different for good. So every replica
+  // takes the shards of replicate rank 0: one broadcast of the group's padded shards per dtype.
+  std::map<torch::ScalarType, std::vector<FSDPParam*>> by_dtype;
+  for (auto& p : params_) {
+    if (p.padded_shard.numel() > 0) by_dtype[p.padded_shard.scalar_type()].push_back(&p);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [dtype, ps] : by_dtype) {
+    std::vector<torch::Tensor> flat;
+    for (auto* p : ps) flat.push_back(p->padded_shard.reshape({-1}).to(opts_.mesh->device()));
+    auto buf = torch::cat(flat);
+    broadcast(buf, 0, *replicate_pg_);
+    int64_t off = 0;
+    for (auto* p : ps) {
+      p->padded_shard.copy_(buf.narrow(0, off, p->padded_shard.numel()).view(p->padded_shard.sizes()));
+      off += p->padded_shard.numel();
+    }
   }
 }
 
@@ -268,8 +294,16 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
     if (reshard_after) reshard();
     return;
   }
+  // Every trainable parameter takes part in the reduce-scatter, with or without a gradient on this
+  // rank: its size then depends only on the group (checked across ranks at the first forward), never
+  // on which parameters a rank's data happened to use (a parameter unused on one rank, e.g. an expert
+  // no token was routed to, would otherwise make the ranks' reduce-scatters differ in size, which
+  // aborts the process inside Gloo). A missing gradient contributes zeros; one presence flag per
+  // parameter travels with each chunk, so that a parameter no rank produced a gradient for keeps an
+  // undefined gradient, as without FSDP.
   std::vector<size_t> idx;
   int64_t m = 0;
+  std::vector<char> missing;  // per reduced parameter: no gradient on this rank
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     if (p.unsharded_accum_grad.defined()) {
@@ -277,30 +311,37 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
       grads[i] = std::move(p.unsharded_accum_grad);
       p.unsharded_accum_grad = torch::Tensor();
     }
-    if (!grads[i].defined()) continue;
+    if (!p.requires_grad() && !grads[i].defined()) continue;  // frozen (the same on every rank)
+    missing.push_back(grads[i].defined() ? 0 : 1);
     idx.push_back(i);
     m += p.padded_numel();
   }
   if (reshard_after) reshard();
-  if (idx.empty()) return;  // no gradient in this group (e.g. frozen parameters)
+  if (idx.empty()) return;  // no trainable parameter in this group
   const int ws = shard_pg_->size();
-  // Reduce-scatter input [ws, M]: row r = every gradient's chunk r (zero-padded), in group order.
-  auto input = torch::zeros({ws, m}, grads[idx[0]].options().dtype(reduce_dtype_));
+  const int64_t np = static_cast<int64_t>(idx.size());
+  // Reduce-scatter input [ws, M + P]: row r = every gradient's chunk r (zero-padded), in group order,
+  // then the P presence flags.
+  auto input = torch::zeros({ws, m + np},
+                            torch::TensorOptions().dtype(reduce_dtype_).device(opts_.mesh->device()));
   int64_t off = 0;
-  for (size_t i : idx) {
-    const auto& p = params_[i];
-    const auto& g = grads[i];
-    for (int r = 0; r < ws; ++r) {
-      auto range = chunk_range(p.orig_size[0], ws, r);
-      if (range.length == 0) continue;
-      input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const auto& p = params_[idx[k]];
+    const auto& g = grads[idx[k]];
+    if (g.defined()) {
+      input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
+      for (int r = 0; r < ws; ++r) {
+        auto range = chunk_range(p.orig_size[0], ws, r);
+        if (range.length == 0) continue;
+        input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+      }
     }
     off += p.padded_numel();
   }
   auto flat_in = input.view({-1});
-  auto output = torch::empty({m}, input.options());
+  auto output = torch::empty({m + np}, input.options());
   Work work = reduce_scatter_tensor(output, flat_in, *shard_pg_, ReduceOp::SUM, /*async_op=*/true);
-  pending_rs_ = PendingReduceScatter{flat_in, output, std::move(work), std::move(idx)};
+  pending_rs_ = PendingReduceScatter{flat_in, output, std::move(work), std::move(idx), m, std::move(missing)};
 }
 
 void FSDPParamGroup::finish_reduce(double divide_factor) {
@@ -311,9 +352,20 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
   torch::NoGradGuard no_grad;
   if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
   if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  // Presence counts (divided too, still > 0 exactly where some rank had a gradient). Read (a host
+  // sync) only when this rank lacked a gradient: otherwise every count is at least 1.
+  torch::Tensor present;
+  if (std::find(rs.missing.begin(), rs.missing.end(), 1) != rs.missing.end()) {
+    present = rs.output.narrow(0, rs.data_numel, static_cast<int64_t>(rs.param_indices.size())).to(torch::kCPU);
+  }
   int64_t off = 0;
-  for (size_t i : rs.param_indices) {
+  for (size_t k = 0; k < rs.param_indices.size(); ++k) {
+    size_t i = rs.param_indices[k];
     auto& p = params_[i];
+    if (rs.missing[k] && present[static_cast<int64_t>(k)].item<double>() <= 0) {
+      off += p.padded_numel();
+      continue;  // no rank had a gradient for it: it keeps none
+    }
     auto shape = p.orig_size;
     shape[0] = p.padded_rows;
     auto shard = rs.output.narrow(0, off, p.padded_numel()).view(shape).narrow(0, 0, p.local_rows);

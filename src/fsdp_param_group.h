@@ -97,6 +97,8 @@ class FSDPParamGroup {
 
   /// Post-backward: takes the unsharded gradients; with `sync` issues their reduce-scatter
   /// (finished by finish_reduce), else accumulates them (in the reduce dtype) for a later step.
+  /// Every trainable parameter is reduced (zeros where this rank has no gradient, with a presence
+  /// flag per parameter), so the reduce-scatter's size is the same on every rank whatever data each saw.
   /// Reshards when `reshard` (the data must be sharded before a reduce-scatter result is assigned).
   /// A reduce-scatter still in flight from an earlier backward is finished first (with divide_factor).
   void post_backward(bool sync, bool reshard, double divide_factor);
@@ -114,6 +116,8 @@ class FSDPParamGroup {
   int64_t sharded_bytes() const;
 
  private:
+  /// HSDP: every replica takes the shards of replicate rank 0 (one broadcast per dtype).
+  void broadcast_over_replicate();
   void to_unsharded_data();
   void to_sharded_data();
   /// Throws if a parameter's data is no longer this group's shard, or its unsharded tensor when unsharded
@@ -140,10 +144,12 @@ class FSDPParamGroup {
   std::optional<PendingAllGather> pending_ag_;  // issued by unshard(), waited by wait_for_unshard()
 
   struct PendingReduceScatter {
-    torch::Tensor input;   // [ws * M] in reduce dtype; kept alive until the collective completes
-    torch::Tensor output;  // [M] in reduce dtype
+    torch::Tensor input;   // [ws * (M + P)] in reduce dtype; kept alive until the collective completes
+    torch::Tensor output;  // [M + P] in reduce dtype: P = presence counts of the reduced parameters
     Work work;
     std::vector<size_t> param_indices;  // params reduced, in order
+    int64_t data_numel = 0;             // M: the gradients; then one presence count per parameter
+    std::vector<char> missing;          // per reduced parameter: this rank had no gradient
   };
   std::optional<PendingReduceScatter> pending_rs_;  // issued by post_backward(), waited by finish_reduce()
 };

@@ -1,6 +1,7 @@
 // The per-module FSDP state: forward/backward hooks, root detection and lazy init, prefetching.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -68,6 +69,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::optional<double> gradient_divide_factor;
   std::optional<std::vector<std::weak_ptr<FSDPState>>> forward_prefetch;   // explicit lists
   std::optional<std::vector<std::weak_ptr<FSDPState>>> backward_prefetch;
+
+  /// Set by an active fsdp::Join on the root's state: runs before the root's forward issues any
+  /// collective (announces the forward to ranks that ran out of data; see join.cpp).
+  std::function<void()> on_root_forward;
 
   // Per iteration.
   bool ran_forward = false;

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/embedding.h>
 
+#include "consistency.h"
 #include "fsdp_state.h"
 
 namespace fsdp {
@@ -185,6 +186,8 @@ void FSDPState::lazy_init() {
       }
     }
   }
+  // Every rank must have the same groups with the same collective sizes (a c10::Error, not a Gloo abort).
+  check_group_layout(*this);
 }
 
 void FSDPState::root_pre_forward() {
@@ -212,6 +215,9 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   // A forward recomputed during this module's backward (activation checkpointing around it): the
   // pre-backward already unsharded the parameters, and nothing must be resharded or re-registered.
   if (training_state == TrainingState::PRE_BACKWARD) return inputs;
+  // An fsdp::Join in progress announces the root's forward to the ranks that ran out of data, before
+  // any collective of this forward (lazy init's included).
+  if (on_root_forward && (!ctx || (is_root() && training_state != TrainingState::FORWARD))) on_root_forward();
   if (!ctx) {
     lazy_init();
     root_pre_forward();
@@ -586,6 +592,8 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   gopts.mp = options.mp_policy();
   gopts.offload = options.offload_policy().has_value();
   gopts.pin_memory = gopts.offload && options.offload_policy()->pin_memory();
+  // Same initial weights on every rank (sync_module_states, or the FSDP_DEBUG check).
+  detail::sync_before_sharding(params, modules, mesh, options, state->module_type);
   if (!params.empty()) state->group = std::make_unique<detail::FSDPParamGroup>(std::move(params), gopts, state->module_type);
   {
     auto& r = detail::registry();

@@ -126,7 +126,10 @@ TEST(DebugMode, ShapeMismatchFailsEveryRankWithBothShapes) {
 
 TEST(DebugMode, MatchingCollectivesAndTrainingRaiseNoFalseAlarm) {
   DebugEnv debug;
-  run_ranks(3, [](ProcessGroupPtr pg) {
+  // Every rank starts from the same weights (debug mode checks it at fully_shard).
+  torch::manual_seed(3);
+  const auto weights = snapshot(*Net());
+  run_ranks(3, [&](ProcessGroupPtr pg) {
     for (int i = 0; i < 3; ++i) barrier(*pg);
     auto t = torch::ones({5, 3});
     all_reduce(t, *pg);
@@ -137,6 +140,7 @@ TEST(DebugMode, MatchingCollectivesAndTrainingRaiseNoFalseAlarm) {
     broadcast(t, 2, *pg);
     // A sharded training step: all-gathers and reduce-scatters of uneven shards.
     Net net;
+    load_full(*net, weights);
     auto mesh = init_device_mesh(torch::kCPU, {3});
     for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
     fully_shard(net, FullyShardOptions().mesh(mesh));

@@ -81,6 +81,13 @@ struct FullyShardOptions {
   /// Parameters left out of sharding (neither sharded nor reduced; their module must handle them).
   /// (Default: none)
   TORCH_ARG(std::vector<torch::Tensor>, ignored_params) = {};
+  /// Broadcast the parameters of this call (before sharding) and the buffers of its modules (outside
+  /// already-sharded submodules) from rank 0 of the mesh to every rank, so that ranks that built the
+  /// model from differently seeded generators start from rank 0's weights. One broadcast per dtype,
+  /// at fully_shard only. Set it on every fully_shard call (children and root). The analogue of FSDP1's
+  /// `sync_module_states`. (Default: false; every rank must then start from the same weights, see
+  /// fully_shard)
+  TORCH_ARG(bool, sync_module_states) = false;
 };
 
 namespace detail {
@@ -264,6 +271,15 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 
 /// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
 /// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module.
+/// Initial weights: every rank keeps its own rows of its own copy, so on a 1-D mesh every rank must
+/// start from the same weights (seed every rank identically, load the same checkpoint, or set
+/// FullyShardOptions::sync_module_states to broadcast rank 0's parameters and buffers). On a 2-D
+/// (HSDP) mesh every replica takes the shards of replicate rank 0 (one broadcast per group, here), so
+/// replicas start and stay identical; the ranks of a shard group must still agree. With FSDP_DEBUG=DETAIL
+/// a checksum comparison over the shard group throws c10::Error on every rank naming the first
+/// parameter that differs (skipped with sync_module_states). Collective: every rank of the mesh must call
+/// it with the same modules and options; at the root's first forward the ranks compare their groups'
+/// collective sizes and throw c10::Error on every rank naming the first group that differs.
 /// Afterwards, between forward/backward passes, the registered parameters hold their local shard:
 /// their sizes() are [rows of this rank (possibly 0), *rest] and the optimizer steps those shards.
 /// Everything is validated before anything is sharded: when it throws, the module is unchanged.
