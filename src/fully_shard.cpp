@@ -188,9 +188,9 @@ void FSDPState::lazy_init() {
     if (!s) continue;
     if (seen.insert(s.get()).second) {
       if (s.get() != this) {
-        TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: ",
-                    s->name(), " ran forward before the root (", module_type, "). Fix: call the root model's ",
-                    "forward (the module fully_shard was applied to last) before any submodule's");
+        TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: '",
+                    item.key(), "' (", s->module_type, ") ran forward before the root (", module_type, "). Fix: ",
+                    "call the root model's forward (the module fully_shard was applied to last) before any submodule's");
         s->ctx = ctx;
         s->fqn = item.key();
         s->module_fqns.assign(s->modules.size(), std::nullopt);

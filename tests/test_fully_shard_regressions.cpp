@@ -12,8 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
+#include "fsdp_state.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 
@@ -515,6 +517,26 @@ TEST(RegressionsApi, TiedErrorNamesModuleByPathAndType) {
   });
 }
 
+// A child's forward before the root's: the error names the child by its path and type (it used to
+// call the child "the root").
+TEST(RegressionsApi, ChildBeforeRootErrorNamesPathAndType) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Net net;
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    fully_shard(net, FullyShardOptions().mesh(mesh));
+    net->blocks[1](torch::randn({2, kDim}));
+    FSDPModule<Net> model(net);
+    try {
+      model(torch::zeros({2, 3}, torch::kLong));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("'blocks.1' (fsdp::testing::BlockImpl) ran forward before the root"), std::string::npos) << msg;
+    }
+  });
+}
+
 // sharded_parameters(): names relative to the module fully_shard was called on, before and after
 // the first forward.
 TEST(RegressionsApi, ShardedParameterNamesStayModuleRelative) {
@@ -634,5 +656,39 @@ TEST(RegressionsApi, TrainableAfterExceptionInsideBackward) {
   }
 }
 
+}  // namespace
+}  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+// The root's forward graph check (bypass detection before backward) costs one visit per autograd
+// node. Measured against the forward itself on a 24-block model; it must find nothing to report.
+TEST(RegressionsBypass, ForwardGraphCheckIsCheapAndQuiet) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Net net(/*n_blocks=*/24);
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    auto api = fully_shard(net, FullyShardOptions().mesh(mesh));
+    FSDPModule<Net> model(net);
+    auto b = make_batches(1, 8, 16)[0];
+    constexpr int kIters = 20;
+    double fwd = 0, check = 0;
+    for (int i = 0; i < kIters; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      auto out = model(b.idx);
+      auto t1 = std::chrono::steady_clock::now();
+      api.state().check_forward_graph({out});  // what the root's post-forward ran inside `fwd`
+      auto t2 = std::chrono::steady_clock::now();
+      fwd += std::chrono::duration<double, std::micro>(t1 - t0).count();
+      check += std::chrono::duration<double, std::micro>(t2 - t1).count();
+      loss_fn(out, b.targets).backward();
+    }
+    if (pg->rank() == 0) {
+      std::printf("[bypass check] 24 blocks, 2 ranks: forward %.0f us (including the check), check %.0f us (%.1f%%)\n",
+                  fwd / kIters, check / kIters, 100.0 * check / fwd);
+    }
+    EXPECT_LT(check, fwd) << "the check must cost less than the forward it guards";
+  });
+}
 }  // namespace
 }  // namespace fsdp::testing
