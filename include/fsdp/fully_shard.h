@@ -36,8 +36,10 @@
 // called several times per forward, several modules sharded as one group, activation checkpointing,
 // and a second backward over the same graph (`backward(retain_graph=true)`: gradients accumulate as
 // without FSDP, for every reshard_after_forward). A backward that throws (e.g. from a user hook)
-// leaves the model trainable: its unfinished gradients are dropped, the gradients from before it are
-// kept, and the next forward starts clean.
+// leaves the model trainable: before the exception reaches the caller, the gradients not yet reduced
+// are dropped, the sharded gradients (from before it, plus groups it finished reducing, as plain
+// autograd keeps what it accumulated) are back in .grad and the groups are resharded locally; the
+// next forward completes its in-flight collectives and starts clean (zero_grad() as usual).
 //
 // Mirrors torch.distributed.fsdp.fully_shard and FSDPModule (FSDP2).
 #pragma once
