@@ -70,6 +70,8 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   for (auto& [name, tensor] : params) {
     FSDPParam p;
     p.fqn = name;
+    p.local_fqn = name;
+    p.name_in_module = name;
     p.param = tensor;
     p.orig_size = tensor.sizes().vec();
     p.orig_dtype = tensor.scalar_type();
@@ -236,8 +238,10 @@ void FSDPParamGroup::to_unsharded_data() {
   for (auto& p : params_) {
     // Move a sharded gradient aside: autograd must accumulate an unsharded gradient of the unsharded
     // shape; the stash is restored (and added to) when the data is sharded again.
+    // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
     auto& g = p.param.mutable_grad();
-    if (g.defined()) {
+    if (g.defined() && !in_backward_) {
+      torch::NoGradGuard no_grad;
       if (p.stashed_grad.defined()) {
         p.stashed_grad.add_(g);
       } else {
@@ -250,36 +254,143 @@ void FSDPParamGroup::to_unsharded_data() {
 }
 
 void FSDPParamGroup::to_sharded_data() {
+  const int rank = opts_.mesh->get_rank();
   for (auto& p : params_) {
     auto& g = p.param.mutable_grad();
+    if (in_backward_) {
+      // During a backward .grad holds only this backward's unsharded gradient (begin_backward stashed
+      // the sharded one). The group is resharded before every use produced its gradient (e.g. a
+      // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
+      if (g.defined()) {
+        torch::NoGradGuard no_grad;
+        p.pending_grad = p.pending_grad.defined() ? p.pending_grad.add_(g) : g;
+        g = torch::Tensor();
+      }
+      p.param.set_data(p.sharded_data);
+      continue;
+    }
+    // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
+    // parameter that FSDP did not see.
     TORCH_CHECK(!g.defined() || g.sizes() == p.sharded_data.sizes(), "fully_shard: parameter '", p.fqn,
-                "' has an unsharded gradient ", g.sizes(), " while being resharded; its post-backward did not run. "
-                "Every backward must go through the FSDP root's forward");
+                "' on rank ", rank, " has a gradient of the unsharded shape ", g.sizes(), " outside a backward (its local ",
+                "shard is ", p.sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
+                "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
+                "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
     p.param.set_data(p.sharded_data);
-    if (!g.defined() && p.stashed_grad.defined()) g = std::move(p.stashed_grad);
+    if (p.stashed_grad.defined()) {
+      if (g.defined()) {
+        torch::NoGradGuard no_grad;
+        g.add_(p.stashed_grad);
+      } else {
+        g = std::move(p.stashed_grad);
+      }
+    }
     p.stashed_grad = torch::Tensor();
   }
+}
+
+void FSDPParamGroup::begin_backward() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    auto& g = p.param.mutable_grad();
+    if (!g.defined()) continue;
+    // The data is sharded (an unsharded group stashed its grad when it was unsharded): g is the
+    // sharded gradient of earlier backwards. Outside the autograd's reach until end_backward.
+    if (p.stashed_grad.defined()) {
+      p.stashed_grad.add_(g);
+    } else {
+      p.stashed_grad = g;
+    }
+    g = torch::Tensor();
+  }
+}
+
+void FSDPParamGroup::end_backward() {
+  in_backward_ = false;
+  if (state_ == ShardedState::UNSHARDED) return;  // the stash goes back at the next reshard
+  for (auto& p : params_) {
+    auto& g = p.param.mutable_grad();
+    if (!p.stashed_grad.defined()) continue;
+    if (g.defined()) {
+      torch::NoGradGuard no_grad;
+      g.add_(p.stashed_grad);
+    } else {
+      g = std::move(p.stashed_grad);
+    }
+    p.stashed_grad = torch::Tensor();
+  }
+}
+
+void FSDPParamGroup::abort_backward() noexcept {
+  try {
+    if (in_backward_) {
+      for (auto& p : params_) {
+        p.param.mutable_grad() = torch::Tensor();  // this backward's unsharded gradient
+        p.pending_grad = torch::Tensor();
+      }
+    }
+    in_backward_ = false;
+    // Local reshard (no collective: other ranks may be elsewhere). An all-gather in flight keeps the
+    // data as it is; the next root forward waits for it and reshards.
+    if (!pending_ag_ && state_ == ShardedState::UNSHARDED) {
+      to_sharded_data();  // also puts the stashed sharded gradients back
+      free_unsharded();
+      state_ = ShardedState::SHARDED;
+    } else if (state_ != ShardedState::UNSHARDED) {
+      end_backward();
+    }
+  } catch (...) {
+    // cleanup after a failure must not throw; the next forward reshards again
+  }
+}
+
+bool FSDPParamGroup::has_unsharded_grads() const {
+  if (!in_backward_) return false;
+  for (const auto& p : params_) {
+    if (p.pending_grad.defined() || p.param.grad().defined()) return true;
+  }
+  return false;
+}
+
+torch::Tensor FSDPParamGroup::sharded_grad(const FSDPParam& p) const {
+  if (in_backward_ || state_ == ShardedState::UNSHARDED) return p.stashed_grad;
+  return p.param.grad();
 }
 
 void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_factor) {
   // A reduce-scatter left in flight (set_is_last_backward(false)) completes before the next one.
   finish_reduce(divide_factor);
-  // Take the unsharded gradients out of the parameters.
+  // Take the unsharded gradients of this backward out of the parameters (begin_backward moved the
+  // sharded ones aside, so whatever .grad holds now was accumulated by autograd in this backward).
+  torch::NoGradGuard no_grad;
+  const int rank = opts_.mesh->get_rank();
   std::vector<torch::Tensor> grads(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    if (!p.requires_grad()) continue;
     auto& g = p.param.mutable_grad();
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ",
-                opts_.mesh->get_rank(), " got a sparse gradient, which FSDP cannot reduce-scatter (it shards dense "
-                "rows). Fix: compute it with a dense gradient (e.g. embedding(..., sparse=false)), or pass the "
-                "parameter in ignored_params and reduce its gradient yourself");
-    if (g.defined() && state_ == ShardedState::UNSHARDED && g.sizes() == p.unsharded_data.sizes()) {
-      grads[i] = std::move(g);
+    torch::Tensor taken;
+    if (in_backward_ && g.defined()) {
+      taken = std::move(g);
       g = torch::Tensor();
     }
+    if (p.pending_grad.defined()) {
+      taken = taken.defined() ? taken.add_(p.pending_grad) : p.pending_grad;
+      p.pending_grad = torch::Tensor();
+    }
+    if (!taken.defined()) continue;
+    TORCH_CHECK(!taken.is_sparse(), "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", rank,
+                " got a sparse gradient, which FSDP cannot reduce-scatter (it shards dense rows). Fix: compute it "
+                "with a dense gradient (e.g. embedding(..., sparse=false)), or pass the parameter in ignored_params "
+                "and reduce its gradient yourself");
+    TORCH_CHECK(taken.sizes() == p.unsharded_data.sizes(), "fully_shard: parameter '", p.fqn, "' on rank ", rank,
+                " received a gradient of shape ", taken.sizes(), " but its unsharded shape is ",
+                c10::IntArrayRef(p.orig_size), ": a use of the parameter that FSDP did not see (a forward that ",
+                "bypassed FSDP) computed on its local shard. Fix: call the module through its fsdp::FSDPModule ",
+                "holder (module(x)) or fsdp::fsdp_forward");
+    grads[i] = std::move(taken);
   }
-  torch::NoGradGuard no_grad;
   if (!sync) {
     // Gradient accumulation without communication: keep the unsharded grads in the reduce dtype.
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -375,8 +486,9 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
     shard = shard.is_view() && shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device()
                 ? shard.clone()
                 : shard.to(p.sharded_data.device(), p.orig_dtype);
-    // While the data is unsharded (reshard_after_backward=false) the sharded grad waits in the stash.
-    auto& target = state_ == ShardedState::UNSHARDED ? p.stashed_grad : p.param.mutable_grad();
+    // While the data is unsharded (reshard_after_backward=false) or a backward runs (autograd owns
+    // .grad) the sharded grad waits in the stash.
+    auto& target = (in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad();
     if (target.defined()) {
       target.add_(shard);
     } else {
@@ -395,16 +507,17 @@ void FSDPParamGroup::discard_gradients_in_flight() {
     pending_rs_.reset();
   }
   for (auto& p : params_) {
+    p.pending_grad = torch::Tensor();
     auto& g = p.param.mutable_grad();
     if (g.defined() && g.sizes() != p.sharded_data.sizes()) g = torch::Tensor();  // an unsharded leftover
   }
 }
 
-DTensor FSDPParamGroup::sharded_dtensor(const FSDPParam& p) const {
+DTensor FSDPParamGroup::sharded_dtensor(const FSDPParam& p, const torch::Tensor& local) const {
   std::vector<Placement> placements;
   if (opts_.mesh->ndim() == 2) placements.push_back(Replicate());
   placements.push_back(Shard(0));
-  return DTensor(p.sharded_data, opts_.mesh, placements, p.orig_size);
+  return DTensor(local.defined() ? local : p.sharded_data, opts_.mesh, placements, p.orig_size);
 }
 
 int64_t FSDPParamGroup::sharded_bytes() const {

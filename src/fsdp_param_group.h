@@ -41,7 +41,10 @@ enum class ShardedState {
 };
 
 struct FSDPParam {
-  std::string fqn;                  // relative to the fully_shard module until the root prefixes it
+  std::string fqn;                  // for messages: path from the root after lazy init, else local_fqn
+  std::string local_fqn;            // relative to the fully_shard module ("i." + name for several modules)
+  size_t module_index = 0;          // which module of the fully_shard call holds it
+  std::string name_in_module;       // relative to that module
   torch::Tensor param;              // the original parameter (see [Note: FSDP tensors])
   std::vector<int64_t> orig_size;   // global shape
   torch::ScalarType orig_dtype;
@@ -55,7 +58,10 @@ struct FSDPParam {
   torch::Tensor unsharded_padded;   // [ws * padded_rows, *rest], param dtype; storage freed when sharded
   torch::Tensor unsharded_data;     // unsharded_padded.narrow(0, 0, d0)
   torch::Tensor post_forward_shard; // [(ws/k) * padded_rows, *rest] (SHARDED_POST_FORWARD only)
-  torch::Tensor stashed_grad;       // the sharded grad, moved aside while the data is unsharded
+  torch::Tensor stashed_grad;       // the sharded grad, moved aside while the data is unsharded or a
+                                    // backward runs (autograd accumulates unsharded grads into .grad)
+  torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
+                                    // during a backward before the group's post-backward ran
   torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
 
   int64_t padded_numel() const { return padded_rows * row_numel; }
@@ -110,8 +116,24 @@ class FSDPParamGroup {
   /// reduce-scatter and drops unsharded gradients, so they cannot leak into the next step.
   void discard_gradients_in_flight();
 
-  /// The sharded parameter as a DTensor (aliases the local shard).
-  DTensor sharded_dtensor(const FSDPParam& p) const;
+  /// Start of a backward: moves the sharded gradients out of .grad (into the stash), so that .grad
+  /// holds only what autograd accumulates in this backward (unsharded gradients), whatever the data.
+  void begin_backward();
+  /// End of a backward: the sharded gradients go back to .grad when the data is sharded.
+  void end_backward();
+  /// A backward that threw: drops this backward's unsharded gradients, puts the sharded gradients
+  /// back and reshards locally (no collective; an in-flight all-gather or reduce-scatter is left for
+  /// reshard() / discard_gradients_in_flight()). Never throws.
+  void abort_backward() noexcept;
+  bool in_backward() const { return in_backward_; }
+  /// Whether unsharded gradients of this backward wait for a post-backward.
+  bool has_unsharded_grads() const;
+  /// The sharded gradient of `p` (in .grad, or in the stash while the data is unsharded), or undefined.
+  torch::Tensor sharded_grad(const FSDPParam& p) const;
+
+  /// The sharded parameter as a DTensor (aliases the local shard), or `local` (a tensor of the local
+  /// shard's shape, e.g. its gradient) with the parameter's placements and global shape.
+  DTensor sharded_dtensor(const FSDPParam& p, const torch::Tensor& local = {}) const;
   /// Sum of padded shard bytes (what this rank holds persistently for the group).
   int64_t sharded_bytes() const;
 
@@ -135,6 +157,7 @@ class FSDPParamGroup {
   torch::ScalarType reduce_dtype_;
   ShardedState state_ = ShardedState::SHARDED;
   ProcessGroupPtr post_forward_pg_;  // set while SHARDED_POST_FORWARD
+  bool in_backward_ = false;         // between begin_backward() and end_backward()/abort_backward()
 
   struct PendingAllGather {
     torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out

@@ -36,10 +36,20 @@ struct FSDPContext {
   /// Post-forward order of this iteration: implicit backward prefetch unshards the state that ran
   /// before the current one.
   std::vector<FSDPState*> post_forward_order;
-  bool callback_queued = false;  // end-of-backward callback queued for this backward
+  /// Every sharded parameter under the root -> its state and index in the group (for the forward
+  /// graph check of the root's post-forward).
+  std::unordered_map<const c10::TensorImpl*, std::pair<FSDPState*, size_t>> param_index;
+  /// A backward is running: its end-of-backward callback is queued and every group's sharded grads
+  /// are stashed (begin_backward). Cleared by the callback or, when the backward throws, by abort.
+  bool in_backward = false;
+  /// The last backward threw: the next root forward completes and drops its in-flight collectives.
+  bool backward_aborted = false;
 
-  /// Every state back to IDLE with no per-iteration record (start of a forward, end of backward).
-  void reset_iteration();
+  /// Start of a root forward: forgets the previous forward's calls (a new graph).
+  void reset_forward();
+  /// End of a backward: every state back to IDLE, per-backward counts cleared. The per-forward
+  /// record stays, so that a second backward over the same graph (retain_graph) works the same way.
+  void reset_backward();
 };
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
@@ -74,23 +84,62 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// collective (announces the forward to ranks that ran out of data; see join.cpp).
   std::function<void()> on_root_forward;
 
-  // Per iteration.
+  // Per forward (reset by the root's pre-forward). A "call" is one forward of the module through
+  // FSDP with grad enabled; it is "tracked" when an input requires grad, so that RegisterPostBackward
+  // tells when the call's backward is done.
   bool ran_forward = false;
-  bool post_backward_done = false;
-  std::vector<size_t> post_forward_indices;  // positions in ctx->post_forward_order, popped by pre-backward
+  int fwd_calls = 0;
+  int fwd_untracked = 0;
+  std::vector<size_t> post_forward_indices;  // positions in ctx->post_forward_order (backward prefetch)
+  // The RegisterPostBackward node of this call's inputs (root only): the forward graph check stops
+  // there (what lies beyond is the inputs' history, e.g. another forward).
+  const torch::autograd::Node* input_node = nullptr;
+
+  // Per backward (reset at its end).
+  int bwd_calls = 0;       // calls made during this backward (recomputation inside a checkpoint)
+  int bwd_untracked = 0;
+  int input_grads_ready = 0;  // RegisterPostBackward backward calls in this backward
+  size_t backward_cursor = 0;  // pre-backwards so far (reads post_forward_indices from the back)
+  int post_backward_runs = 0;
+
+  /// Every use of the group's parameters in this backward has produced its gradient when every call
+  /// is tracked and each call's inputs got their gradients (the engine runs a call's nodes, and the
+  /// AccumulateGrad nodes they complete, before the call's RegisterPostBackward node).
+  bool all_calls_done() const {
+    return fwd_untracked + bwd_untracked == 0 && input_grads_ready >= fwd_calls + bwd_calls;
+  }
 
   double divide_factor() const;
-  std::string name() const { return fqn.empty() ? module_type + " (root)" : "'" + fqn + "' (" + module_type + ")"; }
+  /// For messages: "'blocks.1' (BlockImpl)", "the root (NetImpl)", or before the first forward
+  /// "the module passed to fully_shard (BlockImpl)".
+  std::string name() const;
+  /// Path of modules[i] from the root (set at lazy init; empty before or when outside the root).
+  std::vector<std::optional<std::string>> module_fqns;
 
   void lazy_init();
   void root_pre_forward();
   std::vector<torch::Tensor> pre_forward(std::vector<torch::Tensor> inputs);
   std::vector<torch::Tensor> post_forward(std::vector<torch::Tensor> outputs);
   void pre_backward();
+  /// RegisterPostBackward: the gradients of one call's inputs are ready.
+  void on_input_grads_ready();
   void post_backward();
-  /// The root's end-of-backward callback: finishes every group and returns all states to IDLE.
+  /// The root's end-of-backward callback: finishes every group (runs the post-backward of groups
+  /// whose hooks could not tell that their gradients were complete) and returns all states to IDLE.
   void root_post_backward_final();
+  /// The root's cleanup when a backward threw (local only, never throws).
+  void abort_backward() noexcept;
   void prefetch(FSDPState* other);
+  /// The root's post-forward: walks the autograd graph of `outputs` and raises the bypass error for
+  /// a sharded parameter used by a module whose forward did not go through FSDP in this forward, or
+  /// used on its shard (ws > 1). Uses inside activation-checkpointed regions are not in the graph yet;
+  /// check_grad_arrival catches them in backward.
+  void check_forward_graph(const std::vector<torch::Tensor>& outputs) const;
+  /// The error for a use of `p` outside its group's FSDP forward. `what` describes the evidence.
+  [[noreturn]] void raise_bypass(const FSDPParam& p, const std::string& what) const;
+  /// A gradient reached `p` (a parameter of this group) in backward: checks that it came from a use
+  /// inside this group's FSDP forward, else raises the bypass error.
+  void check_grad_arrival(const FSDPParam& p, const torch::Tensor& grad) const;
 };
 
 /// The state with registry key `id`, or null if it is gone.

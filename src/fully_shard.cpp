@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/nn/modules/embedding.h>
 
 #include "consistency.h"
@@ -64,7 +65,7 @@ struct RegisterPostBackward : public torch::autograd::Function<RegisterPostBackw
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (auto state = state_by_id(ctx->saved_data["state_id"].toInt())) state->post_backward();
+    if (auto state = state_by_id(ctx->saved_data["state_id"].toInt())) state->on_input_grads_ready();
     grads.emplace_back();  // no gradient for state_id
     return grads;
   }
@@ -86,15 +87,50 @@ std::shared_ptr<FSDPState> state_of(const Module& module) {
   return it->second.state;
 }
 
-void FSDPContext::reset_iteration() {
+void FSDPContext::reset_forward() {
   for (FSDPState* s : states) {
-    s->training_state = TrainingState::IDLE;
     s->ran_forward = false;
-    s->post_backward_done = false;
+    s->fwd_calls = 0;
+    s->fwd_untracked = 0;
     s->post_forward_indices.clear();
   }
   post_forward_order.clear();
-  callback_queued = false;
+  reset_backward();
+}
+
+void FSDPContext::reset_backward() {
+  for (FSDPState* s : states) {
+    s->training_state = TrainingState::IDLE;
+    s->bwd_calls = 0;
+    s->bwd_untracked = 0;
+    s->input_grads_ready = 0;
+    s->backward_cursor = 0;
+    s->post_backward_runs = 0;
+  }
+  in_backward = false;
+}
+
+namespace {
+// Runs the root's cleanup when a backward ends without its end-of-backward callback (an exception
+// inside the backward: the engine drops the graph task, and with it this guard, before the
+// exception reaches the caller — so before user code can zero or step the gradients).
+struct BackwardGuard {
+  explicit BackwardGuard(int64_t id) : root_id(id) {}
+  BackwardGuard(const BackwardGuard&) = delete;  // one owner: only its destruction means "dropped"
+  BackwardGuard& operator=(const BackwardGuard&) = delete;
+  int64_t root_id;
+  bool finished = false;
+  ~BackwardGuard() {
+    if (finished) return;
+    if (auto r = state_by_id(root_id)) r->abort_backward();
+  }
+};
+}  // namespace
+
+std::string FSDPState::name() const {
+  if (!ctx) return "the module passed to fully_shard (" + module_type + ")";
+  if (is_root()) return "the root (" + module_type + ")";
+  return "'" + fqn + "' (" + module_type + ")";
 }
 
 std::shared_ptr<FSDPState> state_by_id(int64_t id) {
@@ -148,22 +184,39 @@ void FSDPState::lazy_init() {
   ctx->root = this;
   fqn = "";
   std::unordered_set<FSDPState*> seen;
+  module_fqns.assign(modules.size(), std::nullopt);
   for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
     auto s = state_of(*item.value());
-    if (!s || !seen.insert(s.get()).second) continue;
-    if (s.get() != this) {
-      TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: ",
-                  s->name(), " ran forward before the root ", module_type, ". Fix: call the root model's forward ",
-                  "(the module fully_shard was applied to last) before any submodule's");
-      s->ctx = ctx;
-      s->fqn = item.key();
+    if (!s) continue;
+    if (seen.insert(s.get()).second) {
+      if (s.get() != this) {
+        TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: '",
+                    item.key(), "' (", s->module_type, ") ran forward before the root (", module_type, "). Fix: ",
+                    "call the root model's forward (the module fully_shard was applied to last) before any submodule's");
+        s->ctx = ctx;
+        s->fqn = item.key();
+        s->module_fqns.assign(s->modules.size(), std::nullopt);
+      }
+      ctx->states.push_back(s.get());
     }
-    ctx->states.push_back(s.get());
+    // The path of each module of the state (several for fully_shard({a, b})).
+    for (size_t i = 0; i < s->modules.size(); ++i) {
+      if (!s->module_fqns[i] && s->modules[i].lock().get() == item.value().get()) s->module_fqns[i] = item.key();
+    }
   }
-  // Resolve reshard_after_forward and prefix parameter names with the module paths.
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    const auto& ps = s->group->params();
+    for (size_t i = 0; i < ps.size(); ++i) ctx->param_index.emplace(ps[i].param.unsafeGetTensorImpl(), std::make_pair(s, i));
+  }
+  // Resolve reshard_after_forward and name parameters by their path from the root.
   for (FSDPState* s : ctx->states) {
     if (s->group) {
-      for (auto& p : s->group->params()) p.fqn = s->fqn.empty() ? p.fqn : s->fqn + "." + p.fqn;
+      for (auto& p : s->group->params()) {
+        const auto& mfqn = s->module_fqns[p.module_index];
+        if (!mfqn) continue;  // a module of the group outside the root's tree: keep the local name
+        p.fqn = mfqn->empty() ? p.name_in_module : *mfqn + "." + p.name_in_module;
+      }
     }
     bool root = s == this;
     ReshardAfterForward raf = s->options.reshard_after_forward().value_or(ReshardAfterForward(!root));
@@ -193,7 +246,9 @@ void FSDPState::lazy_init() {
 void FSDPState::root_pre_forward() {
   // A new iteration. Groups left unsharded by a forward without backward (evaluation) or by an unused
   // prefetch are resharded, so that no stale all-gather survives an optimizer step.
-  const bool backward_unfinished = ctx->callback_queued;  // the last backward threw before its end
+  if (ctx->in_backward) abort_backward();  // a backward that neither finished nor reported its failure
+  const bool backward_unfinished = ctx->backward_aborted;  // the last backward threw before its end
+  ctx->backward_aborted = false;
   for (FSDPState* s : ctx->states) {
     if (!s->group) continue;
     if (backward_unfinished) {
@@ -204,7 +259,16 @@ void FSDPState::root_pre_forward() {
       s->group->reshard();
     }
   }
-  ctx->reset_iteration();
+  ctx->reset_forward();
+}
+
+void FSDPState::abort_backward() noexcept {
+  if (!ctx) return;
+  for (FSDPState* s : ctx->states) {
+    if (s->group) s->group->abort_backward();
+  }
+  ctx->reset_backward();
+  ctx->backward_aborted = true;
 }
 
 void FSDPState::prefetch(FSDPState* other) {
@@ -226,6 +290,8 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   }
   training_state = TrainingState::FORWARD;
   ran_forward = true;
+  input_node = nullptr;
+  // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
   const auto& mp = options.mp_policy();
   if (mp.cast_forward_inputs() && mp.param_dtype()) {
     for (auto& t : inputs) {
@@ -252,7 +318,8 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
       std::find(ctx->forward_order.begin(), ctx->forward_order.end(), this) == ctx->forward_order.end()) {
     ctx->forward_order.push_back(this);
   }
-  // Post-backward runs when the gradients of these inputs are computed.
+  // Post-backward runs when the gradients of these inputs are computed (and every call of the group
+  // is done: see all_calls_done).
   if (torch::GradMode::is_enabled()) {
     std::vector<size_t> pos;
     torch::autograd::variable_list need;
@@ -262,10 +329,14 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
         need.push_back(inputs[i]);
       }
     }
+    // A call during a backward is a recomputation (a checkpointed parent): it belongs to that backward.
+    (ctx->in_backward ? bwd_calls : fwd_calls) += 1;
+    if (need.empty()) (ctx->in_backward ? bwd_untracked : fwd_untracked) += 1;
     if (!need.empty()) {
       // Passed as a TensorList: a std::vector argument would not be seen as tensors by autograd.
       auto outs = RegisterPostBackward::apply(at::TensorList(need), id);
       for (size_t j = 0; j < pos.size(); ++j) inputs[pos[j]] = outs[j];
+      if (is_root()) input_node = outs[0].grad_fn().get();
     }
   }
   return inputs;
@@ -281,8 +352,11 @@ std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> ou
     }
   }
   if (is_root() && !ctx->forward_order_recorded) ctx->forward_order_recorded = true;
-  post_forward_indices.push_back(ctx->post_forward_order.size());
-  ctx->post_forward_order.push_back(this);
+  if (!ctx->in_backward) {
+    post_forward_indices.push_back(ctx->post_forward_order.size());
+    ctx->post_forward_order.push_back(this);
+  }
+  if (torch::GradMode::is_enabled() && is_root()) check_forward_graph(outputs);
   if (torch::GradMode::is_enabled()) {
     int64_t sid = id;
     for (auto& t : outputs) {
@@ -304,26 +378,33 @@ std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> ou
 }
 
 void FSDPState::pre_backward() {
-  if (!ctx->callback_queued) {
-    ctx->callback_queued = true;
-    FSDPState* root = ctx->root;
-    int64_t rid = root->id;
-    torch::autograd::Engine::get_default_engine().queue_callback([rid] {
-      if (auto r = state_by_id(rid)) r->root_post_backward_final();
+  if (!ctx->in_backward) {
+    // First FSDP hook of this backward: queue the end-of-backward callback (with a guard that cleans
+    // up if the backward throws) and move every group's sharded gradients out of autograd's way.
+    ctx->in_backward = true;
+    auto guard = std::make_shared<BackwardGuard>(ctx->root->id);
+    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+      if (auto r = state_by_id(guard->root_id)) r->root_post_backward_final();
+      guard->finished = true;
     });
+    for (FSDPState* s : ctx->states) {
+      if (s->group) s->group->begin_backward();
+    }
   }
-  if (training_state == TrainingState::PRE_BACKWARD) return;  // already ran for this backward of the module
+  // Already ran for this backward of the module, and no post-backward since: still unsharded.
+  if (training_state == TrainingState::PRE_BACKWARD) return;
   training_state = TrainingState::PRE_BACKWARD;
   if (group) {
     group->unshard(/*async_op=*/true);
     group->wait_for_unshard();
   }
-  // Prefetch: the explicit list, or the state whose forward ran just before this one.
+  // Prefetch: the explicit list, or the state whose forward ran just before this one (calls are
+  // visited in reverse order of their post-forwards; a second backward over the graph reads again).
   size_t index = 0;
   bool have_index = false;
-  if (!post_forward_indices.empty()) {
-    index = post_forward_indices.back();
-    post_forward_indices.pop_back();
+  if (backward_cursor < post_forward_indices.size()) {
+    index = post_forward_indices[post_forward_indices.size() - 1 - backward_cursor];
+    ++backward_cursor;
     have_index = true;
   }
   if (backward_prefetch) {
@@ -333,16 +414,27 @@ void FSDPState::pre_backward() {
   }
 }
 
+void FSDPState::on_input_grads_ready() {
+  ++input_grads_ready;
+  // Only when every use of the group's parameters is known to be done; otherwise (a call whose
+  // inputs need no gradient, a call whose output got no gradient) the end-of-backward callback runs
+  // the post-backward once the whole backward is done.
+  if (training_state == TrainingState::PRE_BACKWARD && all_calls_done()) post_backward();
+}
+
 void FSDPState::post_backward() {
   training_state = TrainingState::POST_BACKWARD;
-  post_backward_done = true;
+  ++post_backward_runs;
   if (group) group->post_backward(requires_gradient_sync, reshard_after_backward, divide_factor());
 }
 
 void FSDPState::root_post_backward_final() {
-  // Groups whose inputs needed no gradient (the root, an embedding) never got a post-backward call.
+  // Finish every group whose post-backward did not run (its hooks could not tell when its gradients
+  // were complete: inputs without grad such as token ids, a call whose output fed no gradient), or
+  // that received gradients after it ran. Fixed pre-order: the same collectives on every rank.
   for (FSDPState* s : ctx->states) {
-    if (s->ran_forward && !s->post_backward_done) s->post_backward();
+    if (!s->group) continue;
+    if (s->training_state == TrainingState::PRE_BACKWARD || s->group->has_unsharded_grads()) s->post_backward();
   }
   for (FSDPState* s : ctx->states) {
     if (!s->group) continue;
@@ -351,8 +443,76 @@ void FSDPState::root_post_backward_final() {
     // gradients, so the group reshards even with reshard_after_backward=false (which keeps the
     // parameters unsharded only between microbatches that skip the gradient sync).
     if (s->reshard_after_backward || (s->requires_gradient_sync && s->is_last_backward)) s->group->reshard();
+    s->group->end_backward();
   }
-  ctx->reset_iteration();
+  ctx->reset_backward();
+}
+
+void FSDPState::check_grad_arrival(const FSDPParam& p, const torch::Tensor& grad) const {
+  // A use inside one of the group's FSDP calls gets its gradient after that call's pre-backward
+  // unsharded the group (the output's hook runs before any node of the call), and before its
+  // post-backward (which waits for every call). Anything else used the parameter on its shard.
+  if (ctx && ctx->in_backward && training_state == TrainingState::PRE_BACKWARD &&
+      group->sharded_state() == ShardedState::UNSHARDED) {
+    return;
+  }
+  raise_bypass(p, "got a gradient (shape " + describe_shape(grad) + ") in backward from a use");
+}
+
+void FSDPState::check_forward_graph(const std::vector<torch::Tensor>& outputs) const {
+  if (ctx->param_index.empty()) return;
+  // Every node once; AccumulateGrad nodes are the parameters' uses. Checkpointed regions appear as
+  // one node (their parameters are used in the recomputation).
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const auto& t : outputs) {
+    if (t.defined() && t.requires_grad() && t.grad_fn() && seen.insert(t.grad_fn().get()).second) {
+      stack.push_back(t.grad_fn().get());
+    }
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      auto* fn = edge.function.get();
+      if (!fn || !seen.insert(fn).second) continue;
+      auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn);
+      if (!acc) {
+        if (fn != input_node) stack.push_back(fn);
+        continue;
+      }
+      auto it = ctx->param_index.find(acc->variable.unsafeGetTensorImpl());
+      if (it == ctx->param_index.end()) continue;
+      const FSDPState* s = it->second.first;
+      const FSDPParam& p = s->group->params()[it->second.second];
+      if (!s->ran_forward) {
+        s->raise_bypass(p, "is used in this forward, but its module's forward did not go through FSDP: a use");
+      }
+      // Used while sharded (the accumulator records the shape of the first use in the graph).
+      auto shape = C10_AS_INTARRAYREF_SLOW(acc->input_metadata(0).shape_as_dim_vector());
+      if (shape != p.sharded_data.sizes() || shape == c10::IntArrayRef(p.orig_size)) continue;
+      s->raise_bypass(p, "is used in this forward on its shard (shape " + describe_shape(p.sharded_data) + "): a use");
+    }
+  }
+}
+
+void FSDPState::raise_bypass(const FSDPParam& p, const std::string& what) const {
+  std::string module_desc = name();
+  if (modules.size() > 1) {
+    auto m = modules[p.module_index].lock();
+    const auto& mf = module_fqns.size() > p.module_index ? module_fqns[p.module_index] : std::nullopt;
+    module_desc = (mf ? (mf->empty() ? std::string("the root") : "'" + *mf + "'") : std::string("a module")) + " (" +
+                  (m ? m->name() : module_type) + ", sharded with " + name() + ")";
+  }
+  TORCH_CHECK(false, "fully_shard: parameter '", p.fqn, "' of ", module_desc, " on rank ", mesh->get_rank(), " ",
+              what, " outside the module's FSDP forward: the forward ",
+              "did not go through FSDP, so it computed on this rank's shard (local shape ", describe_shape(p.sharded_data),
+              " of ", c10::IntArrayRef(p.orig_size), ") and its result and gradient are wrong. Supported ways to call a ",
+              "sharded module: through its fsdp::FSDPModule<Holder> holder as `module(x)` (not `module->forward(x)`, ",
+              "which calls the module directly), from a parent's forward through an fsdp::FSDPModule<Holder> member (a ",
+              "container such as torch::nn::Sequential calls its children directly: call the children through ",
+              "FSDPModule holders in your own forward, or shard the container and its children as one group), not ",
+              "through `as<>()`; other entry points through fsdp::fsdp_forward(module, fn)");
 }
 
 std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs) {
@@ -504,7 +664,7 @@ DeviceMeshPtr FSDPModuleAPI::mesh() const { return state_->mesh; }
 std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_parameters() const {
   std::vector<std::pair<std::string, DTensor>> out;
   if (!state_->group) return out;
-  for (const auto& p : state_->group->params()) out.emplace_back(p.fqn, state_->group->sharded_dtensor(p));
+  for (const auto& p : state_->group->params()) out.emplace_back(p.local_fqn, state_->group->sharded_dtensor(p));
   return out;
 }
 
@@ -523,6 +683,28 @@ void check_dense_gradients(const torch::nn::Module& m, const std::string& path, 
 }
 }  // namespace
 
+std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_gradients() const {
+  std::vector<std::pair<std::string, DTensor>> out;
+  if (!state_->group) return out;
+  for (const auto& p : state_->group->params()) {
+    auto g = state_->group->sharded_grad(p);
+    if (g.defined()) out.emplace_back(p.local_fqn, state_->group->sharded_dtensor(p, g));
+  }
+  return out;
+}
+
+std::optional<DTensor> sharded_grad(const torch::Tensor& param) {
+  auto s = detail::state_of_param(param);
+  TORCH_CHECK(s, "sharded_grad: the tensor (shape ", param.sizes(), ") is not a parameter managed by fully_shard");
+  for (const auto& p : s->group->params()) {
+    if (!p.param.is_same(param)) continue;
+    auto g = s->group->sharded_grad(p);
+    if (!g.defined()) return std::nullopt;
+    return s->group->sharded_dtensor(p, g);
+  }
+  return std::nullopt;
+}
+
 // ---------------------------------------------------------------------------------------------------
 FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                           const FullyShardOptions& options) {
@@ -539,23 +721,49 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
               mesh->str());
 
-  // Parameters owned by other states, and the module subtrees they already manage.
-  std::unordered_map<const c10::TensorImpl*, std::string> managed;  // param -> "'fqn' of Module"
+  // Parameters owned by other states (param -> (state, its FSDPParam)).
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::shared_ptr<detail::FSDPState>, const detail::FSDPParam*>>
+      managed;
   {
     auto& r = detail::registry();
     std::lock_guard<std::mutex> lock(r.mu);
     r.purge_locked();
     for (auto& [mod, entry] : r.by_module) {
       if (entry.module.expired() || !entry.state->group) continue;
-      for (const auto& p : entry.state->group->params()) {
-        managed.emplace(p.param.unsafeGetTensorImpl(), "'" + p.fqn + "' of fully_shard(" + entry.state->module_type + ")");
-      }
+      for (const auto& p : entry.state->group->params()) managed.emplace(p.param.unsafeGetTensorImpl(), std::make_pair(entry.state, &p));
     }
   }
+  // Paths of the modules under the ones being sharded: errors name modules by path and type.
+  std::unordered_map<const torch::nn::Module*, std::string> paths;
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
+      paths.emplace(item.value().get(), item.key().empty() && modules.size() == 1 ? "" : prefix + item.key());
+    }
+  }
+  // "'emb.weight' of 'emb' (torch::nn::EmbeddingImpl)": the tied parameter in the other group.
+  auto describe_managed = [&](const std::shared_ptr<detail::FSDPState>& other, const detail::FSDPParam& op) {
+    std::ostringstream os;
+    auto m = other->modules[op.module_index].lock();
+    auto it = m ? paths.find(m.get()) : paths.end();
+    if (it != paths.end()) {
+      os << "'" << (it->second.empty() ? op.name_in_module : it->second + "." + op.name_in_module) << "' of '"
+         << it->second << "' (" << (m ? m->name() : other->module_type) << "), sharded by an earlier fully_shard call";
+    } else {
+      os << "'" << op.name_in_module << "' of " << (m ? m->name() : other->module_type)
+         << " (outside this module), sharded by an earlier fully_shard call";
+    }
+    return os.str();
+  };
+  auto describe_self = [&](size_t mi) {
+    std::string what = modules.size() > 1 ? "module " + std::to_string(mi) + " of the fully_shard call (" : "the module passed to fully_shard (";
+    return what + modules[mi]->name() + ")";
+  };
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& t : options.ignored_params()) ignored.insert(t.unsafeGetTensorImpl());
 
   std::vector<std::pair<std::string, torch::Tensor>> params;
+  std::vector<std::pair<size_t, std::string>> origin;  // module index and name in that module, per param
   std::unordered_set<const c10::TensorImpl*> taken;
   const int rank = mesh->get_rank();
   for (size_t mi = 0; mi < modules.size(); ++mi) {
@@ -575,12 +783,14 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
         std::string name = prefix + (path.empty() ? pp.key() : path + "." + pp.key());
         if (ignored.count(impl) || !taken.insert(impl).second) continue;  // ignored, or tied within the group
         auto it = managed.find(impl);
-        TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", name, "' of ", modules[mi]->name(), " on rank ",
-                    rank, " is the same tensor as ", it->second,
+        TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", (path.empty() ? pp.key() : path + "." + pp.key()),
+                    "' of ", describe_self(mi), " on rank ", rank, " is the same tensor as ",
+                    describe_managed(it->second.first, *it->second.second),
                     ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
                     "or leave both modules to their common parent's fully_shard");
         check_dense_gradients(*item.value(), prefix + path, name, rank);
         params.emplace_back(name, pp.value());
+        origin.emplace_back(mi, path.empty() ? pp.key() : path + "." + pp.key());
       }
     }
   }
@@ -601,6 +811,23 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
     state->id = r.next_id++;
     r.by_id[state->id] = state;
     for (const auto& m : modules) r.by_module[m.get()] = {m, state};
+  }
+  if (state->group) {
+    auto& ps = state->group->params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ps[i].module_index = origin[i].first;
+      ps[i].name_in_module = origin[i].second;
+      if (!ps[i].param.requires_grad()) continue;
+      // Every gradient that reaches the parameter must come from a use inside the group's FSDP
+      // forward: a forward that bypassed FSDP computed on the shard (see check_grad_arrival). The hook
+      // runs before AccumulateGrad, in every backward, for as long as the parameter lives.
+      const int64_t sid = state->id;
+      ps[i].param.register_hook([sid, i](const torch::Tensor& grad) {
+        if (auto s = detail::state_by_id(sid)) {
+          if (s->group && i < s->group->params().size()) s->check_grad_arrival(s->group->params()[i], grad);
+        }
+      });
+    }
   }
   return FSDPModuleAPI(state);
 }

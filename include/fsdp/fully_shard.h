@@ -18,8 +18,28 @@
 // pointing at the same objects.
 //
 // The C++ frontend has no forward hooks: a sharded module's forward must go through fsdp::FSDPModule
-// (declare the module as fsdp::FSDPModule<Block> instead of Block) or through fsdp::fsdp_forward() for
-// other entry points. A forward that bypasses FSDP fails with a message that says so.
+// (declare the module as fsdp::FSDPModule<Block> instead of Block, and call it as `block(x)`) or
+// through fsdp::fsdp_forward() for other entry points. A forward that bypasses FSDP (a root called
+// as `model->forward(x)`, a sharded child that a container such as torch::nn::Sequential calls
+// directly, a module reached through `as<>()`) computes on the local shards; it raises a c10::Error
+// naming the module (FQN and type) and the supported calls: at the end of the root's forward when the
+// use is in the root output's autograd graph (every rank sees the same graph, so every rank raises
+// there), else (the root itself called through ->forward, a use inside an activation-checkpointed
+// region, or on 1 rank a module that also ran through FSDP) when the gradient of the use reaches its
+// parameter in backward, before that gradient is reduced or seen by an optimizer. (A bypassed
+// forward may fail before either with a plain shape error from the module's own code.)
+//
+// Backward: a group's gradients are reduce-scattered once per backward, after every use of its
+// parameters in that backward produced its gradient: as soon as the gradients of every call's inputs
+// are computed when each call of the group had an input that requires grad, else (e.g. token ids, or
+// a block called first on an input without grad) at the end of the backward. This holds for a module
+// called several times per forward, several modules sharded as one group, activation checkpointing,
+// and a second backward over the same graph (`backward(retain_graph=true)`: gradients accumulate as
+// without FSDP, for every reshard_after_forward). A backward that throws (e.g. from a user hook)
+// leaves the model trainable: before the exception reaches the caller, the gradients not yet reduced
+// are dropped, the sharded gradients (from before it, plus groups it finished reducing, as plain
+// autograd keeps what it accumulated) are back in .grad and the groups are resharded locally; the
+// next forward completes its in-flight collectives and starts clean (zero_grad() as usual).
 //
 // After fully_shard, FSDP owns the parameters' data: do not replace it. `module->to(dtype or device)`
 // or `param.set_data(...)` after fully_shard is refused at the next all-gather (the next forward, or an
@@ -92,6 +112,10 @@ struct FullyShardOptions {
 
 namespace detail {
 class FSDPState;
+template <typename T>
+struct is_shared_ptr : std::false_type {};
+template <typename T>
+struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
 /// The FSDP state attached to `module` by fully_shard, or null.
 std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module);
 /// Hook entry points used by FSDPModule and fsdp_forward. `inputs` are the tensor arguments of the
@@ -176,8 +200,16 @@ class FSDPModuleAPI {
   /// The mesh the parameters are sharded over.
   DeviceMeshPtr mesh() const;
   /// The sharded parameters of this module's group, keyed by fully qualified name relative to the
-  /// module fully_shard was called on (DTensors aliasing the parameter storage; no communication).
+  /// module fully_shard was called on, before and after the first forward alike (for a group of
+  /// several modules, prefixed by the module's position in the fully_shard call: "0.weight",
+  /// "1.bias"). DTensors aliasing the parameter storage; no communication.
   std::vector<std::pair<std::string, DTensor>> sharded_parameters() const;
+  /// The sharded gradients of this module's group, keyed as sharded_parameters(): DTensors with the
+  /// parameters' placements and global shapes, aliasing each gradient's local shard (the analogue of
+  /// `p.grad` being a DTensor in FSDP2). Parameters without a gradient are left out. Between
+  /// microbatches that keep the parameters unsharded (set_reshard_after_backward(false)), the
+  /// gradients reduced so far are returned. No communication.
+  std::vector<std::pair<std::string, DTensor>> sharded_gradients() const;
   detail::FSDPState& state() const { return *state_; }
 
  private:
@@ -186,6 +218,10 @@ class FSDPModuleAPI {
 
 /// The FSDP API of a sharded module. Throws c10::Error naming the module type if it is not sharded.
 FSDPModuleAPI fsdp_api(const torch::nn::Module& module);
+/// The sharded gradient of a parameter managed by fully_shard as a DTensor (placements and global
+/// shape of the parameter; aliases the local gradient shard), or std::nullopt when it has no gradient.
+/// Throws c10::Error if `param` is not managed by fully_shard. See FSDPModuleAPI::sharded_gradients().
+std::optional<DTensor> sharded_grad(const torch::Tensor& param);
 inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
 template <typename T>
 FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
@@ -210,11 +246,21 @@ class FSDPModule : public Holder {
   FSDPModule(std::nullptr_t) : Holder(nullptr) {}  // NOLINT: implicit, as the holder's
   /// Wraps an existing holder (shares its module). Implicit, so `blocks.push_back(Block(...))` works.
   FSDPModule(Holder holder) : Holder(std::move(holder)) { mark(); }  // NOLINT
+  /// Wraps an existing module. Implicit, so the LibTorch idiom
+  /// `block = register_module("block", Block(...));` works (register_module returns the Impl's
+  /// shared_ptr).
+  template <typename Impl, typename = std::enable_if_t<std::is_convertible_v<
+                               std::shared_ptr<Impl>, std::shared_ptr<typename Holder::ContainedType>>>>
+  FSDPModule(std::shared_ptr<Impl> module)  // NOLINT: implicit, as the holder's
+      : Holder(std::shared_ptr<typename Holder::ContainedType>(std::move(module))) {
+    mark();
+  }
   /// Constructs the module from the holder's arguments, e.g. FSDPModule<Block>(cfg).
   template <typename Arg, typename... Args,
             typename = std::enable_if_t<!std::is_same_v<std::decay_t<Arg>, FSDPModule> &&
                                         !std::is_same_v<std::decay_t<Arg>, Holder> &&
-                                        !std::is_same_v<std::decay_t<Arg>, std::nullptr_t>>>
+                                        !std::is_same_v<std::decay_t<Arg>, std::nullptr_t> &&
+                                        !detail::is_shared_ptr<std::decay_t<Arg>>::value>>
   explicit FSDPModule(Arg&& arg, Args&&... args) : Holder(std::forward<Arg>(arg), std::forward<Args>(args)...) {
     mark();
   }
@@ -295,7 +341,10 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 /// at the end of that backward, naming the parameter, on every rank, before any gradient is reduced.
 FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
 /// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
-/// holds the group's state; the forward of each must go through FSDP.
+/// holds the group's state; the forward of each must go through FSDP. The group's gradients are
+/// reduced once per backward, after the last use of any of its modules (see the note at the top).
+/// Error messages name each parameter by its path from the root once a forward ran ("emb.weight"),
+/// before that by its name in its module and the module's type.
 FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                           const FullyShardOptions& options = {});
 template <typename T>
