@@ -31,7 +31,8 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
       replicated.push_back(g);
     }
   }
-  auto opts = torch::TensorOptions().dtype(dtype);
+  // On the gradients' device (CUDA: the norms stay on the GPU, and NCCL all-reduces device tensors).
+  auto opts = torch::TensorOptions().dtype(dtype).device(grads.empty() ? torch::Device(torch::kCPU) : grads[0].device());
   // Local partial: sum of |g|^p (or max |g| for inf), one accumulation per gradient.
   auto partial = [&](const std::vector<torch::Tensor>& gs) {
     auto acc = torch::zeros({1}, opts);

@@ -89,6 +89,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   auto base = trainable_dtype.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
   auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
+  comm_ = comm_context_for(opts_.mesh.get(), mesh->device());
 }
 
 void FSDPParamGroup::unshard(bool async_op) {
@@ -99,11 +100,14 @@ void FSDPParamGroup::unshard(bool async_op) {
   int64_t n = 0;
   for (const auto& p : params_) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
   auto dtype = params_.empty() ? torch::kFloat32 : params_[0].param_dtype;
-  auto output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
-  // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
-  auto input = output.narrow(0, pg.rank() * n, n);
-  int64_t off = 0;
+  torch::Tensor output, input;
   {
+    // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
+    StreamScope copy_in(comm_.get(), CommStream::kAllGatherCopyIn);
+    output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
+    // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
+    input = output.narrow(0, pg.rank() * n, n);
+    int64_t off = 0;
     torch::NoGradGuard no_grad;
     for (const auto& p : params_) {
       const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
@@ -111,14 +115,22 @@ void FSDPParamGroup::unshard(bool async_op) {
       off += src.numel();
     }
   }
-  Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
-  pending_ag_ = PendingAllGather{output, std::move(work), world};
+  comm_->wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
+  {
+    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
+    Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
+    pending_ag_ = PendingAllGather{output, std::move(work), world};
+  }
   if (!async_op) wait_for_unshard();
 }
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!pending_ag_) return;  // nothing in flight
-  pending_ag_->work.wait();
+  {
+    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
+    pending_ag_->work.wait();  // NCCL: the all-gather stream waits; the host does not
+  }
+  comm_->current_wait(comm_->record(CommStream::kAllGather));
   auto ag = std::move(*pending_ag_);
   pending_ag_.reset();
   alloc_unsharded();
@@ -133,6 +145,7 @@ void FSDPParamGroup::wait_for_unshard() {
     p.post_forward_shard = torch::Tensor();
   }
   post_forward_pg_.reset();
+  comm_->retire_all_gather_output(std::move(ag.output));  // freed after its copy-out (limiter)
   to_unsharded_data();
   state_ = ShardedState::UNSHARDED;
 }
@@ -258,6 +271,8 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   if (reshard_after) reshard();
   if (idx.empty()) return;  // no gradient in this group (e.g. frozen parameters)
   const int ws = shard_pg_->size();
+  // CUDA: copy-in and reduce-scatter on the reduce-scatter stream, after the backward queued so far.
+  StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter);
   // Reduce-scatter input [ws, M]: row r = every gradient's chunk r (zero-padded), in group order.
   auto input = torch::zeros({ws, m}, grads[idx[0]].options().dtype(reduce_dtype_));
   int64_t off = 0;
@@ -270,6 +285,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
       input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
     }
     off += p.padded_numel();
+    comm_->record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
   }
   auto flat_in = input.view({-1});
   auto output = torch::empty({m}, input.options());
@@ -281,10 +297,18 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
   if (!pending_rs_) return;  // nothing in flight
   auto rs = std::move(*pending_rs_);
   pending_rs_.reset();
-  rs.work.wait();
   torch::NoGradGuard no_grad;
-  if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
-  if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  {
+    StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter, /*wait_previous=*/false);
+    rs.work.wait();
+    if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
+    if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  }
+  // CUDA: the gradients are taken on the compute stream, after the reduction; the output was allocated
+  // on the reduce-scatter stream and is read here.
+  comm_->current_wait(comm_->record(CommStream::kReduceScatter));
+  comm_->record_stream_current(rs.output);
+  comm_->release_all_gather_output();
   int64_t off = 0;
   for (size_t i : rs.param_indices) {
     auto& p = params_[i];

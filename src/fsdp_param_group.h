@@ -30,6 +30,7 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/policies.h"
+#include "fsdp_streams.h"
 
 namespace fsdp::detail {
 
@@ -126,6 +127,7 @@ class FSDPParamGroup {
   torch::ScalarType reduce_dtype_;
   ShardedState state_ = ShardedState::SHARDED;
   ProcessGroupPtr post_forward_pg_;  // set while SHARDED_POST_FORWARD
+  CommContextPtr comm_;              // CUDA streams shared by the groups of the mesh (no-op on CPU)
 
   struct PendingAllGather {
     torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out

@@ -1,0 +1,382 @@
+// FSDP on CUDA (issue 12; CTest label: cuda). Every test needs an NVIDIA GPU and a CUDA LibTorch: elsewhere
+// each one skips (GTEST_SKIP, reported by ctest as "Not Run (Skipped)", never as passed) with the reason.
+//
+//   CudaParity.*       world size 1 on NCCL against single-device training, fp32 and bf16 (tolerances of
+//                      the CPU parity tests: 1e-5 fp32, 1e-3 bf16)
+//   CudaGloo.*         2 ranks (threads) on one GPU over Gloo with CUDA tensors (NCCL refuses two ranks on one
+//                      device): parity with the all-gathers prefetched on the side streams
+//   CudaStreams.*      a reduce-scatter stream delayed behind a long kernel: the gradients it reads must not be
+//                      reused by the compute stream before it read them (record_stream); streams are in use
+//   CudaOffload.*      CPUOffloadPolicy on a GPU: shards, gradients and optimizer state in pinned host memory
+//   CudaCheckpoint.*   a DCP checkpoint saved from GPU shards loads on 2 CPU ranks, is saved again there and
+//                      loads back onto the GPU bit-identical
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
+
+#include "fsdp/fsdp.h"
+#include "fsdp_streams.h"
+#include "fsdp_test_model.h"
+#include "multi_rank.h"
+
+namespace fsdp::testing {
+namespace {
+
+constexpr int64_t kBatch = 12;
+constexpr int64_t kSeq = 5;
+constexpr int kSteps = 4;
+
+// Skips the test, naming what is missing.
+#define REQUIRE_CUDA()                                                                                      \
+  do {                                                                                                      \
+    if (!torch::cuda::is_available()) {                                                                     \
+      GTEST_SKIP() << "needs a CUDA device (an NVIDIA GPU): none is usable here (torch::cuda::is_available() " \
+                   << "is false" << (FSDP_WITH_CUDA ? "" : "; this build's LibTorch has no CUDA") << ")";   \
+    }                                                                                                       \
+  } while (0)
+
+const torch::Device kGpu(torch::kCUDA, 0);
+
+std::map<std::string, torch::Tensor> initial_weights() {
+  static std::map<std::string, torch::Tensor> w = [] {
+    torch::manual_seed(7);
+    Net net(3);
+    return snapshot(*net);
+  }();
+  return w;
+}
+
+/// A one-rank NCCL group on cuda:0, rendezvous on an in-memory store (no launcher).
+ProcessGroupPtr nccl_world_of_one() {
+  InitOptions o;
+  LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  o.env = env;
+  o.device_type = torch::kCUDA;
+  o.store = c10::make_intrusive<c10d::HashStore>();
+  return init_process_group(o);
+}
+
+struct History {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> first_grads;   // full gradients after step 0 (reference) or shards (FSDP)
+  std::map<std::string, torch::Tensor> final_params;  // full (reference) or shards (FSDP)
+};
+
+/// Single-device training on `device` over the global batch, optionally computing in `compute` (bf16: a
+/// low-precision copy of the fp32 master weights computes the loss and gradients, which update the master
+/// in fp32 -- what FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does at world size 1).
+History reference(const std::vector<Batch>& batches, torch::Device device, torch::ScalarType compute) {
+  Net master(3);
+  load_full(*master, initial_weights());
+  master->to(device);
+  torch::optim::AdamW opt(master->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  History h;
+  for (size_t step = 0; step < batches.size(); ++step) {
+    const auto& b = batches[step];
+    opt.zero_grad();
+    if (compute == torch::kFloat32) {
+      auto loss = loss_fn(master(b.idx.to(device)), b.targets.to(device));
+      loss.backward();
+      h.losses.push_back(loss.item<double>());
+    } else {
+      Net low(3);
+      load_full(*low, snapshot(*master));
+      low->to(device, compute);
+      auto loss = loss_fn(low(b.idx.to(device)), b.targets.to(device));
+      loss.backward();
+      h.losses.push_back(loss.item<double>());
+      auto lp = low->named_parameters();
+      for (auto& p : master->named_parameters()) p.value().mutable_grad() = lp[p.key()].grad().to(torch::kFloat32);
+    }
+    if (step == 0) {
+      for (const auto& p : master->named_parameters()) h.first_grads[p.key()] = p.value().grad().detach().clone();
+    }
+    opt.step();
+  }
+  for (const auto& p : master->named_parameters()) h.final_params[p.key()] = p.value().detach().clone();
+  return h;
+}
+
+/// FSDP training on `pg` (rank r takes rows [r * B / ws, ...) of each global batch). Losses are the global
+/// mean (all-reduced); gradients and parameters are this rank's shards.
+History train_fsdp(ProcessGroupPtr pg, const std::vector<Batch>& batches, const FullyShardOptions& base,
+                   bool to_device_first = true) {
+  const torch::Device dev = pg->device();
+  Net net(3);
+  load_full(*net, initial_weights());
+  if (to_device_first) net->to(dev);
+  auto opts = base;
+  opts.mesh(init_device_mesh(dev.type(), {pg->size()}, {}, pg));
+  for (auto& b : net->blocks) fully_shard(b, opts);
+  fully_shard(net, opts);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  const int64_t local = kBatch / pg->size();
+  History h;
+  for (size_t step = 0; step < batches.size(); ++step) {
+    auto b = batches[step].slice(pg->rank() * local, local);
+    opt.zero_grad();
+    auto loss = loss_fn(net(b.idx.to(dev)), b.targets.to(dev));
+    loss.backward();
+    auto l = loss.detach().to(torch::kFloat32).reshape({1}).clone();
+    all_reduce(l, *pg, ReduceOp::AVG);
+    h.losses.push_back(l.item<double>());
+    if (step == 0) {
+      for (const auto& p : net->named_parameters()) {
+        if (p.value().grad().defined()) h.first_grads[p.key()] = p.value().grad().detach().cpu().clone();
+      }
+    }
+    opt.step();
+  }
+  for (const auto& p : net->named_parameters()) h.final_params[p.key()] = p.value().detach().cpu().clone();
+  return h;
+}
+
+/// Compares FSDP's shards (rank `rank` of `ws`) with the reference's full tensors.
+void expect_parity(const History& fsdp, const History& ref, int ws, int rank, double tol, const char* what) {
+  ASSERT_EQ(fsdp.losses.size(), ref.losses.size());
+  double max_loss = 0, max_grad = 0, max_param = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i) max_loss = std::max(max_loss, std::abs(fsdp.losses[i] - ref.losses[i]));
+  auto shard = [&](const torch::Tensor& full) {
+    auto r = chunk_range(full.size(0), ws, rank);
+    return full.cpu().narrow(0, r.offset, r.length);
+  };
+  for (const auto& [name, g] : ref.first_grads) {
+    ASSERT_TRUE(fsdp.first_grads.count(name)) << what << ": no gradient for " << name;
+    max_grad = std::max(max_grad, max_abs_diff(fsdp.first_grads.at(name), shard(g)));
+  }
+  for (const auto& [name, p] : ref.final_params) {
+    ASSERT_TRUE(fsdp.final_params.count(name)) << what << ": no parameter " << name;
+    max_param = std::max(max_param, max_abs_diff(fsdp.final_params.at(name), shard(p)));
+  }
+  std::printf("[%s] rank %d/%d: max |loss diff| %.3g, max |grad diff| %.3g, max |param diff| %.3g (tol %.0e)\n", what,
+              rank, ws, max_loss, max_grad, max_param, tol);
+  EXPECT_LE(max_loss, tol) << what;
+  EXPECT_LE(max_grad, tol) << what;
+  EXPECT_LE(max_param, tol) << what;
+}
+
+struct DefaultGroupReset {
+  ~DefaultGroupReset() { set_default_process_group(nullptr); }
+};
+
+TEST(CudaParity, Fp32WorldSize1OnNccl) {
+  REQUIRE_CUDA();
+  DefaultGroupReset reset;
+  auto pg = nccl_world_of_one();
+  EXPECT_EQ(pg->backend()->getBackendName(), "nccl");
+  EXPECT_EQ(pg->device(), kGpu);
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kFloat32);
+  auto got = train_fsdp(pg, batches, FullyShardOptions());
+  expect_parity(got, ref, 1, 0, 1e-5, "cuda fp32 nccl ws1");
+}
+
+TEST(CudaParity, Bf16WorldSize1OnNccl) {
+  REQUIRE_CUDA();
+  DefaultGroupReset reset;
+  auto pg = nccl_world_of_one();
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kBFloat16);
+  auto got = train_fsdp(
+      pg, batches,
+      FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32)));
+  expect_parity(got, ref, 1, 0, 1e-3, "cuda bf16 nccl ws1");
+}
+
+// Gloo with CUDA tensors: whether this LibTorch's Gloo runs the two collectives FSDP issues on CUDA
+// tensors. Returns "" when it does, else the reason.
+std::string gloo_cuda_support() {
+  auto errors = run_ranks_collect(2, [](ProcessGroupPtr cpu_pg) {
+    auto out = torch::empty({4}, torch::TensorOptions().device(kGpu));
+    auto in = torch::full({2}, static_cast<double>(cpu_pg->rank() + 1), torch::TensorOptions().device(kGpu));
+    cpu_pg->backend()->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
+    auto rs_out = torch::empty({2}, torch::TensorOptions().device(kGpu));
+    auto rs_in = torch::ones({4}, torch::TensorOptions().device(kGpu));
+    cpu_pg->backend()->_reduce_scatter_base(rs_out, rs_in, c10d::ReduceScatterOptions())->wait();
+    TORCH_CHECK(out.cpu().equal(torch::tensor({1.f, 1.f, 2.f, 2.f})) && rs_out.cpu().equal(torch::full({2}, 2.f)),
+                "wrong results");
+  });
+  for (const auto& e : errors) {
+    if (!e.empty()) return e.substr(0, 300);
+  }
+  return "";
+}
+
+// The rank's Gloo backend, presented as a group on cuda:0 (both ranks share the one GPU).
+ProcessGroupPtr on_gpu(const ProcessGroupPtr& cpu_pg) {
+  return std::make_shared<ProcessGroup>(cpu_pg->backend(), kGpu, cpu_pg->store(), cpu_pg->global_ranks(),
+                                        cpu_pg->timeout(), cpu_pg->name());
+}
+
+TEST(CudaGloo, TwoRanksOnOneGpuParityWithPrefetchOnSideStreams) {
+  REQUIRE_CUDA();
+  if (auto why = gloo_cuda_support(); !why.empty()) {
+    GTEST_SKIP() << "Gloo in this LibTorch does not run all_gather_into_tensor / reduce_scatter_tensor on CUDA "
+                    "tensors, so 2 ranks cannot share one GPU (NCCL refuses two ranks on one device): "
+                 << why;
+  }
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kFloat32);
+  run_ranks(2, [&](ProcessGroupPtr cpu_pg) {
+    auto pg = on_gpu(cpu_pg);
+    auto got = train_fsdp(pg, batches, FullyShardOptions());
+    expect_parity(got, ref, 2, pg->rank(), 1e-5, "cuda gloo 2 ranks on 1 gpu");
+    EXPECT_GT(cpu_pg->collective_count("all_gather_into_tensor"), 0u);
+    EXPECT_GT(cpu_pg->collective_count("reduce_scatter_tensor"), 0u);
+  });
+}
+
+// A long kernel on `stream` (about `ms` milliseconds of fp32 matrix products on an H100-class GPU).
+void busy(const c10::Stream& stream, int iters) {
+  c10::StreamGuard guard(stream);
+  auto a = torch::randn({4096, 4096}, torch::TensorOptions().device(kGpu));
+  auto b = a;
+  for (int i = 0; i < iters; ++i) b = torch::mm(a, b).div_(64.0);
+}
+
+TEST(CudaStreams, DelayedReduceScatterStreamReadsIntactGradients) {
+  REQUIRE_CUDA();
+  if (std::getenv("FSDP_CUDA_STREAMS") && std::string(std::getenv("FSDP_CUDA_STREAMS")) == "0") {
+    GTEST_SKIP() << "FSDP_CUDA_STREAMS=0: the side streams are off";
+  }
+  DefaultGroupReset reset;
+  auto pg = nccl_world_of_one();
+  auto batches = make_batches(2, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kFloat32);
+
+  Net net(3);
+  load_full(*net, initial_weights());
+  net->to(kGpu);
+  auto mesh = init_device_mesh(torch::kCUDA, {1}, {}, pg);
+  auto opts = FullyShardOptions().mesh(mesh);
+  for (auto& b : net->blocks) fully_shard(b, opts);
+  fully_shard(net, opts);
+  auto ctx = detail::comm_context_for(mesh.get(), kGpu);
+  ASSERT_TRUE(ctx->enabled()) << "the CUDA streams are not in use";
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  for (size_t step = 0; step < batches.size(); ++step) {
+    opt.zero_grad();
+    auto loss = loss_fn(net(batches[step].idx.to(kGpu)), batches[step].targets.to(kGpu));
+    // The reduce-scatter stream starts every copy-in late: the backward's later kernels on the compute
+    // stream run first and allocate; without record_stream they would reuse the freed gradients' memory.
+    busy(ctx->stream(detail::CommStream::kReduceScatter), 40);
+    loss.backward();
+    if (step == 0) {
+      double max_grad = 0;
+      for (const auto& p : net->named_parameters()) {
+        max_grad = std::max(max_grad, max_abs_diff(p.value().grad().cpu(), ref.first_grads.at(p.key()).cpu()));
+      }
+      std::printf("[cuda streams] delayed reduce-scatter stream: max |grad diff| %.3g\n", max_grad);
+      EXPECT_LE(max_grad, 1e-5);
+    }
+    opt.step();
+  }
+  torch::cuda::synchronize();
+  for (const auto& p : net->named_parameters()) {
+    EXPECT_LE(max_abs_diff(p.value().detach().cpu(), ref.final_params.at(p.key()).cpu()), 1e-5) << p.key();
+  }
+}
+
+TEST(CudaOffload, PinnedHostShardsGradientsAndOptimizerStateParity) {
+  REQUIRE_CUDA();
+  DefaultGroupReset reset;
+  auto pg = nccl_world_of_one();
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kFloat32);
+
+  Net net(3);
+  load_full(*net, initial_weights());  // on the CPU: offloaded shards stay there
+  auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCUDA, {1}, {}, pg)).offload_policy(CPUOffloadPolicy());
+  for (auto& b : net->blocks) fully_shard(b, opts);
+  fully_shard(net, opts);
+  for (const auto& p : net->named_parameters()) {
+    EXPECT_TRUE(p.value().device().is_cpu()) << p.key();
+    EXPECT_TRUE(p.value().is_pinned()) << p.key() << ": offloaded shards live in pinned host memory";
+  }
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  History got;
+  for (size_t step = 0; step < batches.size(); ++step) {
+    opt.zero_grad();
+    auto out = net(batches[step].idx.to(kGpu));
+    EXPECT_TRUE(out.is_cuda()) << "the compute runs on the GPU";
+    auto loss = loss_fn(out, batches[step].targets.to(kGpu));
+    loss.backward();
+    got.losses.push_back(loss.item<double>());
+    for (const auto& p : net->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_TRUE(p.value().grad().device().is_cpu()) << p.key() << ": offloaded gradients live on the CPU";
+      if (step == 0) got.first_grads[p.key()] = p.value().grad().clone();
+    }
+    opt.step();
+  }
+  for (const auto& p : net->named_parameters()) got.final_params[p.key()] = p.value().detach().clone();
+  expect_parity(got, ref, 1, 0, 1e-5, "cuda cpu offload");
+}
+
+TEST(CudaCheckpoint, GpuShardsToCpuRanksAndBackBitIdentical) {
+  REQUIRE_CUDA();
+  namespace fs = std::filesystem;
+  auto dir = fs::temp_directory_path() / ("fsdp_cuda_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  std::map<std::string, torch::Tensor> original;
+  {
+    DefaultGroupReset reset;
+    auto pg = nccl_world_of_one();
+    auto batches = make_batches(2, kBatch, kSeq);
+    Net net(3);
+    load_full(*net, initial_weights());
+    net->to(kGpu);
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCUDA, {1}, {}, pg));
+    for (auto& b : net->blocks) fully_shard(b, opts);
+    fully_shard(net, opts);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (const auto& b : batches) {  // trained weights: not the initial ones
+      opt.zero_grad();
+      loss_fn(net(b.idx.to(kGpu)), b.targets.to(kGpu)).backward();
+      opt.step();
+    }
+    for (const auto& p : net->named_parameters()) original[p.key()] = p.value().detach().cpu().clone();
+    dcp::save(get_model_state_dict(*net), (dir / "gpu").string());
+  }
+  // Two CPU ranks load it (resharded), then save it again.
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    Net net(3);
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {2}, {}, pg));
+    for (auto& b : net->blocks) fully_shard(b, opts);
+    fully_shard(net, opts);
+    auto sd = get_model_state_dict(*net);
+    dcp::load(sd, (dir / "gpu").string());
+    for (const auto& p : net->named_parameters()) {
+      auto r = chunk_range(original.at(p.key()).size(0), 2, pg->rank());
+      EXPECT_TRUE(p.value().equal(original.at(p.key()).narrow(0, r.offset, r.length))) << p.key();
+    }
+    dcp::save(get_model_state_dict(*net), (dir / "cpu").string());
+  });
+  // Back onto the GPU.
+  {
+    DefaultGroupReset reset;
+    auto pg = nccl_world_of_one();
+    Net net(3);
+    net->to(kGpu);
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCUDA, {1}, {}, pg));
+    for (auto& b : net->blocks) fully_shard(b, opts);
+    fully_shard(net, opts);
+    auto sd = get_model_state_dict(*net);
+    dcp::load(sd, (dir / "cpu").string());
+    for (const auto& p : net->named_parameters()) {
+      EXPECT_TRUE(p.value().is_cuda()) << p.key();
+      EXPECT_TRUE(p.value().detach().cpu().equal(original.at(p.key()))) << p.key() << " differs after GPU->CPU->GPU";
+    }
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
