@@ -159,10 +159,10 @@ class Config:
                 "--reshard-after-forward", self.reshard, "--steps", str(self.steps), *self.extra]
 
 
-def cuda_configs(steps=None, batch=16, model="gpt2-small"):
-    """--device cuda: bf16 for the timing, fp32 for the loss parity (20 steps)."""
-    return [Config(f"{model} bf16 cuda", model, batch, "bf16", "true", steps or 30, ["--device", "cuda"]),
-            Config(f"{model} fp32 cuda", model, batch, "fp32", "true", 20, ["--device", "cuda"])]
+def single_configs(device, steps=None, batch=16, model="gpt2-small"):
+    """--device cuda (or --single): one preset, bf16 for the timing, fp32 for the loss parity (20 steps)."""
+    return [Config(f"{model} bf16 {device}", model, batch, "bf16", "true", steps or 30, ["--device", device]),
+            Config(f"{model} fp32 {device}", model, batch, "fp32", "true", 20, ["--device", device])]
 
 
 def configs(quick, steps=None):
@@ -344,7 +344,7 @@ def bench_config(cfg, args, data, work):
     # The stretch of the parity check: LibTorch's optimizer and clipping arithmetic replayed in PyTorch.
     # (--device cuda: for fp32 only, the parity config; bf16 is the timing config.)
     exact = None
-    if DEVICE != "cuda" or cfg.precision == "fp32":
+    if not cfg.extra or cfg.precision == "fp32":
         exact = run_torch(init, batches, d / "torch_libtorch_math.jsonl", nproc=n, math="libtorch", **kw)
 
     def ms(name):
@@ -376,7 +376,7 @@ def bench_config(cfg, args, data, work):
         "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
         "device": DEVICE,
     }
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" or cfg.extra[:1] == ["--device"]:
         go, gt = samples["ours"].peak_gpu(), samples["torch"].peak_gpu()
         mfu_ours = statistics.median(samples["ours"].mfu) if samples["ours"].mfu else None
         row.update({
@@ -418,7 +418,7 @@ def print_table(rows, load_before, load_after):
               f"{f(r['torch_floor_step_ms'], '.1f'):>11} {f(r['torch_floor_ratio'], '.2f'):>11} "
               f"{r['ours_peak_rss_mb']:>9.0f} {r['torch_peak_rss_mb']:>10.0f} {r['rss_ratio']:>6.2f} "
               f"{r['max_abs_loss_diff']:>10.2g} {f(r['max_abs_loss_diff_libtorch_math'], '.2g'):>11}")
-        if r.get("device") == "cuda":
+        if "ours_peak_gpu_mem_mb" in r:
             print(f"{'':<20} GPU: peak ours {r['ours_peak_gpu_mem_mb']:.0f} MiB / torch {r['torch_peak_gpu_mem_mb']:.0f} "
                   f"MiB (ratio {f(r['gpu_mem_ratio'], '.2f')}); tokens/s ours {r['ours_tokens_per_s']:.0f} / torch "
                   f"{r['torch_tokens_per_s']:.0f}; MFU ours {f(r['ours_mfu'], '.3f')} / torch {f(r['torch_mfu'], '.3f')}")
@@ -475,10 +475,13 @@ def main():
                     help="cuda: both sides on the GPU with NCCL, GPT-2-small bf16 + fp32 (default --nproc 1)")
     ap.add_argument("--batch-size", type=int, default=16, help="--device cuda: sequences per rank per step")
     ap.add_argument("--model", default="gpt2-small", help="--device cuda: train_gpt preset")
+    ap.add_argument("--single", action="store_true",
+                    help="the --device cuda layout (one --model, bf16 timing + fp32 parity) on --device cpu: "
+                         "a dry run of scripts/gpu_check.sh without a GPU")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" or args.single:
         # One GPU by default; no floors; no waiting for an idle CPU (the GPU does the work).
         if "--nproc" not in sys.argv:
             args.nproc = 1
@@ -497,7 +500,9 @@ def main():
         if not (BUILD / "bin" / b).is_file():
             sys.exit(f"compare_fsdp2: {BUILD / 'bin' / b} is missing: cmake --build {BUILD} --target {b}")
 
-    all_cfgs = cuda_configs(args.steps, args.batch_size, args.model) if DEVICE == "cuda" else configs(args.quick, args.steps)
+    single = DEVICE == "cuda" or args.single
+    all_cfgs = (single_configs(DEVICE, args.steps, args.batch_size, args.model) if single
+                else configs(args.quick, args.steps))
     todo = [c for c in all_cfgs if not args.configs or re.search(args.configs, c.name)]
     if not todo:
         sys.exit(f"compare_fsdp2: no config matches {args.configs!r}")

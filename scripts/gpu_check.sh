@@ -17,6 +17,9 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="" bundle="${FSDP_GPU_BUNDLE:-$root/gpu-bundle}" py="${PYTHON:-python3}" jobs="$(nproc)" train_steps=300
 skip_build=0
+# Dry runs without a GPU (not for the real check): FSDP_GPU_CHECK_DEVICE=cpu FSDP_GPU_CHECK_MODEL=tiny
+# FSDP_GPU_CHECK_BATCH=4 run the same phases on the CPU with a small model.
+dev="${FSDP_GPU_CHECK_DEVICE:-cuda}" model="${FSDP_GPU_CHECK_MODEL:-gpt2-small}" batch="${FSDP_GPU_CHECK_BATCH:-16}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -117,8 +120,8 @@ if [ $build_ok = 1 ]; then
 
   # ---- 3. train_gpt: GPT-2-small, bf16, a few hundred steps; the loss must fall ---------------------
   t=$(date +%s)
-  say "train_gpt: gpt2-small bf16, $train_steps steps"
-  timeout 150 "$build/bin/train_gpt" --device cuda --model gpt2-small --mixed-precision bf16 --batch-size 16 \
+  say "train_gpt: $model bf16 on $dev, $train_steps steps"
+  timeout 150 "$build/bin/train_gpt" --device "$dev" --model "$model" --mixed-precision bf16 --batch-size "$batch" \
     --steps "$train_steps" --lr 1e-3 --min-lr 1e-4 --warmup-steps 30 --log-every 25 --eval-every 100 \
     --eval-batches 4 --sample-tokens 120 --no-progress --metrics "$out/train_metrics.jsonl" --data "${data[@]}" \
     > "$out/train_gpt.log" 2>&1
@@ -129,8 +132,9 @@ if [ $build_ok = 1 ]; then
 
   # ---- 4. Side by side with PyTorch FSDP2 on the GPU, 1 rank ----------------------------------------
   t=$(date +%s)
-  say "compare_fsdp2 --device cuda (gpt2-small bf16 timing, fp32 parity)"
-  FSDP_BUILD_DIR="$build" PYTHONUNBUFFERED=1 timeout 240 "$py" "$root/bench/compare_fsdp2.py" --device cuda --json \
+  say "compare_fsdp2 --device $dev ($model bf16 timing, fp32 parity)"
+  FSDP_BUILD_DIR="$build" PYTHONUNBUFFERED=1 timeout 240 "$py" "$root/bench/compare_fsdp2.py" --device "$dev" \
+    --single --model "$model" --batch-size "$batch" --json \
     --keep "$out/compare" --data "${data[@]}" > "$out/compare.jsonl" 2> "$out/compare.log"
   rc=$?
   cat "$out/compare.log" | tail -20

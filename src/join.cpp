@@ -11,7 +11,7 @@ namespace {
 
 // Counts the ranks still training: each rank contributes 1 (training) or 0 (joined).
 int count_active(ProcessGroup& group, bool training) {
-  auto t = torch::full({1}, training ? 1.0f : 0.0f);
+  auto t = torch::full({1}, training ? 1.0f : 0.0f, torch::TensorOptions().device(group.device()));  // NCCL: CUDA
   all_reduce(t, group, ReduceOp::SUM);
   return static_cast<int>(t.item<float>());
 }

@@ -3,8 +3,8 @@
 //
 //   CudaParity.*       world size 1 on NCCL against single-device training, fp32 and bf16 (tolerances of
 //                      the CPU parity tests: 1e-5 fp32, 1e-3 bf16)
-//   CudaGloo.*         2 ranks (threads) on one GPU over Gloo with CUDA tensors (NCCL refuses two ranks on one
-//                      device): parity with the all-gathers prefetched on the side streams
+//   CudaGloo.*         2 ranks (processes) on one GPU over Gloo with CUDA tensors (NCCL refuses two ranks on
+//                      one device): parity with the all-gathers prefetched on the side streams
 //   CudaStreams.*      a reduce-scatter stream delayed behind a long kernel: the gradients it reads must not be
 //                      reused by the compute stream before it read them (record_stream); streams are in use
 //   CudaOffload.*      CPUOffloadPolicy on a GPU: shards, gradients and optimizer state in pinned host memory
@@ -17,6 +17,14 @@
 
 #include <filesystem>
 
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 
@@ -190,47 +198,105 @@ TEST(CudaParity, Bf16WorldSize1OnNccl) {
   expect_parity(got, ref, 1, 0, 1e-3, "cuda bf16 nccl ws1");
 }
 
-// Gloo with CUDA tensors: whether this LibTorch's Gloo runs the two collectives FSDP issues on CUDA
-// tensors. Returns "" when it does, else the reason.
-std::string gloo_cuda_support() {
-  auto errors = run_ranks_collect(2, [](ProcessGroupPtr cpu_pg) {
+// 2 ranks on one GPU over Gloo with CUDA tensors. The ranks are processes, not threads: autograd runs every
+// CUDA backward node of the process on one device thread, so two rank threads would share it, and one
+// rank's backward hook waiting in a collective would block the other's from ever reaching it.
+// The parent test starts this binary twice with --gtest_filter=CudaGlooRank.Run (rank in
+// FSDP_CUDA_GLOO_RANK, rendezvous on a FileStore); each rank checks parity against its own single-device
+// reference. A rank whose Gloo cannot run the collectives on CUDA tensors prints GLOO_CUDA_UNSUPPORTED.
+TEST(CudaGlooRank, Run) {
+  const char* r = std::getenv("FSDP_CUDA_GLOO_RANK");
+  if (r == nullptr) GTEST_SKIP() << "a rank of CudaGloo.TwoRanksOnOneGpuParityWithPrefetchOnSideStreams (started by it)";
+  REQUIRE_CUDA();
+  const int rank = std::atoi(r);
+  auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("FSDP_CUDA_GLOO_STORE"), 2);
+  auto cpu_pg = make_gloo_group(store, rank, 2, std::chrono::seconds(60));
+  auto pg = std::make_shared<ProcessGroup>(cpu_pg->backend(), kGpu, cpu_pg->store(), cpu_pg->global_ranks(),
+                                           cpu_pg->timeout(), cpu_pg->name());
+  try {  // can this Gloo run FSDP's two collectives on CUDA tensors?
     auto out = torch::empty({4}, torch::TensorOptions().device(kGpu));
-    auto in = torch::full({2}, static_cast<double>(cpu_pg->rank() + 1), torch::TensorOptions().device(kGpu));
+    auto in = torch::full({2}, static_cast<double>(rank + 1), torch::TensorOptions().device(kGpu));
     cpu_pg->backend()->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
     auto rs_out = torch::empty({2}, torch::TensorOptions().device(kGpu));
     auto rs_in = torch::ones({4}, torch::TensorOptions().device(kGpu));
     cpu_pg->backend()->_reduce_scatter_base(rs_out, rs_in, c10d::ReduceScatterOptions())->wait();
     TORCH_CHECK(out.cpu().equal(torch::tensor({1.f, 1.f, 2.f, 2.f})) && rs_out.cpu().equal(torch::full({2}, 2.f)),
                 "wrong results");
-  });
-  for (const auto& e : errors) {
-    if (!e.empty()) return e.substr(0, 300);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::printf("GLOO_CUDA_UNSUPPORTED: %s\n", what.substr(0, 300).c_str());
+    std::fflush(stdout);
+    GTEST_SKIP() << what;
   }
-  return "";
-}
-
-// The rank's Gloo backend, presented as a group on cuda:0 (both ranks share the one GPU).
-ProcessGroupPtr on_gpu(const ProcessGroupPtr& cpu_pg) {
-  return std::make_shared<ProcessGroup>(cpu_pg->backend(), kGpu, cpu_pg->store(), cpu_pg->global_ranks(),
-                                        cpu_pg->timeout(), cpu_pg->name());
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = reference(batches, kGpu, torch::kFloat32);
+  auto got = train_fsdp(pg, batches, FullyShardOptions());
+  expect_parity(got, ref, 2, rank, 1e-5, "cuda gloo 2 ranks on 1 gpu");
+  EXPECT_GT(cpu_pg->collective_count("all_gather_into_tensor"), 0u);
+  EXPECT_GT(cpu_pg->collective_count("reduce_scatter_tensor"), 0u);
 }
 
 TEST(CudaGloo, TwoRanksOnOneGpuParityWithPrefetchOnSideStreams) {
   REQUIRE_CUDA();
-  if (auto why = gloo_cuda_support(); !why.empty()) {
+  namespace fs = std::filesystem;
+  const std::string base = (fs::temp_directory_path() / ("fsdp_cuda_gloo_" + std::to_string(::getpid()))).string();
+  fs::remove(base + ".store");
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {  // the child execs at once: nothing of the parent's CUDA state is used
+      ::setenv("FSDP_CUDA_GLOO_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("FSDP_CUDA_GLOO_STORE", (base + ".store").c_str(), 1);
+      std::string log = base + ".rank" + std::to_string(rank) + ".log";
+      FILE* f = std::freopen(log.c_str(), "w", stdout);
+      if (f) ::dup2(::fileno(stdout), 2);
+      ::execl("/proc/self/exe", "test_cuda", "--gtest_filter=CudaGlooRank.Run", static_cast<char*>(nullptr));
+      std::_Exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> status(2, -1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(150);
+  for (int rank = 0; rank < 2; ++rank) {
+    while (true) {
+      int st = 0;
+      pid_t done = ::waitpid(pids[rank], &st, WNOHANG);
+      if (done == pids[rank]) {
+        status[rank] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {  // no hang: kill both and fail
+        for (pid_t p : pids) ::kill(p, SIGKILL);
+        ::waitpid(pids[rank], &st, 0);
+        status[rank] = -2;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  std::string unsupported;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream in(base + ".rank" + std::to_string(rank) + ".log");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("GLOO_CUDA_UNSUPPORTED: ", 0) == 0) unsupported = line.substr(23);
+      if (line.rfind("[cuda gloo", 0) == 0 || line.find("Failure") != std::string::npos ||
+          line.find("rror") != std::string::npos) {
+        std::printf("  rank %d: %s\n", rank, line.c_str());
+      }
+    }
+    fs::remove(base + ".rank" + std::to_string(rank) + ".log");
+  }
+  fs::remove(base + ".store");
+  if (!unsupported.empty()) {
     GTEST_SKIP() << "Gloo in this LibTorch does not run all_gather_into_tensor / reduce_scatter_tensor on CUDA "
                     "tensors, so 2 ranks cannot share one GPU (NCCL refuses two ranks on one device): "
-                 << why;
+                 << unsupported;
   }
-  auto batches = make_batches(kSteps, kBatch, kSeq);
-  auto ref = reference(batches, kGpu, torch::kFloat32);
-  run_ranks(2, [&](ProcessGroupPtr cpu_pg) {
-    auto pg = on_gpu(cpu_pg);
-    auto got = train_fsdp(pg, batches, FullyShardOptions());
-    expect_parity(got, ref, 2, pg->rank(), 1e-5, "cuda gloo 2 ranks on 1 gpu");
-    EXPECT_GT(cpu_pg->collective_count("all_gather_into_tensor"), 0u);
-    EXPECT_GT(cpu_pg->collective_count("reduce_scatter_tensor"), 0u);
-  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(status[rank], 0) << "rank " << rank << (status[rank] == -2 ? " did not finish within 150 s" : " failed");
+  }
 }
 
 // A long kernel on `stream` (about `ms` milliseconds of fp32 matrix products on an H100-class GPU).

@@ -96,6 +96,7 @@ struct Options {
   bool no_shard = false;     // the floor: no fully_shard, one process, plain LibTorch
   // Device (issue 12): "cuda" (each rank on cuda:LOCAL_RANK, NCCL) or "cpu" (Gloo); empty: cuda when usable.
   std::string device;
+  std::string optimizer_impl = "auto";  // foreach | libtorch; auto: foreach on CUDA, libtorch on the CPU
   double peak_tflops = 989.0;  // the GPU's dense bf16 peak for MFU (H100/H200 SXM: ~989 TFLOP/s)
   // [checkpoints] Distributed checkpoints (fsdp::dcp), see "Checkpoints" below.
   std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
@@ -150,6 +151,11 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--device", o.device, "cuda (each rank on cuda:LOCAL_RANK, NCCL) or cpu (Gloo) (Default: cuda "
                                       "when a CUDA device is usable, else cpu)")
       ->check(CLI::IsMember({"cuda", "cpu"}));
+  g->add_option("--optimizer-impl", o.optimizer_impl, "AdamW's kernels: foreach (PyTorch's default on CUDA: a few "
+                                                      "multi-tensor kernels per group, PyTorch's arithmetic) or "
+                                                      "libtorch (torch::optim::AdamW::step, ~8 kernels per "
+                                                      "parameter) (Default: foreach on CUDA, libtorch on the CPU)")
+      ->check(CLI::IsMember({"auto", "foreach", "libtorch"}));
   g->add_option("--peak-tflops", o.peak_tflops, "Peak dense bf16 TFLOP/s of one GPU, for the MFU (model FLOPs "
                                                 "utilisation) in the log and metrics; H100/H200 SXM: 989")
       ->capture_default_str()->check(CLI::PositiveNumber);
@@ -317,6 +323,53 @@ double peak_gpu_mem_mb(const torch::Device& device) {
 double flops_per_token(const GPTConfig& c, int64_t num_params) {
   return 6.0 * static_cast<double>(num_params) +
          12.0 * static_cast<double>(c.n_layer * c.n_embd * c.block_size);
+}
+
+/// One step of torch.optim.AdamW's foreach implementation (PyTorch's default on CUDA, _multi_tensor_adam with
+/// decoupled weight decay), on LibTorch's AdamW state: the same exp_avg / exp_avg_sq / step that checkpoints
+/// save and load, created lazily as torch::optim::AdamW::step does. Per parameter group, a handful of
+/// multi-tensor kernels instead of ~8 kernels per parameter: on a GPU that is the difference between a few
+/// and a few hundred launches per step. Arithmetic as PyTorch's (the first moment by lerp_; LibTorch's step
+/// uses mul_ + add_, which rounds differently).
+void foreach_adamw_step(torch::optim::AdamW& opt) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    TORCH_CHECK(!o.amsgrad(), "foreach_adamw_step: amsgrad is not supported");
+    const double lr = o.lr(), wd = o.weight_decay(), eps = o.eps();
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+    std::vector<c10::Scalar> step_size, bc2_sqrt;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined() || p.numel() == 0) continue;
+      auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        slot = std::move(st);
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+      st.step(st.step() + 1);
+      params.push_back(p);
+      grads.push_back(p.grad());
+      exp_avgs.push_back(st.exp_avg());
+      exp_avg_sqs.push_back(st.exp_avg_sq());
+      const double t = static_cast<double>(st.step());
+      step_size.emplace_back(-(lr / (1.0 - std::pow(beta1, t))));
+      bc2_sqrt.emplace_back(std::sqrt(1.0 - std::pow(beta2, t)));
+    }
+    if (params.empty()) continue;
+    if (wd != 0) at::_foreach_mul_(params, 1.0 - lr * wd);
+    at::_foreach_lerp_(exp_avgs, grads, 1.0 - beta1);
+    at::_foreach_mul_(exp_avg_sqs, beta2);
+    at::_foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2);
+    auto denom = at::_foreach_sqrt(exp_avg_sqs);
+    at::_foreach_div_(denom, bc2_sqrt);
+    at::_foreach_add_(denom, eps);
+    at::_foreach_addcdiv_(params, exp_avgs, denom, step_size);
+  }
 }
 
 /// A one-line progress bar with ETA on rank 0, only when stdout is a terminal.
@@ -543,7 +596,8 @@ nlohmann::json run_description(const RunSetup& s, int world, int64_t start_step)
           {"warmup_steps", o.warmup_steps}, {"weight_decay", o.weight_decay}, {"betas", {0.9, 0.95}},
           {"eps", torch::optim::AdamWOptions(o.lr).eps()}, {"clip_grad", o.clip_grad},
           {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
-          {"no_shard", o.no_shard},      {"seed", o.seed}};
+          {"no_shard", o.no_shard},      {"seed", o.seed},
+          {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 
 // ---- Checkpoints ---------------------------------------------------------------------------------
@@ -868,6 +922,9 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   // skips the same steps (the inf/nan check is all-reduced). bf16 has fp32's range and needs none.
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
+  // fp16's scaler steps torch::optim::AdamW itself.
+  const bool foreach_optimizer =
+      !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda()));
 
   DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
   const int64_t tokens_per_step = o.batch_size * s.cfg.block_size * o.grad_accum_steps;  // per rank
@@ -887,7 +944,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << tokens_per_step * world << " tokens per step\n"
        << "optim: AdamW lr " << fmt("%.2e", o.lr) << " -> " << fmt("%.2e", o.min_lr) << " (warmup " << o.warmup_steps
        << ", cosine), weight decay " << o.weight_decay << ", clip "
-       << (o.clip_grad > 0 ? fmt("%g", o.clip_grad) : std::string("off")) << "; precision " << o.mixed_precision
+       << (o.clip_grad > 0 ? fmt("%g", o.clip_grad) : std::string("off")) << (foreach_optimizer ? ", foreach kernels" : "")
+       << "; precision " << o.mixed_precision
        << ", reshard after forward " << o.reshard_after_forward << (o.cpu_offload ? ", cpu offload" : "")
        << (o.activation_checkpointing ? ", activation checkpointing" : "");
     say(os.str());
@@ -984,6 +1042,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     if (scaler) {
       scaler->step(optimizer);
       scaler->update();
+    } else if (foreach_optimizer) {
+      foreach_adamw_step(optimizer);
     } else {
       optimizer.step();
     }
@@ -1059,6 +1119,12 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << " tok/s/rank, " << fmt("%.0f", static_cast<double>(tokens_per_step * steps_run * world) /
                                              std::max(train_seconds, 1e-9))
        << " tok/s in all)\n";
+    if (device.is_cuda()) {
+      const double tps = static_cast<double>(tokens_per_step * steps_run) / std::max(train_seconds, 1e-9);
+      os << "gpu: peak " << fmt("%.0f", peak_gpu_mem_mb(device)) << " MiB allocated (rank 0), MFU "
+         << fmt("%.1f", 100.0 * mfu(tps).get<double>()) << "% of " << fmt("%.0f", o.peak_tflops)
+         << " TFLOP/s (" << fmt("%.3g", model_flops_per_token) << " FLOPs per token)\n";
+    }
     if (first_eval && last_eval) {
       os << "eval loss: " << fmt("%.4f", first_eval->second) << " (step " << first_eval->first << ") -> "
          << fmt("%.4f", last_eval->second) << " (step " << last_eval->first << ")\n";
