@@ -153,6 +153,7 @@ class Config:
     reshard: str          # reshard_after_forward of the blocks: true | false
     steps: int
     extra: list = field(default_factory=list)  # more train_gpt flags (both sides replay them via run.json)
+    repeats: int = 0      # runs per side (0: --repeats)
 
     def train_flags(self):
         return ["--model", self.model, "--batch-size", str(self.batch_size), "--mixed-precision", self.precision,
@@ -162,7 +163,7 @@ class Config:
 def single_configs(device, steps=None, batch=16, model="gpt2-small"):
     """--device cuda (or --single): one preset, bf16 for the timing, fp32 for the loss parity (20 steps)."""
     return [Config(f"{model} bf16 {device}", model, batch, "bf16", "true", steps or 30, ["--device", device]),
-            Config(f"{model} fp32 {device}", model, batch, "fp32", "true", 20, ["--device", device])]
+            Config(f"{model} fp32 {device}", model, batch, "fp32", "true", 20, ["--device", device], repeats=1)]
 
 
 def configs(quick, steps=None):
@@ -324,12 +325,13 @@ def bench_config(cfg, args, data, work):
         return concurrently([lambda i=i: run_torch(init1, batches1, d / f"torch_1rank{rep}_{i}.jsonl", nproc=1, **kw)
                              for i in range(n)])
 
-    variants = [("ours", ours, args.repeats), ("torch", torch_, args.repeats)]
+    repeats = cfg.repeats or args.repeats
+    variants = [("ours", ours, repeats), ("torch", torch_, repeats)]
     if not args.no_floor:
         variants += [("floor", floor, args.repeats), ("torch_floor", torch_floor, args.torch_floor_repeats)]
     if args.breakdown:
         variants += [("ours_1rank", ours_1rank, args.repeats), ("torch_1rank", torch_1rank, args.torch_floor_repeats)]
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         for name, fn, reps in (variants if rep % 2 == 0 else variants[::-1]):
             if rep >= reps:
                 continue
@@ -373,7 +375,7 @@ def bench_config(cfg, args, data, work):
         "ours_run_medians_ms": [round(m, 2) for m in samples["ours"].run_medians],
         "torch_run_medians_ms": [round(m, 2) for m in samples["torch"].run_medians],
         "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
-        "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
+        "runs": repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
         "device": DEVICE,
     }
     if DEVICE == "cuda" or cfg.extra[:1] == ["--device"]:

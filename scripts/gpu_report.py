@@ -2,6 +2,7 @@
 """gpu_report: collects what scripts/gpu_check.sh wrote into OUT/gpu_report.json (rewritten after every phase).
 
     scripts/gpu_report.py --out DIR [--command "scripts/gpu_check.sh ..."]
+    scripts/gpu_report.py --markdown DIR/gpu_report.json     # the figures as a docs/BENCHMARKS.md section
 
 Reads DIR/machine.txt, phases.jsonl, cuda_tests.json (gtest), train_metrics.jsonl (train_gpt --metrics) and
 compare.jsonl (bench/compare_fsdp2.py --device cuda --json). Skipped tests are counted as skipped, never as
@@ -53,7 +54,9 @@ def train_summary(path):
     train = [r for r in rows if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     timed = [r for r in train if r["step"] > 25] or train
-    med = lambda k: statistics.median([r[k] for r in timed if r.get(k) is not None]) if timed else None  # noqa: E731
+    def med(k):
+        vals = [r[k] for r in timed if r.get(k) is not None]
+        return statistics.median(vals) if vals else None
     s = {
         "steps": train[-1]["step"] if train else 0,
         "first_loss": train[0]["loss"] if train else None,
@@ -70,11 +73,50 @@ def train_summary(path):
     return s
 
 
+def fmt(v, spec=".3g"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(path):
+    r = json.loads(Path(path).read_text())
+    lines = ["Machine: " + "; ".join(r.get("machine") or []), "", f"Command: `{r['command']}`", ""]
+    t = r.get("tests")
+    if t:
+        c = t["counts"]
+        lines.append(f"cuda tests: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+                     + (f" (skipped: {', '.join(t['skipped'])})" if t["skipped"] else "")
+                     + (f"; failed: {', '.join(f['name'] for f in t['failed'])}" if t["failed"] else ""))
+    g = r.get("train_gpt")
+    if g:
+        lines.append(f"train_gpt gpt2-small bf16, {g['steps']} steps: loss {fmt(g['first_loss'], '.3f')} -> "
+                     f"{fmt(g['last_loss'], '.3f')}, eval {g['first_eval_loss']} -> {g['last_eval_loss']} "
+                     f"({'fell' if g['loss_fell'] else 'DID NOT FALL'}); {fmt(g['step_ms'], '.1f')} ms/step, "
+                     f"{fmt(g['tokens_per_s'], '.0f')} tokens/s, MFU {fmt(g['mfu'], '.3f')}, peak GPU "
+                     f"{fmt(g['peak_gpu_mem_mb'], '.0f')} MiB")
+    lines += ["", "| config | ours ms | PyTorch ms | ratio | ours tok/s | PyTorch tok/s | ours MFU | PyTorch MFU "
+              "| ours GPU MiB | PyTorch GPU MiB | ratio | max abs dloss | (LibTorch math) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in r.get("compare_fsdp2") or []:
+        lines.append(f"| {c['config']} | {fmt(c['ours_step_ms'], '.1f')} | {fmt(c['torch_step_ms'], '.1f')} | "
+                     f"{fmt(c['step_ratio'], '.3f')} | {fmt(c.get('ours_tokens_per_s'), '.0f')} | "
+                     f"{fmt(c.get('torch_tokens_per_s'), '.0f')} | {fmt(c.get('ours_mfu'), '.3f')} | "
+                     f"{fmt(c.get('torch_mfu'), '.3f')} | {fmt(c.get('ours_peak_gpu_mem_mb'), '.0f')} | "
+                     f"{fmt(c.get('torch_peak_gpu_mem_mb'), '.0f')} | {fmt(c.get('gpu_mem_ratio'), '.3f')} | "
+                     f"{fmt(c['max_abs_loss_diff'], '.2g')} | {fmt(c.get('max_abs_loss_diff_libtorch_math'), '.2g')} |")
+    lines.append("")
+    for k, v in (r.get("goals") or {}).items():
+        lines.append(f"- {k}: {json.dumps(v)}")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--command", default="scripts/gpu_check.sh")
+    ap.add_argument("--markdown", help="print gpu_report.json FILE as Markdown")
     args = ap.parse_args()
+    if args.markdown:
+        return markdown(args.markdown)
     out = Path(args.out)
     report = {"command": args.command}
     m = out / "machine.txt"
