@@ -174,6 +174,42 @@ struct DefaultGroupReset {
   ~DefaultGroupReset() { set_default_process_group(nullptr); }
 };
 
+// Runs everywhere: a one-process job rendezvous on a caller's store (what train_gpt and these tests use
+// without a launcher) instead of a TCPStore.
+TEST(CudaInit, StoreOptionReplacesTheTcpRendezvous) {
+  DefaultGroupReset reset;
+  InitOptions o;
+  LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = 1;  // nothing listens there: a TCPStore would fail
+  o.env = env;
+  o.store = c10::make_intrusive<c10d::HashStore>();
+  o.timeout = std::chrono::seconds(5);
+  auto pg = init_process_group(o);
+  EXPECT_EQ(pg->size(), 1);
+  EXPECT_EQ(pg->device(), torch::Device(torch::kCPU));
+  EXPECT_EQ(default_process_group(), pg);
+}
+
+// Runs where no GPU is usable: asking for CUDA fails at once, naming the device and the fix.
+TEST(CudaInit, CudaWithoutAGpuIsAClearError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is usable here";
+  InitOptions o;
+  LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  o.env = env;
+  o.device_type = torch::kCUDA;
+  o.store = c10::make_intrusive<c10d::HashStore>();
+  try {
+    init_process_group(o);
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("init_process_group: device type CUDA requested"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Fix:"), std::string::npos) << msg;
+  }
+}
+
 TEST(CudaParity, Fp32WorldSize1OnNccl) {
   REQUIRE_CUDA();
   DefaultGroupReset reset;
