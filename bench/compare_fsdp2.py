@@ -182,6 +182,7 @@ def configs(quick, steps=None):
 # ---- Launching -----------------------------------------------------------------------------------------
 
 RETRIES = []  # (what, return code, last line of stderr) of runs that failed once and were rerun
+EXIT_CRASHES = []  # (what, return code) of runs that completed their steps, then died at exit
 
 
 def _run(cmd, what, timeout, retry=False):
@@ -192,6 +193,12 @@ def _run(cmd, what, timeout, retry=False):
         p = subprocess.run([str(c) for c in cmd], env=clean_env(), capture_output=True, encoding="utf-8",
                            errors="replace", timeout=timeout)
         if p.returncode == 0:
+            return p
+        # A run that finished its steps (train_gpt printed "done:", its metrics are complete) and then died
+        # at exit is kept, and reported (EXIT_CRASHES): the timing is valid, the crash is a finding.
+        if what == "train_gpt" and "done:" in p.stdout:
+            EXIT_CRASHES.append((what, p.returncode))
+            log(f"  warning: {what} finished its steps but exited with rc={p.returncode}")
             return p
         if attempt == 0 and retry:
             tail = (p.stderr.strip().splitlines() or [""])[-1]
@@ -377,6 +384,7 @@ def bench_config(cfg, args, data, work):
         "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
         "runs": repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
         "device": DEVICE,
+        "exit_crashes_so_far": len(EXIT_CRASHES),
     }
     if DEVICE == "cuda" or cfg.extra[:1] == ["--device"]:
         go, gt = samples["ours"].peak_gpu(), samples["torch"].peak_gpu()

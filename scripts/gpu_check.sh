@@ -128,9 +128,24 @@ if [ $build_ok = 1 ]; then
   # ---- 2. The cuda tests --------------------------------------------------------------------------
   t=$(date +%s)
   say "tests: test_cuda (label cuda)"
-  [ -x "$build/bin/test_cuda" ] || { echo "test_cuda was not built (see build.log)"; false; } &&
-  timeout "$(lim 150)" "$build/bin/test_cuda" --gtest_filter=-CudaGlooRank.Run --gtest_output=json:"$out/cuda_tests.json" > "$out/cuda_tests.log" 2>&1
-  rc=$?
+  # One process per test: a crash (or a CUDA error that poisons the context) costs that test only.
+  rc=1
+  rm -rf "$out/cuda_tests" && mkdir -p "$out/cuda_tests"
+  : > "$out/cuda_tests.log"
+  if [ -x "$build/bin/test_cuda" ]; then
+    rc=0
+    mapfile -t tests < <("$build/bin/test_cuda" --gtest_list_tests --gtest_filter=-CudaGlooRank.Run |
+                         awk '/^[^ ]/ {s=$1} /^  / {print s $1}')
+    for tname in "${tests[@]}"; do
+      timeout "$(lim 90)" "$build/bin/test_cuda" --gtest_filter="$tname" \
+        --gtest_output=json:"$out/cuda_tests/$tname.json" >> "$out/cuda_tests.log" 2>&1
+      r=$?
+      echo "$tname $r" >> "$out/cuda_tests/exit_codes.txt"
+      [ $r = 0 ] || { rc=1; echo "$tname: exit $r"; }
+    done
+  else
+    echo "test_cuda was not built (see build.log)"
+  fi
   grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|^\[(cuda|bf16)|^\[.*\] rank|Failure|Expected|Which is|error" "$out/cuda_tests.log" | head -60
   phase cuda_tests "$([ $rc = 0 ] && echo passed || echo failed)" $(( $(date +%s) - t )) "exit $rc"
   report "$@"

@@ -30,19 +30,38 @@ def read_jsonl(path):
 
 
 def tests_summary(path):
-    if not path.is_file():
+    """gtest JSON: one file (path) or a folder of one file per test plus exit_codes.txt ("NAME CODE" lines);
+    a test whose process died without a verdict (a crash, a timeout) counts as failed."""
+    files = sorted(path.glob("*.json")) if path.is_dir() else ([path] if path.is_file() else [])
+    codes = {}
+    if path.is_dir() and (path / "exit_codes.txt").is_file():
+        for line in (path / "exit_codes.txt").read_text().splitlines():
+            if line.strip():
+                name, code = line.rsplit(" ", 1)
+                codes[name] = int(code)
+    if not files and not codes:
         return None
-    j = json.loads(path.read_text())
     out = {"passed": [], "failed": [], "skipped": []}
-    for suite in j.get("testsuites", []):
-        for t in suite.get("testsuite", []):
-            name = f"{suite['name']}.{t['name']}"
-            if t.get("failures"):
-                out["failed"].append({"name": name, "failure": t["failures"][0].get("failure", "")[:500]})
-            elif t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
-                out["skipped"].append(name)
-            else:
-                out["passed"].append(name)
+    seen = set()
+    for f in files:
+        try:
+            j = json.loads(f.read_text())
+        except json.JSONDecodeError:
+            continue
+        for suite in j.get("testsuites", []):
+            for t in suite.get("testsuite", []):
+                name = f"{suite['name']}.{t['name']}"
+                seen.add(name)
+                if t.get("failures") or codes.get(name, 0) != 0:
+                    msg = t["failures"][0].get("failure", "") if t.get("failures") else f"exit code {codes[name]}"
+                    out["failed"].append({"name": name, "failure": msg[:500]})
+                elif t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
+                    out["skipped"].append(name)
+                else:
+                    out["passed"].append(name)
+    for name, code in codes.items():
+        if name not in seen:
+            out["failed"].append({"name": name, "failure": f"no verdict: the test process exited with code {code}"})
     out["counts"] = {k: len(out[k]) for k in ("passed", "failed", "skipped")}
     return out
 
@@ -123,7 +142,7 @@ def main():
     report["machine"] = m.read_text().strip().splitlines() if m.is_file() else None
     phases = read_jsonl(out / "phases.jsonl")
     report["phases"] = phases
-    report["tests"] = tests_summary(out / "cuda_tests.json")
+    report["tests"] = tests_summary(out / "cuda_tests") or tests_summary(out / "cuda_tests.json")
     report["train_gpt"] = train_summary(out / "train_metrics.jsonl")
     compare = read_jsonl(out / "compare.jsonl")
     report["compare_fsdp2"] = compare

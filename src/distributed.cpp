@@ -364,6 +364,24 @@ void set_default_process_group(ProcessGroupPtr group) {
 
 void set_thread_default_process_group(ProcessGroupPtr group) { t_default_group = std::move(group); }
 
+void destroy_process_group(ProcessGroupPtr group) {
+  if (!group) {
+    if (t_default_group) {
+      group = t_default_group;
+    } else {
+      std::lock_guard<std::mutex> lock(g_default_mutex);
+      group = g_default_group;
+    }
+  }
+  if (!group) return;
+  if (t_default_group == group) t_default_group.reset();
+  {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    if (g_default_group == group) g_default_group.reset();
+  }
+  if (group->backend() && group->backend()->getBackendName() == "nccl") group->backend()->shutdown();
+}
+
 bool is_initialized() {
   if (t_default_group) return true;
   std::lock_guard<std::mutex> lock(g_default_mutex);

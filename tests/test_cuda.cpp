@@ -124,13 +124,14 @@ History train_fsdp(ProcessGroupPtr pg, const std::vector<Batch>& batches, const 
   opts.mesh(init_device_mesh(dev.type(), {pg->size()}, {}, pg));
   for (auto& b : net->blocks) fully_shard(b, opts);
   fully_shard(net, opts);
+  FSDPModule<Net> model(net);  // the root's forward must go through FSDP
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   const int64_t local = kBatch / pg->size();
   History h;
   for (size_t step = 0; step < batches.size(); ++step) {
     auto b = batches[step].slice(pg->rank() * local, local);
     opt.zero_grad();
-    auto loss = loss_fn(net(b.idx.to(dev)), b.targets.to(dev));
+    auto loss = loss_fn(model(b.idx.to(dev)), b.targets.to(dev));
     loss.backward();
     auto l = loss.detach().to(torch::kFloat32).reshape({1}).clone();
     all_reduce(l, *pg, ReduceOp::AVG);
@@ -171,7 +172,7 @@ void expect_parity(const History& fsdp, const History& ref, int ws, int rank, do
 }
 
 struct DefaultGroupReset {
-  ~DefaultGroupReset() { set_default_process_group(nullptr); }
+  ~DefaultGroupReset() { destroy_process_group(); }
 };
 
 // Runs everywhere: a one-process job rendezvous on a caller's store (what train_gpt and these tests use
@@ -362,10 +363,11 @@ TEST(CudaStreams, DelayedReduceScatterStreamReadsIntactGradients) {
   fully_shard(net, opts);
   auto ctx = detail::comm_context_for(mesh.get(), kGpu);
   ASSERT_TRUE(ctx->enabled()) << "the CUDA streams are not in use";
+  FSDPModule<Net> model(net);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   for (size_t step = 0; step < batches.size(); ++step) {
     opt.zero_grad();
-    auto loss = loss_fn(net(batches[step].idx.to(kGpu)), batches[step].targets.to(kGpu));
+    auto loss = loss_fn(model(batches[step].idx.to(kGpu)), batches[step].targets.to(kGpu));
     // The reduce-scatter stream starts every copy-in late: the backward's later kernels on the compute
     // stream run first and allocate; without record_stream they would reuse the freed gradients' memory.
     busy(ctx->stream(detail::CommStream::kReduceScatter), 40);
@@ -402,11 +404,12 @@ TEST(CudaOffload, PinnedHostShardsGradientsAndOptimizerStateParity) {
     EXPECT_TRUE(p.value().device().is_cpu()) << p.key();
     EXPECT_TRUE(p.value().is_pinned()) << p.key() << ": offloaded shards live in pinned host memory";
   }
+  FSDPModule<Net> model(net);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   History got;
   for (size_t step = 0; step < batches.size(); ++step) {
     opt.zero_grad();
-    auto out = net(batches[step].idx.to(kGpu));
+    auto out = model(batches[step].idx.to(kGpu));
     EXPECT_TRUE(out.is_cuda()) << "the compute runs on the GPU";
     auto loss = loss_fn(out, batches[step].targets.to(kGpu));
     loss.backward();
@@ -438,10 +441,11 @@ TEST(CudaCheckpoint, GpuShardsToCpuRanksAndBackBitIdentical) {
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCUDA, {1}, {}, pg));
     for (auto& b : net->blocks) fully_shard(b, opts);
     fully_shard(net, opts);
+    FSDPModule<Net> model(net);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
     for (const auto& b : batches) {  // trained weights: not the initial ones
       opt.zero_grad();
-      loss_fn(net(b.idx.to(kGpu)), b.targets.to(kGpu)).backward();
+      loss_fn(model(b.idx.to(kGpu)), b.targets.to(kGpu)).backward();
       opt.step();
     }
     for (const auto& p : net->named_parameters()) original[p.key()] = p.value().detach().cpu().clone();

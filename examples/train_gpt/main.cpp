@@ -1230,7 +1230,10 @@ int run(int argc, char** argv) {
                      std::to_string(torch::cuda::device_count()));
   }
   auto pg = make_process_group(launched, cuda);
-  return train(s, pg);
+  const int rc = train(s, pg);
+  // Before exit: a NCCL group left to static destruction can crash the exit (after CUDA's teardown).
+  fsdp::destroy_process_group(pg);
+  return rc;
 }
 
 }  // namespace

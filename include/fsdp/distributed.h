@@ -184,4 +184,10 @@ void set_thread_default_process_group(ProcessGroupPtr group);
 /// True when a default group is set for this thread or process.
 bool is_initialized();
 
+/// Shuts down `group`'s backend (NCCL: its communicators and watchdog; Gloo: nothing) and, when it is the
+/// process-wide or this thread's default group, clears that. (Default: the default group; a no-op when
+/// none is set.) Call before the process exits: a NCCL group destroyed during static destruction, after
+/// CUDA's own teardown, can crash the exit. Mirrors torch.distributed.destroy_process_group.
+void destroy_process_group(ProcessGroupPtr group = nullptr);
+
 }  // namespace fsdp
