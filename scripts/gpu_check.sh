@@ -15,6 +15,7 @@
 # Budget: under 8 minutes on 16 cores and one H100/H200, the build included.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+orig_args="$*"
 out="" bundle="${FSDP_GPU_BUNDLE:-$root/gpu-bundle}" py="${PYTHON:-python3}" jobs="$(nproc)" train_steps=300
 skip_build=0
 # Dry runs without a GPU (not for the real check): FSDP_GPU_CHECK_DEVICE=cpu FSDP_GPU_CHECK_MODEL=tiny
@@ -42,6 +43,7 @@ build="$out/build"
 phases="$out/phases.jsonl"
 : > "$phases"
 t_start=$(date +%s)
+cmdline="scripts/gpu_check.sh $orig_args"
 # Every phase's time limit is capped by what is left of the whole budget (FSDP_GPU_CHECK_BUDGET_S, default
 # 470 s: the 8 minutes, less a margin), so that the report is always written in time.
 budget="${FSDP_GPU_CHECK_BUDGET_S:-470}"
@@ -61,7 +63,7 @@ with open(path, "a") as f:
     f.write(json.dumps({"phase": name, "status": status, "seconds": int(seconds), "detail": detail}) + "\n")
 PYEOF
 }
-report() { "$py" "$root/scripts/gpu_report.py" --out "$out" --command "scripts/gpu_check.sh $*" || true; }
+report() { "$py" "$root/scripts/gpu_report.py" --out "$out" --command "$cmdline" || true; }
 
 # ---- 0. The machine ---------------------------------------------------------------------------------
 say "machine"
