@@ -148,7 +148,7 @@ if [ $build_ok = 1 ]; then
   else
     echo "test_cuda was not built (see build.log)"
   fi
-  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|^\[(cuda|bf16)|^\[.*\] rank|Failure|Expected|Which is|error" "$out/cuda_tests.log" | head -60
+  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|^\[(cuda|bf16|checkpoint)|^\[.*\] rank|Failure|Expected|Which is|error" "$out/cuda_tests.log" | head -60
   phase cuda_tests "$([ $rc = 0 ] && echo passed || echo failed)" $(( $(date +%s) - t )) "exit $rc"
   report "$@"
 

@@ -438,6 +438,13 @@ TEST(CudaOffload, PinnedHostShardsGradientsAndOptimizerStateParity) {
   expect_parity(got, ref, 1, 0, 1e-5, "cuda cpu offload");
 }
 
+// A progress line, flushed at once: on the H200 this test's process died without output (stdout is a
+// file there), and these lines say how far it got.
+void progress(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
 // Saves from `dev` shards (one rank), loads on 2 CPU ranks and saves again there, loads back on `dev`.
 void checkpoint_round_trip(torch::Device dev) {
   namespace fs = std::filesystem;
@@ -463,7 +470,9 @@ void checkpoint_round_trip(torch::Device dev) {
     }
     for (const auto& p : net->named_parameters()) original[p.key()] = p.value().detach().cpu().clone();
     dcp::save(get_model_state_dict(*net), (dir / "gpu").string());
+    progress("[checkpoint round trip] saved from " + dev.str());
   }
+  progress("[checkpoint round trip] the " + dev.str() + " group is destroyed");
   // Two CPU ranks load it (resharded), then save it again.
   run_ranks(2, [&](ProcessGroupPtr pg) {
     Net net(3);
@@ -478,6 +487,7 @@ void checkpoint_round_trip(torch::Device dev) {
     }
     dcp::save(get_model_state_dict(*net), (dir / "cpu").string());
   });
+  progress("[checkpoint round trip] loaded and saved again on 2 CPU ranks");
   // Back onto the GPU.
   {
     DefaultGroupReset reset;
@@ -493,6 +503,7 @@ void checkpoint_round_trip(torch::Device dev) {
       EXPECT_EQ(p.value().device().type(), dev.type()) << p.key();
       EXPECT_TRUE(p.value().detach().cpu().equal(original.at(p.key()))) << p.key() << " differs after the round trip through the CPU ranks";
     }
+    progress("[checkpoint round trip] loaded back on " + dev.str());
   }
   fs::remove_all(dir);
 }
