@@ -137,7 +137,7 @@ class FSDPParamGroup {
   std::optional<PendingAllGather> pending_ag_;  // issued by unshard(), waited by wait_for_unshard()
 
   struct PendingReduceScatter {
-    torch::Tensor input;   // [ws * M] in reduce dtype; kept alive until the collective completes
+    torch::Tensor input;   // unused (undefined): the backend's work keeps the input alive (see post_backward)
     torch::Tensor output;  // [M] in reduce dtype
     Work work;
     std::vector<size_t> param_indices;  // params reduced, in order
