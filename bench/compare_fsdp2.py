@@ -24,6 +24,11 @@ max |dloss| (same math): PyTorch's side rerun once with gpt_twin --math libtorch
 arithmetic of LibTorch's AdamW and of fsdp::clip_grad_norm_: 0 means bitwise equal losses.
 
 Timings on a shared machine are noisy: the load average is printed with the results.
+
+--device cuda (issue 12): both sides on the GPU (train_gpt --device cuda on NCCL; gpt_twin.py --device cuda,
+PyTorch's fully_shard on NCCL), by default on 1 rank (--nproc 1), the GPT-2-small preset (12 x 768, 12 heads,
+context 1024) in bf16 (timing: step ms, tokens/s, MFU, peak GPU memory from the CUDA caching allocator) and in
+fp32 (loss parity over 20 steps). No floors; runs start without waiting for an idle CPU.
 """
 
 import argparse
@@ -46,6 +51,7 @@ BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
 BIN = BUILD / "bin"      # where train_gpt and fsdprun are run from (main() may point it at a snapshot)
 LIB_DIR = None           # a snapshot's libraries, put first on LD_LIBRARY_PATH (before the binaries' RUNPATH)
 PYTHON = Path(sys.executable)
+DEVICE = "cpu"           # --device: both sides' device
 TWIN = REPO / "bench" / "gpt_twin.py"
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -147,10 +153,17 @@ class Config:
     reshard: str          # reshard_after_forward of the blocks: true | false
     steps: int
     extra: list = field(default_factory=list)  # more train_gpt flags (both sides replay them via run.json)
+    repeats: int = 0      # runs per side (0: --repeats)
 
     def train_flags(self):
         return ["--model", self.model, "--batch-size", str(self.batch_size), "--mixed-precision", self.precision,
                 "--reshard-after-forward", self.reshard, "--steps", str(self.steps), *self.extra]
+
+
+def single_configs(device, steps=None, batch=16, model="gpt2-small"):
+    """--device cuda (or --single): one preset, bf16 for the timing, fp32 for the loss parity (20 steps)."""
+    return [Config(f"{model} bf16 {device}", model, batch, "bf16", "true", steps or 30, ["--device", device]),
+            Config(f"{model} fp32 {device}", model, batch, "fp32", "true", 20, ["--device", device], repeats=1)]
 
 
 def configs(quick, steps=None):
@@ -169,6 +182,7 @@ def configs(quick, steps=None):
 # ---- Launching -----------------------------------------------------------------------------------------
 
 RETRIES = []  # (what, return code, last line of stderr) of runs that failed once and were rerun
+EXIT_CRASHES = []  # (what, return code) of runs that completed their steps, then died at exit
 
 
 def _run(cmd, what, timeout, retry=False):
@@ -179,6 +193,12 @@ def _run(cmd, what, timeout, retry=False):
         p = subprocess.run([str(c) for c in cmd], env=clean_env(), capture_output=True, encoding="utf-8",
                            errors="replace", timeout=timeout)
         if p.returncode == 0:
+            return p
+        # A run that finished its steps (train_gpt printed "done:", its metrics are complete) and then died
+        # at exit is kept, and reported (EXIT_CRASHES): the timing is valid, the crash is a finding.
+        if what == "train_gpt" and "done:" in p.stdout:
+            EXIT_CRASHES.append((what, p.returncode))
+            log(f"  warning: {what} finished its steps but exited with rc={p.returncode}")
             return p
         if attempt == 0 and retry:
             tail = (p.stderr.strip().splitlines() or [""])[-1]
@@ -208,7 +228,7 @@ def run_ours(flags, data, metrics, nproc=2, threads=1, save_init=None, dump_batc
 def run_torch(init, batches, metrics, nproc=2, threads=1, math="torch", no_shard=False, extra=(), timeout=600):
     """bench/gpt_twin.py through torchrun (or alone with no_shard); returns its metrics rows."""
     twin = [TWIN, "--init", init, "--batches", batches, "--threads", threads, "--math", math, "--metrics", metrics,
-            *extra]
+            "--device", DEVICE, *extra]
     if no_shard:
         cmd = [PYTHON, *twin, "--no-shard"]
     else:
@@ -236,12 +256,19 @@ class Samples:
     step_ms: list = field(default_factory=list)   # every timed step of every run (rank 0)
     peak_mb: list = field(default_factory=list)   # one per run
     run_medians: list = field(default_factory=list)
+    peak_gpu_mb: list = field(default_factory=list)  # one per run (CUDA caching allocator, max over ranks)
+    mfu: list = field(default_factory=list)          # train_gpt's per-step MFU (--device cuda)
 
     def add(self, rows, skip):
         ms = [r["step_ms"] for r in rows if r["step"] > skip]
         self.step_ms += ms
         self.run_medians.append(statistics.median(ms))
         self.peak_mb.append(rows[-1]["peak_rss_mb"])
+        self.peak_gpu_mb.append(rows[-1].get("peak_gpu_mem_mb") or 0.0)
+        self.mfu += [r["mfu"] for r in rows if r["step"] > skip and r.get("mfu") is not None]
+
+    def peak_gpu(self):
+        return statistics.median(self.peak_gpu_mb) if self.peak_gpu_mb else float("nan")
 
     def median_ms(self):
         return statistics.median(self.step_ms) if self.step_ms else float("nan")
@@ -305,12 +332,13 @@ def bench_config(cfg, args, data, work):
         return concurrently([lambda i=i: run_torch(init1, batches1, d / f"torch_1rank{rep}_{i}.jsonl", nproc=1, **kw)
                              for i in range(n)])
 
-    variants = [("ours", ours, args.repeats), ("torch", torch_, args.repeats)]
+    repeats = cfg.repeats or args.repeats
+    variants = [("ours", ours, repeats), ("torch", torch_, repeats)]
     if not args.no_floor:
         variants += [("floor", floor, args.repeats), ("torch_floor", torch_floor, args.torch_floor_repeats)]
     if args.breakdown:
         variants += [("ours_1rank", ours_1rank, args.repeats), ("torch_1rank", torch_1rank, args.torch_floor_repeats)]
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         for name, fn, reps in (variants if rep % 2 == 0 else variants[::-1]):
             if rep >= reps:
                 continue
@@ -323,7 +351,10 @@ def bench_config(cfg, args, data, work):
                 f"{statistics.median([m for rows in runs for m in rows_ms(rows, skip)]):.1f} ms/step, "
                 f"peak {max(rows[-1]['peak_rss_mb'] for rows in runs):.0f} MiB")
     # The stretch of the parity check: LibTorch's optimizer and clipping arithmetic replayed in PyTorch.
-    exact = run_torch(init, batches, d / "torch_libtorch_math.jsonl", nproc=n, math="libtorch", **kw)
+    # (--device cuda: for fp32 only, the parity config; bf16 is the timing config.)
+    exact = None
+    if not cfg.extra or cfg.precision == "fp32":
+        exact = run_torch(init, batches, d / "torch_libtorch_math.jsonl", nproc=n, math="libtorch", **kw)
 
     def ms(name):
         return round(samples[name].median_ms(), 3) if name in samples else None
@@ -340,7 +371,7 @@ def bench_config(cfg, args, data, work):
         "max_abs_loss_diff": max(diffs),
         # Beyond the required keys: parity with the same optimizer arithmetic, the floors, the breakdown,
         # the spread of the runs, the run shape.
-        "max_abs_loss_diff_libtorch_math": max_abs_loss_diff(ours_rows[0], exact),
+        "max_abs_loss_diff_libtorch_math": max_abs_loss_diff(ours_rows[0], exact) if exact else None,
         "floor_step_ms": ms("floor"),
         "ours_floor_ratio": round(o / samples["floor"].median_ms(), 3) if "floor" in samples else None,
         "floor_peak_rss_mb": round(samples["floor"].peak(), 1) if "floor" in samples else None,
@@ -351,9 +382,28 @@ def bench_config(cfg, args, data, work):
         "ours_run_medians_ms": [round(m, 2) for m in samples["ours"].run_medians],
         "torch_run_medians_ms": [round(m, 2) for m in samples["torch"].run_medians],
         "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
-        "runs": args.repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
+        "runs": repeats, "batch_size": cfg.batch_size, "model": cfg.model, "disturbed_runs": disturbed,
+        "device": DEVICE,
+        "exit_crashes_so_far": len(EXIT_CRASHES),
     }
+    if DEVICE == "cuda" or cfg.extra[:1] == ["--device"]:
+        go, gt = samples["ours"].peak_gpu(), samples["torch"].peak_gpu()
+        mfu_ours = statistics.median(samples["ours"].mfu) if samples["ours"].mfu else None
+        row.update({
+            "ours_peak_gpu_mem_mb": round(go, 1),
+            "torch_peak_gpu_mem_mb": round(gt, 1),
+            "gpu_mem_ratio": round(go / gt, 3) if gt else None,
+            # Same tokens per step on both sides: tokens/s and MFU scale with 1 / step time.
+            "ours_mfu": round(mfu_ours, 4) if mfu_ours is not None else None,
+            "torch_mfu": round(mfu_ours * o / t, 4) if mfu_ours is not None else None,
+        })
+        for side, ms_ in (("ours", o), ("torch", t)):
+            row[f"{side}_tokens_per_s"] = round(cfg.batch_size * n * BLOCK_SIZE.get(cfg.model, 0) * 1e3 / ms_, 1)
     return row
+
+
+# Context length of the presets (tokens per sequence), for tokens/s (examples/train_gpt/model.cpp).
+BLOCK_SIZE = {"tiny": 32, "small": 128, "medium": 256, "gpt2-small": 1024}
 
 
 def rows_ms(rows, skip):
@@ -377,7 +427,11 @@ def print_table(rows, load_before, load_after):
               f"{f(r['floor_step_ms'], '.1f'):>9} {f(r['ours_floor_ratio'], '.2f'):>10} "
               f"{f(r['torch_floor_step_ms'], '.1f'):>11} {f(r['torch_floor_ratio'], '.2f'):>11} "
               f"{r['ours_peak_rss_mb']:>9.0f} {r['torch_peak_rss_mb']:>10.0f} {r['rss_ratio']:>6.2f} "
-              f"{r['max_abs_loss_diff']:>10.2g} {r['max_abs_loss_diff_libtorch_math']:>11.2g}")
+              f"{r['max_abs_loss_diff']:>10.2g} {f(r['max_abs_loss_diff_libtorch_math'], '.2g'):>11}")
+        if "ours_peak_gpu_mem_mb" in r:
+            print(f"{'':<20} GPU: peak ours {r['ours_peak_gpu_mem_mb']:.0f} MiB / torch {r['torch_peak_gpu_mem_mb']:.0f} "
+                  f"MiB (ratio {f(r['gpu_mem_ratio'], '.2f')}); tokens/s ours {r['ours_tokens_per_s']:.0f} / torch "
+                  f"{r['torch_tokens_per_s']:.0f}; MFU ours {f(r['ours_mfu'], '.3f')} / torch {f(r['torch_mfu'], '.3f')}")
     if any(r["ours_1rank_step_ms"] is not None for r in rows):
         print(f"\nbreakdown (ms/step; every column with {rows[0]['ranks']} processes busy at once):")
         head = (f"{'config':<20} {'floor':>8} {'ours 1 rank':>12} {'ours':>8} {'torch floor':>12} "
@@ -427,7 +481,26 @@ def main():
     ap.add_argument("--no-snapshot", action="store_true",
                     help="run the build directory's binaries in place (default: a private copy, immune to rebuilds)")
     ap.add_argument("--keep", help="keep the runs' files (weights, batches, metrics) in this directory")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: both sides on the GPU with NCCL, GPT-2-small bf16 + fp32 (default --nproc 1)")
+    ap.add_argument("--batch-size", type=int, default=16, help="--device cuda: sequences per rank per step")
+    ap.add_argument("--model", default="gpt2-small", help="--device cuda: train_gpt preset")
+    ap.add_argument("--single", action="store_true",
+                    help="the --device cuda layout (one --model, bf16 timing + fp32 parity) on --device cpu: "
+                         "a dry run of scripts/gpu_check.sh without a GPU")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" or args.single:
+        # One GPU by default; no floors; no waiting for an idle CPU (the GPU does the work).
+        if "--nproc" not in sys.argv:
+            args.nproc = 1
+        args.no_floor = True
+        args.breakdown = False
+        args.quiet_wait = 0
+        args.max_reruns = 0
+        if args.repeats is None:
+            args.repeats = 2
     args.repeats = args.repeats or (2 if args.quick else 3)
     if args.patience is None:
         args.patience = 150 if args.quick else float("inf")
@@ -437,7 +510,10 @@ def main():
         if not (BUILD / "bin" / b).is_file():
             sys.exit(f"compare_fsdp2: {BUILD / 'bin' / b} is missing: cmake --build {BUILD} --target {b}")
 
-    todo = [c for c in configs(args.quick, args.steps) if not args.configs or re.search(args.configs, c.name)]
+    single = DEVICE == "cuda" or args.single
+    all_cfgs = (single_configs(DEVICE, args.steps, args.batch_size, args.model) if single
+                else configs(args.quick, args.steps))
+    todo = [c for c in all_cfgs if not args.configs or re.search(args.configs, c.name)]
     if not todo:
         sys.exit(f"compare_fsdp2: no config matches {args.configs!r}")
     data = args.data or default_data()

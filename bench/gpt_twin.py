@@ -26,8 +26,12 @@ the two implementations round differently in two places (see the functions below
 
 --no-shard: plain PyTorch in one process, no fully_shard (bf16 by CPU autocast): PyTorch's floor.
 
+--device cuda: each rank on cuda:LOCAL_RANK with NCCL (train_gpt --device cuda's twin); the batches and the
+weights are moved there, bf16 --no-shard autocasts on CUDA.
+
 Metrics (rank 0, JSON lines, one per step): step, loss, lr, grad_norm, step_ms, peak_rss_mb (max over ranks
-of VmHWM), as train_gpt's --metrics with --log-every 1.
+of VmHWM), peak_gpu_mem_mb (torch.cuda.max_memory_allocated, max over ranks; 0 on CPU), as train_gpt's
+--metrics with --log-every 1.
 """
 
 import argparse
@@ -186,18 +190,18 @@ def clip_torch(params, max_norm):
 
 
 @torch.no_grad()
-def clip_libtorch(params, max_norm, world):
+def clip_libtorch(params, max_norm, world, device="cpu"):
     """fsdp::clip_grad_norm_ (src/clip_grad.cpp), operation by operation. It differs from torch.nn.utils in
     rounding only: it accumulates sum(norm_i^2) one gradient at a time (PyTorch: the 2-norm of the stacked
     norms), and computes max_norm / (norm + 1e-6) as a division (PyTorch: reciprocal times max_norm)."""
     grads = [local(p.grad) for p in params if p.grad is not None]
-    acc = torch.zeros(1)
+    acc = torch.zeros(1, device=device)
     for g in grads:
         if g.numel() > 0:
             acc += torch.linalg.vector_norm(g.to(torch.float32), 2.0).pow(2.0)
     if world > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.SUM)
-    total = (acc + torch.zeros(1)).pow(1.0 / 2.0).reshape(())
+    total = (acc + torch.zeros(1, device=device)).pow(1.0 / 2.0).reshape(())
     shifted = total + 1e-6
     coef = torch.clamp_max(torch.empty_like(shifted).fill_(max_norm).div_(shifted), 1.0)  # C++ Scalar / Tensor
     for g in grads:
@@ -272,6 +276,8 @@ def main():
     ap.add_argument("--no-shard", action="store_true", help="plain PyTorch in one process (no fully_shard)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: leave the default)")
     ap.add_argument("--metrics", help="JSON lines, one per step (rank 0)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu (Gloo) or cuda (each rank on cuda:LOCAL_RANK, NCCL)")
     args = ap.parse_args()
 
     batches_dir = Path(args.batches)
@@ -289,7 +295,15 @@ def main():
     if not args.no_shard:
         if not launched:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
-        dist.init_process_group("gloo")
+        if args.device == "cuda":
+            # Rank-aware device init before any CUDA work, as train_gpt's init_process_group does.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    if args.device == "cuda" and args.no_shard:
+        torch.cuda.set_device(0)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not args.no_shard and world != run["world_size"]:
@@ -297,13 +311,14 @@ def main():
                  f"launch with --nproc-per-node {run['world_size']}")
 
     # The batches this rank trained on in train_gpt: [steps, accum, 2, B, T] int64.
-    batches = torch.from_numpy(np.load(batches_dir / f"rank{rank}.npy"))
+    batches = torch.from_numpy(np.load(batches_dir / f"rank{rank}.npy")).to(device)
     steps = args.steps or batches.size(0)
     if steps > batches.size(0) or steps > run["steps"]:
         sys.exit(f"gpt_twin: --steps {steps} exceeds the {batches.size(0)} recorded steps")
     accum = batches.size(1)
 
     model, cfg = load_model(args.init)
+    model.to(device)
     # AdamW groups as train_gpt: weight decay on dim >= 2 (full shapes, decided before sharding).
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -312,7 +327,7 @@ def main():
     if not args.no_shard:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" \
             else MixedPrecisionPolicy()
         for block in model.h:
@@ -334,7 +349,7 @@ def main():
 
     def forward(x):
         if args.no_shard and mp == "bf16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 return model(x)
         return model(x)
 
@@ -344,7 +359,7 @@ def main():
         lr = lr_at(step, run)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros(1)
+        loss_sum = torch.zeros(1, device=device)
         for micro in range(accum):
             x, y = batches[step - 1, micro, 0], batches[step - 1, micro, 1]
             if not args.no_shard:
@@ -355,7 +370,7 @@ def main():
         if args.math == "torch":
             norm = clip_torch(all_params, max_norm).item()
         else:
-            norm = clip_libtorch(all_params, max_norm, world).item()
+            norm = clip_libtorch(all_params, max_norm, world, device).item()
         optimizer.step()
         optimizer.zero_grad()
         if world > 1:
@@ -364,12 +379,13 @@ def main():
         step_ms = 1e3 * (time.perf_counter() - t0)
         if not math.isfinite(loss_value):
             sys.exit(f"gpt_twin: the loss is {loss_value} at step {step}")
-        peak = torch.tensor([peak_rss_mb()], dtype=torch.float64)
+        gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+        peak = torch.tensor([peak_rss_mb(), gpu_mb], dtype=torch.float64, device=device)
         if world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if out:
             out.write(json.dumps({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm, "step_ms": step_ms,
-                                  "peak_rss_mb": peak.item()}) + "\n")
+                                  "peak_rss_mb": peak[0].item(), "peak_gpu_mem_mb": peak[1].item()}) + "\n")
             out.flush()
     if out:
         out.close()

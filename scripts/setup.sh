@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Brings everything a fresh machine needs, then builds into build/ (binaries in build/bin/).
 # Idempotent and quick when nothing changed. Usage: scripts/setup.sh
+#
+# Two variants, each with its own Python environment and build folder:
+#   CPU  (.venv, build/):            the torch 2.13.0 CPU wheel (requirements.txt). The default.
+#   CUDA (.venv-cuda, build-cuda/):  the torch 2.14.1 CUDA 13 wheel (requirements-cuda.txt), NCCL.
+#     Chosen automatically when `nvidia-smi -L` lists a GPU; FSDP_CUDA=1 forces it (e.g. to compile the
+#     CUDA path on a machine without a GPU, as .ci/run does), FSDP_CUDA=0 forces the CPU variant.
+#     The CUDA compiler (nvcc) is taken from /usr/local/cuda (CUDA_TOOLKIT_ROOT_DIR to override).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -24,28 +31,42 @@ if [ ${#missing[@]} -gt 0 ]; then
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "${missing[@]}" >/dev/null; }
 fi
 
-# 2. Python environment (.venv): torch 2.13.0 CPU wheel (LibTorch for the build) and test packages.
-py="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  log "creating .venv"
-  "$py" -m venv .venv
+# 2. Which variant (see the top of this file).
+cuda=0
+case "${FSDP_CUDA:-auto}" in
+  1|on|ON|yes) cuda=1 ;;
+  0|off|OFF|no) cuda=0 ;;
+  *) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then cuda=1; fi ;;
+esac
+if [ "$cuda" = 1 ]; then
+  venv=.venv-cuda; build=build-cuda; reqs=requirements-cuda.txt
+else
+  venv=.venv; build=build; reqs=requirements.txt
 fi
-stamp=.venv/.requirements.sha
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
+
+# 3. Python environment: the wheel whose LibTorch the build uses, and the test packages.
+py="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating $venv"
+  "$py" -m venv "$venv"
+fi
+stamp=$venv/.requirements.sha
+want=$(sha256sum "$reqs" | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing Python packages (requirements.txt)"
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  log "installing Python packages ($reqs)"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
   echo "$want" > "$stamp"
 fi
 
-# 3. Configure (once) and build.
-if [ ! -f build/build.ninja ]; then
-  prefix=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  log "configuring build/ against LibTorch at $prefix"
-  cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$root/.venv/bin/python" \
+# 4. Configure (once) and build. cmake/CudaTorch.cmake finds what a CUDA LibTorch needs (nvcc, nvrtc, the
+#    wheels' CUDA headers, TORCH_CUDA_ARCH_LIST).
+if [ ! -f "$build/build.ninja" ]; then
+  prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  log "configuring $build/ against LibTorch at $prefix"
+  cmake -S . -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$root/$venv/bin/python" \
     ${CMAKE_ARGS:-} >/dev/null
 fi
 export CCACHE_DIR="${CCACHE_DIR:-$root/.ccache}"
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
-log "building (ninja -j$jobs)"
-cmake --build build -j "$jobs" || { log "build failed"; exit 1; }
+log "building $build (ninja -j$jobs)"
+cmake --build "$build" -j "$jobs" || { log "build failed"; exit 1; }

@@ -1,5 +1,6 @@
 #include "fsdp/clip_grad.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -31,10 +32,25 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
       replicated.push_back(g);
     }
   }
-  auto opts = torch::TensorOptions().dtype(dtype);
+  // On the gradients' device (CUDA: the norms stay on the GPU, and NCCL all-reduces device tensors).
+  auto opts = torch::TensorOptions().dtype(dtype).device(grads.empty() ? torch::Device(torch::kCPU) : grads[0].device());
   // Local partial: sum of |g|^p (or max |g| for inf), one accumulation per gradient.
+  // On CUDA, one multi-tensor norm kernel for all gradients (as torch.nn.utils.get_total_norm) instead of
+  // three kernels per gradient: a few hundred launches fewer per step. The CPU path is unchanged.
+  const bool foreach = opts.device().is_cuda() && std::all_of(grads.begin(), grads.end(), [&](const torch::Tensor& g) {
+    return g.device() == opts.device() && g.scalar_type() == dtype;
+  });
   auto partial = [&](const std::vector<torch::Tensor>& gs) {
     auto acc = torch::zeros({1}, opts);
+    if (foreach) {
+      std::vector<torch::Tensor> nonempty;
+      for (const auto& g : gs) {
+        if (g.numel() > 0) nonempty.push_back(g.detach());
+      }
+      if (nonempty.empty()) return acc;
+      auto norms = at::stack(at::_foreach_norm(nonempty, norm_type));
+      return inf_norm ? torch::maximum(acc, norms.max().reshape({1})) : acc + norms.pow(norm_type).sum().reshape({1});
+    }
     for (const auto& g : gs) {
       if (g.numel() == 0) continue;  // an empty shard
       auto n = torch::linalg_vector_norm(g.detach().to(dtype), norm_type);
@@ -60,7 +76,11 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
   // Same coefficient on every rank: min(1, max_norm / (norm + 1e-6)), as PyTorch.
   auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);
   torch::NoGradGuard no_grad;
-  for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+  if (foreach && !grads.empty()) {
+    at::_foreach_mul_(grads, coef);
+  } else {
+    for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+  }
   return total;
 }
 

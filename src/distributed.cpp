@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -251,6 +252,9 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
                 n, " CUDA device(s): expected --nproc-per-node <= ", n);
     device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    // Rank-aware device init, before any CUDA work (the rendezvous below creates none; NCCL's
+    // communicator, the first allocation and FSDP's streams come later and all land on this device).
+    c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
   } else {
     TORCH_CHECK(backend_name == "gloo", "init_process_group: backend nccl needs device type CUDA; got CPU");
   }
@@ -265,7 +269,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     TORCH_CHECK(rc == 0, "init_process_group: MASTER_ADDR=", env.master_addr, " cannot be resolved (",
                 gai_strerror(rc), "). Fix: set MASTER_ADDR to the host name or IP address of rank 0");
   }
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> store = options.store;
   c10d::TCPStoreOptions sopts;
   sopts.port = static_cast<std::uint16_t>(env.master_port);
   sopts.timeout = timeout;
@@ -274,7 +278,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   sopts.waitWorkers = !env.use_agent_store;
   sopts.multiTenant = true;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+    if (!store) store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
                 " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
@@ -359,6 +363,24 @@ void set_default_process_group(ProcessGroupPtr group) {
 }
 
 void set_thread_default_process_group(ProcessGroupPtr group) { t_default_group = std::move(group); }
+
+void destroy_process_group(ProcessGroupPtr group) {
+  if (!group) {
+    if (t_default_group) {
+      group = t_default_group;
+    } else {
+      std::lock_guard<std::mutex> lock(g_default_mutex);
+      group = g_default_group;
+    }
+  }
+  if (!group) return;
+  if (t_default_group == group) t_default_group.reset();
+  {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    if (g_default_group == group) g_default_group.reset();
+  }
+  if (group->backend() && group->backend()->getBackendName() == "nccl") group->backend()->shutdown();
+}
 
 bool is_initialized() {
   if (t_default_group) return true;

@@ -113,7 +113,8 @@ DTensor DTensor::from_local(torch::Tensor local, DeviceMeshPtr mesh, std::vector
     for (int64_t d = mesh->ndim() - 1; d >= 0; --d) {
       const auto& p = placements[d];
       if (!p.is_shard()) continue;
-      auto n = torch::full({1}, global_shape[p.dim], torch::kInt64);
+      // On the group's device: NCCL reduces CUDA tensors only.
+      auto n = torch::full({1}, global_shape[p.dim], torch::TensorOptions(torch::kInt64).device(mesh->get_group(d)->device()));
       all_reduce(n, *mesh->get_group(d), ReduceOp::SUM);
       global_shape[p.dim] = n.item<int64_t>();
     }

@@ -95,6 +95,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   auto base = trainable_dtype.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
   auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
+  comm_ = comm_context_for(opts_.mesh.get(), mesh->device());
 }
 
 void FSDPParamGroup::check_params_hold_fsdp_data() const {
@@ -149,11 +150,14 @@ void FSDPParamGroup::unshard(bool async_op) {
   int64_t n = 0;
   for (const auto& p : params_) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
   auto dtype = params_.empty() ? torch::kFloat32 : params_[0].param_dtype;
-  auto output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
-  // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
-  auto input = output.narrow(0, pg.rank() * n, n);
-  int64_t off = 0;
+  torch::Tensor output, input;
   {
+    // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
+    StreamScope copy_in(comm_.get(), CommStream::kAllGatherCopyIn);
+    output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
+    // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
+    input = output.narrow(0, pg.rank() * n, n);
+    int64_t off = 0;
     torch::NoGradGuard no_grad;
     for (const auto& p : params_) {
       const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
@@ -161,14 +165,22 @@ void FSDPParamGroup::unshard(bool async_op) {
       off += src.numel();
     }
   }
-  Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
-  pending_ag_ = PendingAllGather{output, std::move(work), world};
+  comm_->wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
+  {
+    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
+    Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
+    pending_ag_ = PendingAllGather{output, std::move(work), world};
+  }
   if (!async_op) wait_for_unshard();
 }
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!pending_ag_) return;  // nothing in flight
-  pending_ag_->work.wait();
+  {
+    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
+    pending_ag_->work.wait();  // NCCL: the all-gather stream waits; the host does not
+  }
+  comm_->current_wait(comm_->record(CommStream::kAllGather));
   auto ag = std::move(*pending_ag_);
   pending_ag_.reset();
   alloc_unsharded();
@@ -183,6 +195,7 @@ void FSDPParamGroup::wait_for_unshard() {
     p.post_forward_shard = torch::Tensor();
   }
   post_forward_pg_.reset();
+  comm_->retire_all_gather_output(std::move(ag.output));  // freed after its copy-out (limiter)
   to_unsharded_data();
   state_ = ShardedState::UNSHARDED;
 }
@@ -430,6 +443,8 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   if (reshard_after) reshard();
   if (idx.empty()) return;  // no trainable parameter in this group
   const int ws = shard_pg_->size();
+  // CUDA: copy-in and reduce-scatter on the reduce-scatter stream, after the backward queued so far.
+  StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter);
   const int64_t np = static_cast<int64_t>(idx.size());
   // Reduce-scatter input [ws, M + P]: row r = every gradient's chunk r (zero-padded), in group order,
   // then the P presence flags.
@@ -448,21 +463,34 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
       }
     }
     off += p.padded_numel();
+    if (g.defined()) comm_->record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
   }
   auto flat_in = input.view({-1});
   auto output = torch::empty({m + np}, input.options());
   Work work = reduce_scatter_tensor(output, flat_in, *shard_pg_, ReduceOp::SUM, /*async_op=*/true);
-  pending_rs_ = PendingReduceScatter{flat_in, output, std::move(work), std::move(idx), m, std::move(missing)};
+  // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns
+  // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
+  // reduce-scatter stream, where the memory is allocated and reused in order. Dropping it here frees each
+  // group's input during the backward instead of at its end (as FSDP2 does), lowering the peak.
+  pending_rs_ = PendingReduceScatter{torch::Tensor(), output, std::move(work), std::move(idx), m, std::move(missing)};
 }
 
 void FSDPParamGroup::finish_reduce(double divide_factor) {
   if (!pending_rs_) return;  // nothing in flight
   auto rs = std::move(*pending_rs_);
   pending_rs_.reset();
-  rs.work.wait();
   torch::NoGradGuard no_grad;
-  if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
-  if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  {
+    StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter, /*wait_previous=*/false);
+    rs.work.wait();
+    if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
+    if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  }
+  // CUDA: the gradients are taken on the compute stream, after the reduction; the output was allocated
+  // on the reduce-scatter stream and is read here.
+  comm_->current_wait(comm_->record(CommStream::kReduceScatter));
+  comm_->record_stream_current(rs.output);
+  comm_->release_all_gather_output();
   // Presence counts (divided too, still > 0 exactly where some rank had a gradient). Read (a host
   // sync) only when this rank lacked a gradient: otherwise every count is at least 1.
   torch::Tensor present;

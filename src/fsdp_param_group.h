@@ -30,6 +30,7 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/policies.h"
+#include "fsdp_streams.h"
 
 namespace fsdp::detail {
 
@@ -158,6 +159,7 @@ class FSDPParamGroup {
   ShardedState state_ = ShardedState::SHARDED;
   ProcessGroupPtr post_forward_pg_;  // set while SHARDED_POST_FORWARD
   bool in_backward_ = false;         // between begin_backward() and end_backward()/abort_backward()
+  CommContextPtr comm_;              // CUDA streams shared by the groups of the mesh (no-op on CPU)
 
   struct PendingAllGather {
     torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
@@ -167,7 +169,7 @@ class FSDPParamGroup {
   std::optional<PendingAllGather> pending_ag_;  // issued by unshard(), waited by wait_for_unshard()
 
   struct PendingReduceScatter {
-    torch::Tensor input;   // [ws * (M + P)] in reduce dtype; kept alive until the collective completes
+    torch::Tensor input;   // unused (undefined): the backend's work keeps the input alive (see post_backward)
     torch::Tensor output;  // [M + P] in reduce dtype: P = presence counts of the reduced parameters
     Work work;
     std::vector<size_t> param_indices;  // params reduced, in order

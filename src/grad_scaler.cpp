@@ -34,7 +34,9 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     }
   }
   // Every rank must agree: one rank's inf skips the step everywhere.
-  auto flag = torch::full({1}, local_inf ? 1.0f : 0.0f);
+  // On the group's device: NCCL reduces CUDA tensors only.
+  auto flag = torch::full({1}, local_inf ? 1.0f : 0.0f,
+                          torch::TensorOptions().device(group_ ? group_->device() : torch::Device(torch::kCPU)));
   if (group_) all_reduce(flag, *group_, ReduceOp::MAX);
   found_inf_ = flag.item<float>() > 0;
   unscaled_ = true;

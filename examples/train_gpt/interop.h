@@ -116,20 +116,24 @@ class BatchRecorder {
 /// precision without FSDP (the --no-shard floor). Parameters and gradients stay fp32.
 class CpuAutocast {
  public:
-  explicit CpuAutocast(torch::ScalarType dtype)
-      : was_enabled_(at::autocast::is_autocast_enabled(at::kCPU)), old_dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  /// Autocast on `device` (CPU or CUDA) to `dtype` for the scope.
+  explicit CpuAutocast(torch::ScalarType dtype, at::DeviceType device = at::kCPU)
+      : device_(device),
+        was_enabled_(at::autocast::is_autocast_enabled(device)),
+        old_dtype_(at::autocast::get_autocast_dtype(device)) {
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, dtype);
   }
   ~CpuAutocast() {
-    at::autocast::set_autocast_enabled(at::kCPU, was_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, old_dtype_);
+    at::autocast::set_autocast_enabled(device_, was_enabled_);
+    at::autocast::set_autocast_dtype(device_, old_dtype_);
     at::autocast::clear_cache();  // the weight casts of this forward
   }
   CpuAutocast(const CpuAutocast&) = delete;
   CpuAutocast& operator=(const CpuAutocast&) = delete;
 
  private:
+  at::DeviceType device_;
   bool was_enabled_;
   at::ScalarType old_dtype_;
 };

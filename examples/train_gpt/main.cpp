@@ -34,6 +34,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
+#if FSDP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include "data.h"
 #include "fsdp/activation_checkpoint.h"
@@ -93,6 +97,10 @@ struct Options {
   std::string save_init;     // write the initial weights here (safetensors, rank 0)
   std::string dump_batches;  // write each rank's token batches and run.json into this directory
   bool no_shard = false;     // the floor: no fully_shard, one process, plain LibTorch
+  // Device (issue 12): "cuda" (each rank on cuda:LOCAL_RANK, NCCL) or "cpu" (Gloo); empty: cuda when usable.
+  std::string device;
+  std::string optimizer_impl = "auto";  // foreach | libtorch; auto: foreach on CUDA, libtorch on the CPU
+  double peak_tflops = 989.0;  // the GPU's dense bf16 peak for MFU (H100/H200 SXM: ~989 TFLOP/s)
   // [checkpoints] Distributed checkpoints (fsdp::dcp), see "Checkpoints" below.
   std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
   int64_t ckpt_every = 0;   // steps between saves; 0: only after the last step (with --ckpt-dir)
@@ -223,6 +231,17 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
+  g->add_option("--device", o.device, "cuda (each rank on cuda:LOCAL_RANK, NCCL) or cpu (Gloo) (Default: cuda "
+                                      "when a CUDA device is usable, else cpu)")
+      ->check(CLI::IsMember({"cuda", "cpu"}));
+  g->add_option("--optimizer-impl", o.optimizer_impl, "AdamW's kernels: foreach (PyTorch's default on CUDA: a few "
+                                                      "multi-tensor kernels per group, PyTorch's arithmetic) or "
+                                                      "libtorch (torch::optim::AdamW::step, ~8 kernels per "
+                                                      "parameter) (Default: foreach on CUDA, libtorch on the CPU)")
+      ->check(CLI::IsMember({"auto", "foreach", "libtorch"}));
+  g->add_option("--peak-tflops", o.peak_tflops, "Peak dense bf16 TFLOP/s of one GPU, for the MFU (model FLOPs "
+                                                "utilisation) in the log and metrics; H100/H200 SXM: 989")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   g->add_option("--threads", o.threads, "Intra-op threads per rank (0: OMP_NUM_THREADS, 1 under fsdprun)")
       ->capture_default_str()->check(integer_at_least<int>(0));
 
@@ -234,7 +253,7 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--eval-batches", o.eval_batches, "Batches per rank per evaluation")
       ->capture_default_str()->check(integer_at_least<int64_t>(1));
   g->add_option("--metrics", o.metrics, "Write JSON lines (step, loss, lr, grad_norm, tokens_per_s, step_ms, "
-                                        "peak_rss_mb, eval_loss) to FILE (rank 0)");
+                                        "peak_rss_mb, peak_gpu_mem_mb, mfu, eval_loss) to FILE (rank 0)");
   g->add_flag("--no-progress", o.no_progress, "No progress bar even on a terminal");
 
   g = app.add_option_group("Sampling");
@@ -377,6 +396,73 @@ double peak_rss_mb() {
   return 0.0;
 }
 
+/// Peak GPU memory of this process on `device` so far (MiB): the CUDA caching allocator's peak of allocated
+/// bytes (torch.cuda.max_memory_allocated); 0 on a CPU device.
+double peak_gpu_mem_mb(const torch::Device& device) {
+#if FSDP_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0);  // [0]: StatType::AGGREGATE
+  }
+#endif
+  return 0.0;
+}
+
+/// Model FLOPs per trained token (forward and backward): 6 per parameter (PaLM's appendix B, the
+/// embeddings' lookups included as matmuls for simplicity) plus the attention scores and values,
+/// 12 * layers * width * context (6 * 2 matmuls of T x d per token, causal masking not discounted).
+double flops_per_token(const GPTConfig& c, int64_t num_params) {
+  return 6.0 * static_cast<double>(num_params) +
+         12.0 * static_cast<double>(c.n_layer * c.n_embd * c.block_size);
+}
+
+/// One step of torch.optim.AdamW's foreach implementation (PyTorch's default on CUDA, _multi_tensor_adam with
+/// decoupled weight decay), on LibTorch's AdamW state: the same exp_avg / exp_avg_sq / step that checkpoints
+/// save and load, created lazily as torch::optim::AdamW::step does. Per parameter group, a handful of
+/// multi-tensor kernels instead of ~8 kernels per parameter: on a GPU that is the difference between a few
+/// and a few hundred launches per step. Arithmetic as PyTorch's (the first moment by lerp_; LibTorch's step
+/// uses mul_ + add_, which rounds differently).
+void foreach_adamw_step(torch::optim::AdamW& opt) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    TORCH_CHECK(!o.amsgrad(), "foreach_adamw_step: amsgrad is not supported");
+    const double lr = o.lr(), wd = o.weight_decay(), eps = o.eps();
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+    std::vector<c10::Scalar> step_size, bc2_sqrt;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined() || p.numel() == 0) continue;
+      auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        slot = std::move(st);
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+      st.step(st.step() + 1);
+      params.push_back(p);
+      grads.push_back(p.grad());
+      exp_avgs.push_back(st.exp_avg());
+      exp_avg_sqs.push_back(st.exp_avg_sq());
+      const double t = static_cast<double>(st.step());
+      step_size.emplace_back(-(lr / (1.0 - std::pow(beta1, t))));
+      bc2_sqrt.emplace_back(std::sqrt(1.0 - std::pow(beta2, t)));
+    }
+    if (params.empty()) continue;
+    if (wd != 0) at::_foreach_mul_(params, 1.0 - lr * wd);
+    at::_foreach_lerp_(exp_avgs, grads, 1.0 - beta1);
+    at::_foreach_mul_(exp_avg_sqs, beta2);
+    at::_foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2);
+    auto denom = at::_foreach_sqrt(exp_avg_sqs);
+    at::_foreach_div_(denom, bc2_sqrt);
+    at::_foreach_add_(denom, eps);
+    at::_foreach_addcdiv_(params, exp_avgs, denom, step_size);
+  }
+}
+
 /// A one-line progress bar with ETA on rank 0, only when stdout is a terminal.
 class ProgressBar {
  public:
@@ -471,10 +557,10 @@ double evaluate(fsdp::FSDPModule<GPT>& model, const TokenWindows& val, int64_t n
                 fsdp::ProcessGroup& pg) {
   model->eval();
   torch::NoGradGuard no_grad;
-  auto sum = torch::zeros({1}, torch::kDouble);
+  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(pg.device()));
   for (int64_t b = 0; b < num_batches; ++b) {
     auto [x, y] = val.get(eval_indices(b, batch_size, pg.rank(), pg.size()));
-    sum += lm_loss(model(x), y).to(torch::kDouble);
+    sum += lm_loss(model(x.to(pg.device())), y.to(pg.device())).to(torch::kDouble);
   }
   fsdp::all_reduce(sum, pg, fsdp::ReduceOp::SUM);
   model->train();
@@ -496,7 +582,7 @@ std::string generate(fsdp::FSDPModule<GPT>& model, const std::string& prompt, in
   for (int64_t i = 0; i < num_tokens; ++i) {
     const auto begin = tokens.size() > static_cast<size_t>(context) ? tokens.end() - context : tokens.begin();
     auto idx = torch::tensor(std::vector<int64_t>(begin, tokens.end()), torch::kLong).unsqueeze(0);  // [1, T]
-    auto logits = model(idx).select(1, -1).squeeze(0).to(torch::kFloat32);  // [vocab]
+    auto logits = model(idx.to(pg.device())).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32);  // [vocab]
     auto next = torch::zeros({1}, torch::kLong);
     if (pg.rank() == 0) {
       if (temperature == 0.0) {
@@ -510,6 +596,7 @@ std::string generate(fsdp::FSDPModule<GPT>& model, const std::string& prompt, in
         next = torch::multinomial(torch::softmax(logits, 0), 1, /*replacement=*/false, gen);
       }
     }
+    next = next.to(pg.device());  // NCCL broadcasts device tensors
     fsdp::broadcast(next, /*src=*/0, pg);
     tokens.push_back(next.item<int64_t>());
     out.push_back(static_cast<char>(tokens.back()));
@@ -630,7 +717,8 @@ nlohmann::json run_description(const RunSetup& s, int world, int64_t start_step)
           {"warmup_steps", o.warmup_steps}, {"weight_decay", o.weight_decay}, {"betas", {0.9, 0.95}},
           {"eps", torch::optim::AdamWOptions(o.lr).eps()}, {"clip_grad", o.clip_grad},
           {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
-          {"no_shard", o.no_shard},      {"seed", o.seed}};
+          {"no_shard", o.no_shard},      {"seed", o.seed},
+          {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 
 // ---- Checkpoints ---------------------------------------------------------------------------------
@@ -969,7 +1057,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   auto say = [&](const std::string& line) {
     if (main_rank) std::cout << line << std::endl;
   };
-  auto mesh = fsdp::init_device_mesh(torch::kCPU, {world});
+  const torch::Device device = pg->device();
+  auto mesh = fsdp::init_device_mesh(device.type(), {world});
 
   // Identical initial weights on every rank (and for every world size): one seed, full model, then shard.
   torch::manual_seed(o.seed);
@@ -981,11 +1070,14 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   const int64_t num_params = model->num_params();
   if (!o.save_init.empty() && main_rank) save_initial_weights(*model, o.save_init);
 
+  // Built on the CPU from the seed (identical weights on every device), then moved to this rank's device
+  // (with --cpu-offload the shards stay on the CPU: fully_shard puts them in pinned host memory).
+  if (device.is_cuda() && !o.cpu_offload) model->to(device);
   if (!o.no_shard) parallelize(model, mesh, s.parallel);
   // --no-shard (the floor): mixed precision the plain-LibTorch way, by autocast around the forward.
   auto forward = [&](const torch::Tensor& x) {
     if (!o.no_shard || s.parallel.param_dtype == torch::kFloat32) return model(x);
-    CpuAutocast autocast(s.parallel.param_dtype);
+    CpuAutocast autocast(s.parallel.param_dtype, device.type());
     return model(x);
   };
   std::optional<BatchRecorder> recorder;
@@ -1002,6 +1094,9 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   // skips the same steps (the inf/nan check is all-reduced). bf16 has fp32's range and needs none.
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
+  // fp16's scaler steps torch::optim::AdamW itself.
+  const bool foreach_optimizer =
+      !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda()));
 
   DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
   const int64_t tokens_per_step = o.batch_size * s.cfg.block_size * o.grad_accum_steps;  // per rank
@@ -1010,7 +1105,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   {
     std::ostringstream os;
     os << "train_gpt: " << world << " rank" << (world > 1 ? "s" : "") << " x " << torch::get_num_threads()
-       << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (gloo on cpu)\n"
+       << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (" << pg->backend()->getBackendName()
+       << " on " << device.str() << ")\n"
        << "model: " << o.model << ": " << describe(s.cfg) << ", " << fmt("%.2f", num_params / 1e6)
        << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "") << "\n"
        << "data: " << s.data_name << ", " << s.data_bytes << " bytes: train " << s.train.size()
@@ -1021,7 +1117,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << tokens_per_step * world << " tokens per step\n"
        << "optim: AdamW lr " << fmt("%.2e", o.lr) << " -> " << fmt("%.2e", o.min_lr) << " (warmup " << o.warmup_steps
        << ", cosine), weight decay " << o.weight_decay << ", clip "
-       << (o.clip_grad > 0 ? fmt("%g", o.clip_grad) : std::string("off")) << "; precision " << o.mixed_precision
+       << (o.clip_grad > 0 ? fmt("%g", o.clip_grad) : std::string("off")) << (foreach_optimizer ? ", foreach kernels" : "")
+       << "; precision " << o.mixed_precision
        << ", reshard after forward " << o.reshard_after_forward << (o.cpu_offload ? ", cpu offload" : "")
        << (o.activation_checkpointing ? ", activation checkpointing" : "");
     say(os.str());
@@ -1068,16 +1165,28 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   };
   // A collective (all-reduce MAX): every rank calls it at the same steps (log and evaluation steps).
   auto global_peak_mb = [&] {
-    auto t = torch::tensor({peak_rss_mb()}, torch::kDouble);
+    auto t = torch::tensor({peak_rss_mb()}, torch::kDouble).to(device);
     fsdp::all_reduce(t, *pg, fsdp::ReduceOp::MAX);
     return t.item<double>();
+  };
+  auto global_peak_gpu_mb = [&] {
+    auto t = torch::tensor({peak_gpu_mem_mb(device)}, torch::kDouble).to(device);
+    fsdp::all_reduce(t, *pg, fsdp::ReduceOp::MAX);
+    return t.item<double>();
+  };
+  const double model_flops_per_token = flops_per_token(s.cfg, num_params);
+  // Model FLOPs utilisation of the GPUs: per rank, FLOPs per token x tokens/s / the GPU's peak.
+  auto mfu = [&](double tokens_per_s_per_rank) -> nlohmann::json {
+    if (!device.is_cuda()) return nullptr;
+    return model_flops_per_token * tokens_per_s_per_rank / (o.peak_tflops * 1e12);
   };
 
   // The evaluation before training (the "first" evaluation loss): ~ln(256) = 5.55 for a fresh model.
   if (start_step == 0) {
     double v = run_eval(0);
     metrics.write({{"step", 0}, {"loss", nullptr}, {"lr", 0.0}, {"grad_norm", nullptr}, {"tokens_per_s", nullptr},
-                   {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()}, {"eval_loss", v}});
+                   {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()},
+                   {"peak_gpu_mem_mb", global_peak_gpu_mb()}, {"mfu", nullptr}, {"eval_loss", v}});
   }
 
   const auto t_train = Clock::now();
@@ -1093,10 +1202,12 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
 
     // Gradient accumulation: the gradients of every microbatch but the last stay local and unsharded
     // (no reduce-scatter); the last backward reduce-scatters the accumulated sum once.
-    auto loss_sum = torch::zeros({1});
+    auto loss_sum = torch::zeros({1}, torch::TensorOptions().device(device));
     for (int64_t micro = 0; micro < o.grad_accum_steps; ++micro) {
       auto [x, y] = s.train.get(sampler.next());
       if (recorder) recorder->add(x, y);
+      x = x.to(device, /*non_blocking=*/false);
+      y = y.to(device, /*non_blocking=*/false);
       if (!o.no_shard) model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
       auto loss = lm_loss(forward(x), y) / static_cast<double>(o.grad_accum_steps);
       (scaler ? scaler->scale(loss) : loss).backward();
@@ -1112,6 +1223,8 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     if (scaler) {
       scaler->step(optimizer);
       scaler->update();
+    } else if (foreach_optimizer) {
+      foreach_adamw_step(optimizer);
     } else {
       optimizer.step();
     }
@@ -1138,15 +1251,20 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
       const double step_ms = 1e3 * interval_seconds / static_cast<double>(interval_steps);
       const double tps = static_cast<double>(tokens_per_step * interval_steps) / interval_seconds;  // per rank
       const double peak = global_peak_mb();
+      const double peak_gpu = global_peak_gpu_mb();
       nlohmann::json line = {{"step", step},          {"loss", mean_loss},    {"lr", lr},
                              {"grad_norm", last_norm}, {"tokens_per_s", tps},  {"step_ms", step_ms},
-                             {"peak_rss_mb", peak}};
+                             {"peak_rss_mb", peak},   {"peak_gpu_mem_mb", peak_gpu}, {"mfu", mfu(tps)}};
       bar.clear();
       std::ostringstream os;
       os << "step " << std::setw(std::to_string(o.steps).size()) << step << "/" << o.steps << " | loss "
          << fmt("%.4f", mean_loss) << " | lr " << fmt("%.2e", lr) << " | grad norm " << fmt("%.3f", last_norm)
          << " | " << fmt("%.0f", tps) << " tok/s/rank | " << fmt("%.0f", step_ms) << " ms/step | peak "
          << fmt("%.0f", peak) << " MiB";
+      if (device.is_cuda()) {
+        os << " | GPU peak " << fmt("%.0f", peak_gpu) << " MiB | MFU " << fmt("%.1f", 100.0 * mfu(tps).get<double>())
+           << "%";
+      }
       say(os.str());
       if (eval_now) line["eval_loss"] = run_eval(step);
       metrics.write(line);
@@ -1190,6 +1308,12 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << " tok/s/rank, " << fmt("%.0f", static_cast<double>(tokens_per_step * steps_run * world) /
                                              std::max(train_seconds, 1e-9))
        << " tok/s in all)\n";
+    if (device.is_cuda()) {
+      const double tps = static_cast<double>(tokens_per_step * steps_run) / std::max(train_seconds, 1e-9);
+      os << "gpu: peak " << fmt("%.0f", peak_gpu_mem_mb(device)) << " MiB allocated (rank 0), MFU "
+         << fmt("%.1f", 100.0 * mfu(tps).get<double>()) << "% of " << fmt("%.0f", o.peak_tflops)
+         << " TFLOP/s (" << fmt("%.3g", model_flops_per_token) << " FLOPs per token)\n";
+    }
     // The run's first evaluation (restored from the checkpoint after a resume) and its last. A run
     // resumed from a checkpoint without train.first_eval that evaluated once shows that one only.
     if (first_eval && last_eval && first_eval->first != last_eval->first) {
@@ -1208,8 +1332,17 @@ int train(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
 }
 
 /// The process group: from the launcher's environment, or a group of one when started without one.
-fsdp::ProcessGroupPtr make_process_group(bool launched) {
-  if (launched) return fsdp::init_process_group();
+fsdp::ProcessGroupPtr make_process_group(bool launched, bool cuda) {
+  fsdp::InitOptions init;
+  init.device_type = cuda ? torch::kCUDA : torch::kCPU;
+  if (launched) return fsdp::init_process_group(init);
+  if (cuda) {  // one process on cuda:0 without a launcher: NCCL over an in-memory store
+    fsdp::LaunchEnv env;
+    env.master_addr = "127.0.0.1";
+    init.env = env;
+    init.store = c10::make_intrusive<c10d::HashStore>();
+    return fsdp::init_process_group(init);
+  }
   auto pg = fsdp::make_gloo_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(30));
   fsdp::set_default_process_group(pg);
   return pg;
@@ -1283,8 +1416,22 @@ int run(int argc, char** argv) {
   if (o.no_shard) check_no_shard(o, env.world_size);
   s.resume = check_checkpoint_options(o, s.cfg, s.train.size(), env.restart_count);  // [checkpoints]
 
-  auto pg = make_process_group(launched);
-  return train(s, pg);
+  bool cuda = o.device.empty() ? torch::cuda::is_available() : o.device == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    throw UsageError("--device cuda: no CUDA device is usable (torch::cuda::is_available() is false" +
+                     std::string(FSDP_WITH_CUDA ? "" : "; this train_gpt is built against a CPU-only LibTorch") +
+                     "). Fix: --device cpu, or run on a machine with an NVIDIA GPU and a CUDA build (scripts/setup.sh)");
+  }
+  if (cuda && env.local_rank >= static_cast<int>(torch::cuda::device_count())) {
+    throw UsageError("--device cuda: LOCAL_RANK " + std::to_string(env.local_rank) + " but only " +
+                     std::to_string(torch::cuda::device_count()) + " CUDA device(s). Fix: --nproc-per-node <= " +
+                     std::to_string(torch::cuda::device_count()));
+  }
+  auto pg = make_process_group(launched, cuda);
+  const int rc = train(s, pg);
+  // Before exit: a NCCL group left to static destruction can crash the exit (after CUDA's teardown).
+  fsdp::destroy_process_group(pg);
+  return rc;
 }
 
 }  // namespace

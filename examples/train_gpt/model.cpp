@@ -21,6 +21,9 @@ const std::map<std::string, GPTConfig>& presets() {
     m["small"] = c;
     c.n_layer = 6, c.n_head = 8, c.n_embd = 256, c.block_size = 256;
     m["medium"] = c;
+    // GPT-2 small's shape (12 layers, 768 wide, 12 heads, context 1024) over bytes: for GPU runs (issue 12).
+    c.n_layer = 12, c.n_head = 12, c.n_embd = 768, c.block_size = 1024;
+    m["gpt2-small"] = c;
     return m;
   }();
   return p;
@@ -37,7 +40,7 @@ torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
-  static const std::vector<std::string> names = {"tiny", "small", "medium"};
+  static const std::vector<std::string> names = {"tiny", "small", "medium", "gpt2-small"};
   return names;
 }
 

@@ -60,6 +60,9 @@ struct InitOptions {
   /// dtypes) over a side Gloo group and all raise on a mismatch. (Default: `FSDP_DEBUG=DETAIL` in the
   /// environment; off otherwise, and then free)
   std::optional<bool> debug;
+  /// Rendezvous on this store instead of the TCPStore at MASTER_ADDR:MASTER_PORT (e.g. a c10d::HashStore
+  /// for a one-process job started without a launcher, with `env` = LaunchEnv{}). (Default: null)
+  c10::intrusive_ptr<c10d::Store> store;
 };
 
 /// Whether groups created from now on run in debug mode (FSDP_DEBUG=DETAIL or InitOptions::debug).
@@ -144,8 +147,12 @@ using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 /// Initialises the default process group from the launcher's environment: rendezvous on a c10d
 /// TCPStore at MASTER_ADDR:MASTER_PORT (a client of the launcher's store when
 /// `TORCHELASTIC_USE_AGENT_STORE=True`, else hosted by rank 0), then a Gloo (CPU) or NCCL (CUDA)
-/// backend. Honours `GLOO_SOCKET_IFNAME`. The returned group's device() is the device this rank must
-/// use (cuda:LOCAL_RANK on CUDA). Also sets it as the default group (see default_process_group()).
+/// backend. Honours `GLOO_SOCKET_IFNAME` (NCCL reads `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS`,
+/// `NCCL_SOCKET_IFNAME` itself). The returned group's device() is the device this rank must use
+/// (cuda:LOCAL_RANK on CUDA). With CUDA, that device becomes the current CUDA device of the process
+/// before any CUDA work (NCCL's communicator, the caching allocator, libfsdp's streams): as
+/// `torch.cuda.set_device(local_rank)`, which users forget, leaving every rank on cuda:0.
+/// Also sets the group as the default group (see default_process_group()).
 /// Throws c10::Error when the environment is incomplete, the master is unreachable within
 /// `timeout`, CUDA is requested but unavailable, or there are fewer CUDA devices than local ranks.
 /// Mirrors torch.distributed.init_process_group.
@@ -176,5 +183,11 @@ void set_default_process_group(ProcessGroupPtr group);
 void set_thread_default_process_group(ProcessGroupPtr group);
 /// True when a default group is set for this thread or process.
 bool is_initialized();
+
+/// Shuts down `group`'s backend (NCCL: its communicators and watchdog; Gloo: nothing) and, when it is the
+/// process-wide or this thread's default group, clears that. (Default: the default group; a no-op when
+/// none is set.) Call before the process exits: a NCCL group destroyed during static destruction, after
+/// CUDA's own teardown, can crash the exit. Mirrors torch.distributed.destroy_process_group.
+void destroy_process_group(ProcessGroupPtr group = nullptr);
 
 }  // namespace fsdp

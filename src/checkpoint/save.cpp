@@ -23,6 +23,9 @@
 #include <mutex>
 #include <thread>
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "checkpoint/coordinator.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/checkpoint.h"
@@ -140,11 +143,29 @@ Plan build_plan(const StateDict& sd, int rank, const char* api) {
 
 /// Copies what this rank writes to CPU memory: with `copy`, always (async_save: later training steps
 /// must not change it); otherwise only what is not already a contiguous CPU tensor.
+/// CUDA shards go to pinned host memory by asynchronous copies, with one wait at the end (on an event of
+/// the current stream, not a device-wide sync): the copies run back to back and async_save returns as soon
+/// as they are done.
 void stage(Plan& plan, bool copy) {
   torch::NoGradGuard no_grad;
+  std::optional<torch::Device> device_copied;
   for (auto& it : plan.items) {
     if (!it.write) continue;
-    it.data = it.data.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+    auto src = it.data.detach();
+    if (src.is_cuda()) {
+      auto dst = torch::empty(src.sizes(), src.options().device(torch::kCPU).pinned_memory(true));
+      dst.copy_(src, /*non_blocking=*/true);
+      it.data = dst;
+      device_copied = src.device();
+    } else {
+      it.data = src.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+    }
+  }
+  if (device_copied) {
+    c10::impl::VirtualGuardImpl impl(device_copied->type());
+    c10::Event done(device_copied->type());
+    done.record(impl.getStream(*device_copied));
+    done.synchronize();
   }
 }
 
