@@ -37,7 +37,9 @@ std::optional<long> getenv_int(const char* name) {
 
 std::mutex g_default_mutex;
 std::optional<bool> g_debug_override;
-ProcessGroupPtr g_default_group;
+// Never destroyed unless destroy_process_group() resets it: destroying an NCCL group during static
+// destruction, after CUDA's teardown, crashes the process at exit.
+ProcessGroupPtr& g_default_group = *new ProcessGroupPtr();
 thread_local ProcessGroupPtr t_default_group;
 
 }  // namespace

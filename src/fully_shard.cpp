@@ -43,8 +43,11 @@ struct Registry {
 };
 
 Registry& registry() {
-  static Registry r;
-  return r;
+  // Never destroyed: at exit the states it holds (CUDA shards, NCCL groups through their meshes) would be
+  // destroyed during static destruction, after CUDA's own teardown, which crashes the process at exit
+  // (train_gpt --device cuda under fsdprun, found on an H200).
+  static Registry* r = new Registry();
+  return *r;
 }
 
 bool is_marked(const Module& m) {
