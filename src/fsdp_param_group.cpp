@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 
 
 namespace fsdp::detail {
@@ -21,6 +22,18 @@ void resize_storage(const torch::Tensor& t, size_t nbytes) {
     impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   }
   impl->set_nbytes(nbytes);
+}
+
+// Gradient accumulation's rule, used wherever gradients move between .grad, the stash and the pending
+// slot: `into += from`, or `into` takes `from` when it holds nothing yet. An undefined `from` is a no-op.
+void accumulate(torch::Tensor& into, torch::Tensor from) {
+  if (!from.defined()) return;
+  torch::NoGradGuard no_grad;
+  if (into.defined()) {
+    into.add_(from);
+  } else {
+    into = std::move(from);
+  }
 }
 
 }  // namespace
@@ -253,15 +266,7 @@ void FSDPParamGroup::to_unsharded_data() {
     // shape; the stash is restored (and added to) when the data is sharded again.
     // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
     auto& g = p.param.mutable_grad();
-    if (g.defined() && !in_backward_) {
-      torch::NoGradGuard no_grad;
-      if (p.stashed_grad.defined()) {
-        p.stashed_grad.add_(g);
-      } else {
-        p.stashed_grad = g;
-      }
-      g = torch::Tensor();
-    }
+    if (!in_backward_) accumulate(p.stashed_grad, std::exchange(g, torch::Tensor()));
     p.param.set_data(p.unsharded_data);
   }
 }
@@ -274,11 +279,7 @@ void FSDPParamGroup::to_sharded_data() {
       // During a backward .grad holds only this backward's unsharded gradient (begin_backward stashed
       // the sharded one). The group is resharded before every use produced its gradient (e.g. a
       // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
-      if (g.defined()) {
-        torch::NoGradGuard no_grad;
-        p.pending_grad = p.pending_grad.defined() ? p.pending_grad.add_(g) : g;
-        g = torch::Tensor();
-      }
+      accumulate(p.pending_grad, std::exchange(g, torch::Tensor()));
       p.param.set_data(p.sharded_data);
       continue;
     }
@@ -290,50 +291,24 @@ void FSDPParamGroup::to_sharded_data() {
                 "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
                 "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
     p.param.set_data(p.sharded_data);
-    if (p.stashed_grad.defined()) {
-      if (g.defined()) {
-        torch::NoGradGuard no_grad;
-        g.add_(p.stashed_grad);
-      } else {
-        g = std::move(p.stashed_grad);
-      }
-    }
-    p.stashed_grad = torch::Tensor();
+    accumulate(g, std::exchange(p.stashed_grad, torch::Tensor()));
   }
 }
 
 void FSDPParamGroup::begin_backward() {
   if (in_backward_) return;
   in_backward_ = true;
-  torch::NoGradGuard no_grad;
   for (auto& p : params_) {
-    auto& g = p.param.mutable_grad();
-    if (!g.defined()) continue;
-    // The data is sharded (an unsharded group stashed its grad when it was unsharded): g is the
+    // The data is sharded (an unsharded group stashed its grad when it was unsharded): .grad is the
     // sharded gradient of earlier backwards. Outside the autograd's reach until end_backward.
-    if (p.stashed_grad.defined()) {
-      p.stashed_grad.add_(g);
-    } else {
-      p.stashed_grad = g;
-    }
-    g = torch::Tensor();
+    accumulate(p.stashed_grad, std::exchange(p.param.mutable_grad(), torch::Tensor()));
   }
 }
 
 void FSDPParamGroup::end_backward() {
   in_backward_ = false;
   if (state_ == ShardedState::UNSHARDED) return;  // the stash goes back at the next reshard
-  for (auto& p : params_) {
-    auto& g = p.param.mutable_grad();
-    if (!p.stashed_grad.defined()) continue;
-    if (g.defined()) {
-      torch::NoGradGuard no_grad;
-      g.add_(p.stashed_grad);
-    } else {
-      g = std::move(p.stashed_grad);
-    }
-    p.stashed_grad = torch::Tensor();
-  }
+  for (auto& p : params_) accumulate(p.param.mutable_grad(), std::exchange(p.stashed_grad, torch::Tensor()));
 }
 
 void FSDPParamGroup::abort_backward() noexcept {
@@ -388,10 +363,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
       taken = std::move(g);
       g = torch::Tensor();
     }
-    if (p.pending_grad.defined()) {
-      taken = taken.defined() ? taken.add_(p.pending_grad) : p.pending_grad;
-      p.pending_grad = torch::Tensor();
-    }
+    accumulate(taken, std::exchange(p.pending_grad, torch::Tensor()));
     if (!taken.defined()) continue;
     TORCH_CHECK(!taken.is_sparse(), "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", rank,
                 " got a sparse gradient, which FSDP cannot reduce-scatter (it shards dense rows). Fix: compute it "
@@ -516,12 +488,7 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
                 : shard.to(p.sharded_data.device(), p.orig_dtype);
     // While the data is unsharded (reshard_after_backward=false) or a backward runs (autograd owns
     // .grad) the sharded grad waits in the stash.
-    auto& target = (in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad();
-    if (target.defined()) {
-      target.add_(shard);
-    } else {
-      target = shard;
-    }
+    accumulate((in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad(), shard);
   }
 }
 
