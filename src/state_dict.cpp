@@ -16,6 +16,7 @@
 
 #include "fsdp/collectives.h"
 #include "fsdp_state.h"
+#include "util.h"
 
 namespace fsdp {
 
@@ -99,14 +100,11 @@ const char* kind_name(const StateDictValue& value) {
 
 namespace {
 
+using detail::list_keys;
+using detail::shape_str;
+
 using detail::FSDPParam;
 using detail::FSDPParamGroup;
-
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
 
 // ---------------------------------------------------------------------------------------------
 // The FSDP layout of a model's parameters.
@@ -168,13 +166,6 @@ void copy_into(const torch::Tensor& dst, const torch::Tensor& src) {
       dst.scalar_type() == src.scalar_type() && dst.device() == src.device())
     return;
   dst.copy_(src);
-}
-
-std::string list_keys(const std::vector<std::string>& keys) {
-  std::ostringstream os;
-  for (size_t i = 0; i < keys.size() && i < 5; ++i) os << (i ? ", " : "") << "'" << keys[i] << "'";
-  if (keys.size() > 5) os << ", ... (" << keys.size() << " in all)";
-  return os.str();
 }
 
 /// What set_* will do once everything has been validated.

@@ -22,6 +22,7 @@
 #include "checkpoint/coordinator.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/checkpoint.h"
+#include "util.h"
 
 namespace fsdp::dcp {
 
@@ -29,17 +30,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int64_t numel_of(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto v : s) n *= v;
-  return n;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << c10::IntArrayRef(s);
-  return os.str();
-}
+using fsdp::detail::list_keys;
+using fsdp::detail::numel_of;
+using fsdp::detail::shape_str;
 
 /// `dir`, or the folder a `latest` pointer file names when `dir` is that file.
 std::string resolve_dir(const std::string& dir, const char* api) {
@@ -378,13 +371,6 @@ std::string coverage_problem(const TensorInfo& t, const std::vector<int64_t>& bo
   }
   return "chunks overlap in the box at " + shape_str(box_off) + " of size " + shape_str(box_size) +
          " (e.g. in " + hits[0]->file + "): the checkpoint is inconsistent";
-}
-
-std::string list_keys(const std::vector<std::string>& keys) {
-  std::string s;
-  for (size_t i = 0; i < keys.size() && i < 5; ++i) s += (i ? ", '" : "'") + keys[i] + "'";
-  if (keys.size() > 5) s += ", ... (" + std::to_string(keys.size()) + " in all)";
-  return s;
 }
 
 }  // namespace

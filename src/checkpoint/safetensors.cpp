@@ -1,4 +1,5 @@
 #include "checkpoint/safetensors.h"
+#include "util.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -24,6 +25,9 @@ static_assert(sizeof(void*) == 8, "libfsdp checkpoints need a 64-bit platform");
 // dtypes
 
 namespace {
+
+using fsdp::detail::numel_of;
+
 struct DtypeName {
   torch::ScalarType dtype;
   const char* name;
@@ -313,14 +317,6 @@ std::string read_small_file(const std::string& path, const char* api) {
 
 // ---------------------------------------------------------------------------------------------
 // Headers
-
-namespace {
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (auto s : shape) n *= s;
-  return n;
-}
-}  // namespace
 
 int64_t WriteEntry::nbytes() const { return numel_of(shape) * static_cast<int64_t>(c10::elementSize(dtype)); }
 

@@ -29,14 +29,18 @@
 #include "checkpoint/coordinator.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/checkpoint.h"
+#include "util.h"
 
 namespace fsdp::dcp {
 
 namespace fs = std::filesystem;
 using detail::Coordinator;
 using detail::resolve_group;
+using fsdp::detail::message_of;
+using fsdp::detail::numel_of;
 
 namespace detail {
+
 /// Bytes per CRC-32C block (checksums cover each tensor's data in blocks from its first byte, so a
 /// resharded load can verify what it reads without reading whole files).
 constexpr int64_t kChecksumBlockBytes = int64_t(128) << 10;
@@ -76,17 +80,6 @@ struct Plan {
 };
 
 /// An exception's message, without the C++ backtrace c10::Error appends.
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
-int64_t numel_of(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto v : s) n *= v;
-  return n;
-}
-
 std::string strip_slashes(std::string s) {
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s;
