@@ -1,4 +1,5 @@
 #include "fsdp/activation_checkpoint.h"
+#include "fsdp/detail/hooks.h"
 
 #include <mutex>
 #include <unordered_map>

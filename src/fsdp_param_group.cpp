@@ -1,42 +1,12 @@
+// FSDPParamGroup: when a group's parameters are sharded, and the gradients of its backward.
 #include "fsdp_param_group.h"
 
-#include <algorithm>
 #include <map>
 #include <utility>
 
+#include "fsdp_init.h"
 
 namespace fsdp::detail {
-namespace {
-
-// Frees or re-allocates the bytes of `t`'s storage in place: views that autograd saved keep pointing
-// at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors]. The old
-// contents are not kept (every re-allocation is followed by a copy-out), so this works the same for
-// any device's allocator (CPU, or CUDA's caching allocator).
-void resize_storage(const torch::Tensor& t, size_t nbytes) {
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() == nbytes) return;  // already the requested size
-  if (nbytes == 0) {
-    impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
-  } else {
-    TORCH_INTERNAL_ASSERT(impl->allocator(), "resize_storage: storage without an allocator");
-    impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
-  }
-  impl->set_nbytes(nbytes);
-}
-
-// Gradient accumulation's rule, used wherever gradients move between .grad, the stash and the pending
-// slot: `into += from`, or `into` takes `from` when it holds nothing yet. An undefined `from` is a no-op.
-void accumulate(torch::Tensor& into, torch::Tensor from) {
-  if (!from.defined()) return;
-  torch::NoGradGuard no_grad;
-  if (into.defined()) {
-    into.add_(from);
-  } else {
-    into = std::move(from);
-  }
-}
-
-}  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>> params, GroupOptions options,
                                const std::string& module_name)
@@ -52,60 +22,13 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   torch::NoGradGuard no_grad;
 
   // Validate every parameter before sharding any: a failed fully_shard leaves the module untouched.
-  std::optional<torch::ScalarType> trainable_dtype, gather_dtype;
-  std::string trainable_dtype_fqn, gather_dtype_fqn;
+  const auto dtypes = verify_managed_params(params, opts_.mp, module_name, global_rank);
+  const auto shard_device = opts_.offload ? torch::Device(torch::kCPU) : mesh->device();
   for (auto& [name, tensor] : params) {
-    TORCH_CHECK(tensor.dim() > 0, "fully_shard: parameter '", name, "' of ", module_name, " on rank ", global_rank,
-                " is a scalar (0-D): FSDP shards dim 0. Fix: give it shape [1] (e.g. `register_parameter(\"", name,
-                "\", torch::zeros({1}))`) or pass it in ignored_params");
-    TORCH_CHECK(tensor.is_contiguous(), "fully_shard: parameter '", name, "' of ", module_name, " on rank ",
-                global_rank, " is not contiguous (shape ", tensor.sizes(), ", strides ", tensor.strides(),
-                "): FSDP shards contiguous dim-0 rows. Fix: make it contiguous before fully_shard (p.set_data(p.contiguous()))");
-    TORCH_CHECK(!tensor.is_sparse(), "fully_shard: parameter '", name, "' is sparse, which FSDP does not support");
-    if (tensor.requires_grad()) {
-      TORCH_CHECK(!trainable_dtype || *trainable_dtype == tensor.scalar_type(), "fully_shard: trainable parameters of ",
-                  module_name, " have different dtypes: '", trainable_dtype_fqn, "' is ", *trainable_dtype, " and '",
-                  name, "' is ", tensor.scalar_type(), ". FSDP reduces one group in one dtype. Fix: shard them in separate "
-                  "fully_shard calls or cast them to one dtype");
-      trainable_dtype = tensor.scalar_type();
-      trainable_dtype_fqn = name;
-    }
-    // One flat all-gather per group: every parameter must gather in the same dtype.
-    auto gdtype = (opts_.mp.param_dtype() && at::isFloatingType(tensor.scalar_type())) ? *opts_.mp.param_dtype()
-                                                                                       : tensor.scalar_type();
-    TORCH_CHECK(!gather_dtype || *gather_dtype == gdtype, "fully_shard: parameters '", gather_dtype_fqn, "' (",
-                *gather_dtype, ") and '", name, "' (", gdtype, ") of ", module_name, " would be all-gathered in different ",
-                "dtypes, but a group is gathered as one flat buffer. Fix: shard them in separate fully_shard calls, cast "
-                "them to one dtype, or pass one of them in ignored_params");
-    gather_dtype = gdtype;
-    gather_dtype_fqn = name;
-  }
-  for (auto& [name, tensor] : params) {
-    FSDPParam p;
-    p.fqn = name;
-    p.local_fqn = name;
-    p.name_in_module = name;
-    p.param = tensor;
-    p.orig_size = tensor.sizes().vec();
-    p.orig_dtype = tensor.scalar_type();
-    p.param_dtype = *gather_dtype;
-    for (size_t d = 1; d < p.orig_size.size(); ++d) p.row_numel *= p.orig_size[d];
-    p.padded_rows = (p.orig_size[0] + ws - 1) / ws;
-    auto range = chunk_range(p.orig_size[0], ws, rank);
-    p.local_rows = range.length;
-    p.local_offset = range.offset;
-    auto padded_shape = p.orig_size;
-    padded_shape[0] = p.padded_rows;
-    auto shard_opts = tensor.options().device(opts_.offload ? torch::Device(torch::kCPU) : mesh->device());
-    p.padded_shard = torch::zeros(padded_shape, shard_opts);
-    if (opts_.offload && opts_.pin_memory && torch::cuda::is_available()) p.padded_shard = p.padded_shard.pin_memory();
-    if (p.local_rows > 0) p.padded_shard.narrow(0, 0, p.local_rows).copy_(tensor.narrow(0, range.offset, range.length));
-    p.sharded_data = p.padded_shard.narrow(0, 0, p.local_rows);
-    tensor.set_data(p.sharded_data);
-    params_.push_back(std::move(p));
+    params_.emplace_back(name, tensor, *dtypes.gather, ws, rank, shard_device, opts_.offload && opts_.pin_memory);
   }
   if (replicate_pg_ && replicate_pg_->size() > 1) broadcast_over_replicate();
-  auto base = trainable_dtype.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
+  auto base = dtypes.trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
   auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
   comm_ = comm_context_for(opts_.mesh.get(), mesh->device());
@@ -113,23 +36,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
 
 void FSDPParamGroup::check_params_hold_fsdp_data() const {
   const bool unsharded = state_ == ShardedState::UNSHARDED;
-  for (const auto& p : params_) {
-    const auto& d = p.param;
-    // set_data() swaps the TensorImpl's storage: the data is ours while it views our shard (or, when
-    // unsharded, our unsharded tensor).
-    const auto& want = unsharded ? p.unsharded_data : p.sharded_data;
-    const auto& base = unsharded ? p.unsharded_padded : p.padded_shard;
-    const bool ours = d.scalar_type() == want.scalar_type() && d.device() == want.device() &&
-                      d.sizes() == want.sizes() && d.is_alias_of(base);
-    TORCH_CHECK(ours, "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", opts_.mesh->get_rank(),
-                " no longer holds FSDP's data: it is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
-                " but FSDP holds it as ", want.scalar_type(), " ", want.sizes(), " on ", want.device(),
-                (unsharded ? " (unsharded)" : " (this rank's shard)"), " and gathers from its shard, so the change would "
-                "be silently undone. It was replaced after fully_shard (e.g. by module->to(dtype or device), or "
-                "param.set_data()). Fix: convert the module before fully_shard; to compute in another dtype use "
-                "FullyShardOptions().mp_policy(param_dtype); to change the values, copy_ into the parameter under "
-                "torch::NoGradGuard");
-  }
+  for (const auto& p : params_) p.check_holds_fsdp_data(unsharded, module_name_, opts_.mesh->get_rank());
 }
 
 void FSDPParamGroup::broadcast_over_replicate() {
@@ -155,35 +62,14 @@ void FSDPParamGroup::broadcast_over_replicate() {
 }
 
 void FSDPParamGroup::unshard(bool async_op) {
-  if (!pending_ag_) check_params_hold_fsdp_data();  // before any collective: every rank refuses alike
+  // Before any collective, so that every rank refuses alike: see [Note: collective order].
+  if (!pending_ag_) check_params_hold_fsdp_data();
   if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
+  // SHARDED_POST_FORWARD gathers over the post-forward group: see [Note: reshard_after_forward=k].
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
-  const int world = pg.size();
-  int64_t n = 0;
-  for (const auto& p : params_) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
-  auto dtype = params_.empty() ? torch::kFloat32 : params_[0].param_dtype;
-  torch::Tensor output, input;
-  {
-    // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
-    StreamScope copy_in(comm_.get(), CommStream::kAllGatherCopyIn);
-    output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(opts_.mesh->device()));
-    // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
-    input = output.narrow(0, pg.rank() * n, n);
-    int64_t off = 0;
-    torch::NoGradGuard no_grad;
-    for (const auto& p : params_) {
-      const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
-      input.narrow(0, off, src.numel()).copy_(src.reshape({-1}), /*non_blocking=*/opts_.offload);
-      off += src.numel();
-    }
-  }
-  comm_->wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
-  {
-    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
-    Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
-    pending_ag_ = PendingAllGather{output, std::move(work), world};
-  }
+  pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
+                                   /*non_blocking=*/opts_.offload);
   if (!async_op) wait_for_unshard();
 }
 
@@ -197,16 +83,7 @@ void FSDPParamGroup::wait_for_unshard() {
   auto ag = std::move(*pending_ag_);
   pending_ag_.reset();
   alloc_unsharded();
-  torch::NoGradGuard no_grad;
-  // Copy-out: the output viewed as [world, N] holds, per rank, every parameter's piece in group order.
-  auto out2d = ag.output.view({ag.world, -1});
-  int64_t off = 0;
-  for (auto& p : params_) {
-    int64_t per_rank = p.unsharded_padded.numel() / ag.world;
-    p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, per_rank));
-    off += per_rank;
-    p.post_forward_shard = torch::Tensor();
-  }
+  foreach_all_gather_copy_out(ag, params_);
   post_forward_pg_.reset();
   comm_->retire_all_gather_output(std::move(ag.output));  // freed after its copy-out (limiter)
   to_unsharded_data();
@@ -223,16 +100,24 @@ void FSDPParamGroup::reshard() {
   state_ = ShardedState::SHARDED;
 }
 
+// [Note: reshard_after_forward=k]
+// FSDP2's reshard_after_forward=int: after forward each rank keeps 1/k of the unsharded parameters
+// instead of its 1/ws shard, so that the backward all-gather runs over k ranks (e.g. the GPUs of one
+// node) instead of the whole shard group. FSDPState::lazy_init resolves the option: true, or k == ws,
+// reshards fully (1); false, or k == 1, keeps the parameters unsharded (0); otherwise k, which must
+// divide ws, with a post-forward group of k consecutive shard ranks (base .. base + k - 1, base =
+// rank / k * k), as FSDP2's post-forward mesh. reshard_post_forward keeps, on position j of that group,
+// rows [j * R, (j + 1) * R) of the unsharded padded tensor (R = ws / k * padded_rows), a copy: the
+// post-forward shard. The data goes back to the sharded data (the optimizer's view never changes), and
+// the group is SHARDED_POST_FORWARD: the next unshard gathers the post-forward shards over the k ranks
+// (in rank order they are the unsharded padded tensor again), and reshard() drops them. The root's next
+// pre-forward reshards every such group fully, so no slice survives an optimizer step.
 void FSDPParamGroup::reshard_post_forward(const ProcessGroupPtr& post_forward_group) {
   if (pending_ag_) wait_for_unshard();
   if (state_ != ShardedState::UNSHARDED) return;  // nothing unsharded to keep a slice of
   const int k = post_forward_group->size();
   const int j = post_forward_group->rank();
-  torch::NoGradGuard no_grad;
-  for (auto& p : params_) {
-    int64_t rows = p.unsharded_padded.size(0) / k;
-    p.post_forward_shard = p.unsharded_padded.narrow(0, j * rows, rows).clone();
-  }
+  for (auto& p : params_) p.to_sharded_post_forward(k, j);
   to_sharded_data();
   free_unsharded();
   post_forward_pg_ = post_forward_group;
@@ -240,59 +125,20 @@ void FSDPParamGroup::reshard_post_forward(const ProcessGroupPtr& post_forward_gr
 }
 
 void FSDPParamGroup::alloc_unsharded() {
-  const int ws = shard_pg_->size();
-  for (auto& p : params_) {
-    if (!p.unsharded_padded.defined()) {
-      auto shape = p.orig_size;
-      shape[0] = ws * p.padded_rows;
-      p.unsharded_padded =
-          torch::empty(shape, torch::TensorOptions().dtype(p.param_dtype).device(opts_.mesh->device()));
-      p.unsharded_data = p.unsharded_padded.narrow(0, 0, p.orig_size[0]);
-    } else {
-      resize_storage(p.unsharded_padded, p.unsharded_padded.numel() * p.unsharded_padded.element_size());
-    }
-  }
+  for (auto& p : params_) p.alloc_unsharded_param(shard_pg_->size(), opts_.mesh->device());
 }
 
 void FSDPParamGroup::free_unsharded() {
-  for (auto& p : params_) {
-    if (p.unsharded_padded.defined()) resize_storage(p.unsharded_padded, 0);
-  }
+  for (auto& p : params_) p.free_unsharded_param();
 }
 
 void FSDPParamGroup::to_unsharded_data() {
-  for (auto& p : params_) {
-    // Move a sharded gradient aside: autograd must accumulate an unsharded gradient of the unsharded
-    // shape; the stash is restored (and added to) when the data is sharded again.
-    // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
-    auto& g = p.param.mutable_grad();
-    if (!in_backward_) accumulate(p.stashed_grad, std::exchange(g, torch::Tensor()));
-    p.param.set_data(p.unsharded_data);
-  }
+  for (auto& p : params_) p.to_unsharded(in_backward_);
 }
 
 void FSDPParamGroup::to_sharded_data() {
   const int rank = opts_.mesh->get_rank();
-  for (auto& p : params_) {
-    auto& g = p.param.mutable_grad();
-    if (in_backward_) {
-      // During a backward .grad holds only this backward's unsharded gradient (begin_backward stashed
-      // the sharded one). The group is resharded before every use produced its gradient (e.g. a
-      // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
-      accumulate(p.pending_grad, std::exchange(g, torch::Tensor()));
-      p.param.set_data(p.sharded_data);
-      continue;
-    }
-    // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
-    // parameter that FSDP did not see.
-    TORCH_CHECK(!g.defined() || g.sizes() == p.sharded_data.sizes(), "fully_shard: parameter '", p.fqn,
-                "' on rank ", rank, " has a gradient of the unsharded shape ", g.sizes(), " outside a backward (its local ",
-                "shard is ", p.sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
-                "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
-                "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
-    p.param.set_data(p.sharded_data);
-    accumulate(g, std::exchange(p.stashed_grad, torch::Tensor()));
-  }
+  for (auto& p : params_) p.to_sharded(in_backward_, rank);
 }
 
 void FSDPParamGroup::begin_backward() {
@@ -348,6 +194,7 @@ torch::Tensor FSDPParamGroup::sharded_grad(const FSDPParam& p) const {
 }
 
 void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_factor) {
+  // Run by FSDPState: see [Note: post-backward and the end-of-backward callback] (fsdp_state.cpp).
   // A reduce-scatter left in flight (set_is_last_backward(false)) completes before the next one.
   finish_reduce(divide_factor);
   // Take the unsharded gradients of this backward out of the parameters (begin_backward moved the
@@ -390,6 +237,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
     if (reshard_after) reshard();
     return;
   }
+  // See [Note: collective order] (fsdp_state.cpp).
   // Every trainable parameter takes part in the reduce-scatter, with or without a gradient on this
   // rank: its size then depends only on the group (checked across ranks at the first forward), never
   // on which parameters a rank's data happened to use (a parameter unused on one rank, e.g. an expert
@@ -414,37 +262,8 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   }
   if (reshard_after) reshard();
   if (idx.empty()) return;  // no trainable parameter in this group
-  const int ws = shard_pg_->size();
-  // CUDA: copy-in and reduce-scatter on the reduce-scatter stream, after the backward queued so far.
-  StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter);
-  const int64_t np = static_cast<int64_t>(idx.size());
-  // Reduce-scatter input [ws, M + P]: row r = every gradient's chunk r (zero-padded), in group order,
-  // then the P presence flags.
-  auto input = torch::zeros({ws, m + np},
-                            torch::TensorOptions().dtype(reduce_dtype_).device(opts_.mesh->device()));
-  int64_t off = 0;
-  for (size_t k = 0; k < idx.size(); ++k) {
-    const auto& p = params_[idx[k]];
-    const auto& g = grads[idx[k]];
-    if (g.defined()) {
-      input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
-      for (int r = 0; r < ws; ++r) {
-        auto range = chunk_range(p.orig_size[0], ws, r);
-        if (range.length == 0) continue;
-        input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
-      }
-    }
-    off += p.padded_numel();
-    if (g.defined()) comm_->record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
-  }
-  auto flat_in = input.view({-1});
-  auto output = torch::empty({m + np}, input.options());
-  Work work = reduce_scatter_tensor(output, flat_in, *shard_pg_, ReduceOp::SUM, /*async_op=*/true);
-  // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns
-  // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
-  // reduce-scatter stream, where the memory is allocated and reused in order. Dropping it here frees each
-  // group's input during the backward instead of at its end (as FSDP2 does), lowering the peak.
-  pending_rs_ = PendingReduceScatter{torch::Tensor(), output, std::move(work), std::move(idx), m, std::move(missing)};
+  pending_rs_ = foreach_reduce(params_, grads, std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
+                               reduce_dtype_, opts_.mesh->device());
 }
 
 void FSDPParamGroup::finish_reduce(double divide_factor) {
@@ -463,33 +282,13 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
   comm_->current_wait(comm_->record(CommStream::kReduceScatter));
   comm_->record_stream_current(rs.output);
   comm_->release_all_gather_output();
-  // Presence counts (divided too, still > 0 exactly where some rank had a gradient). Read (a host
-  // sync) only when this rank lacked a gradient: otherwise every count is at least 1.
-  torch::Tensor present;
-  if (std::find(rs.missing.begin(), rs.missing.end(), 1) != rs.missing.end()) {
-    present = rs.output.narrow(0, rs.data_numel, static_cast<int64_t>(rs.param_indices.size())).to(torch::kCPU);
-  }
-  int64_t off = 0;
-  for (size_t k = 0; k < rs.param_indices.size(); ++k) {
-    size_t i = rs.param_indices[k];
+  foreach_reduce_scatter_copy_out(rs, params_, [this](size_t i, torch::Tensor shard) {
     auto& p = params_[i];
-    if (rs.missing[k] && present[static_cast<int64_t>(k)].item<double>() <= 0) {
-      off += p.padded_numel();
-      continue;  // no rank had a gradient for it: it keeps none
-    }
-    auto shape = p.orig_size;
-    shape[0] = p.padded_rows;
-    auto shard = rs.output.narrow(0, off, p.padded_numel()).view(shape).narrow(0, 0, p.local_rows);
-    off += p.padded_numel();
-    // An independent tensor, not a view of the reduce-scatter buffer: optimizers detach_() and zero_()
-    // gradients in place, which views do not allow.
-    shard = shard.is_view() && shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device()
-                ? shard.clone()
-                : shard.to(p.sharded_data.device(), p.orig_dtype);
     // While the data is unsharded (reshard_after_backward=false) or a backward runs (autograd owns
     // .grad) the sharded grad waits in the stash.
-    accumulate((in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad(), shard);
-  }
+    accumulate((in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad(),
+               std::move(shard));
+  });
 }
 
 void FSDPParamGroup::discard_gradients_in_flight() {
@@ -506,13 +305,6 @@ void FSDPParamGroup::discard_gradients_in_flight() {
     auto& g = p.param.mutable_grad();
     if (g.defined() && g.sizes() != p.sharded_data.sizes()) g = torch::Tensor();  // an unsharded leftover
   }
-}
-
-DTensor FSDPParamGroup::sharded_dtensor(const FSDPParam& p, const torch::Tensor& local) const {
-  std::vector<Placement> placements;
-  if (opts_.mesh->ndim() == 2) placements.push_back(Replicate());
-  placements.push_back(Shard(0));
-  return DTensor(local.defined() ? local : p.sharded_data, opts_.mesh, placements, p.orig_size);
 }
 
 int64_t FSDPParamGroup::sharded_bytes() const {

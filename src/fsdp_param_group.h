@@ -1,24 +1,6 @@
-// One fully_shard group: its parameters, their shards, and the collectives that move between them.
-//
-// [Note: FSDP tensors]
-// - original parameter: the tensor the module registered. We never replace it (identity, grad, hooks
-//   and version counter stay); only its data is swapped with set_data():
-//     SHARDED   -> data = sharded data
-//     UNSHARDED -> data = unsharded data
-// - padded shard: this rank's torch.chunk of dim 0, zero-padded to ceil(d0 / ws) rows; shape
-//   [padded_rows, *rest], original dtype; lives as long as the group (the optimizer updates it through
-//   the sharded data view).
-// - sharded data: padded_shard.narrow(0, 0, local_rows) — what the optimizer and state dicts see
-//   (possibly 0 rows: an empty shard).
-// - all-gather input: the padded shards of the group, cast to param_dtype, copied into one flat
-//   buffer of N elements (N = sum of padded shard numels) that is this rank's slice of the output.
-// - all-gather output: [ws * N], rank-major; freed once copied out.
-// - unsharded padded: [ws * padded_rows, *rest] in param_dtype, one per parameter, allocated once; its
-//   storage is resized to 0 bytes when resharded and back before the next copy-out, so the views
-//   autograd saved in forward see the re-gathered data in backward and no memory is held in between.
-// - unsharded data: unsharded_padded.narrow(0, 0, d0) — the full parameter the module computes with.
-// - post-forward shard (reshard_after_forward = k): rows [j * ws/k * padded_rows, ...) of the
-//   unsharded padded tensor kept after forward by position j of a group of k consecutive ranks.
+// One fully_shard group: its parameters (FSDPParam, see [Note: FSDP tensors] in fsdp_param.h), whether
+// they are sharded, and the collectives that move them (fsdp_collectives.h).
+// Mirrors torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.
 #pragma once
 
 #include <memory>
@@ -30,6 +12,8 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/dtensor.h"
 #include "fsdp/policies.h"
+#include "fsdp_collectives.h"
+#include "fsdp_param.h"
 #include "fsdp_streams.h"
 
 namespace fsdp::detail {
@@ -39,34 +23,6 @@ enum class ShardedState {
   SHARDED,               // data = local shards; the unsharded storage is freed
   SHARDED_POST_FORWARD,  // data = local shards; a 1/k slice kept for the backward all-gather over k ranks
   UNSHARDED,             // data = full parameters in param_dtype
-};
-
-struct FSDPParam {
-  std::string fqn;                  // for messages: path from the root after lazy init, else local_fqn
-  std::string local_fqn;            // relative to the fully_shard module ("i." + name for several modules)
-  size_t module_index = 0;          // which module of the fully_shard call holds it
-  std::string name_in_module;       // relative to that module
-  torch::Tensor param;              // the original parameter (see [Note: FSDP tensors])
-  std::vector<int64_t> orig_size;   // global shape
-  torch::ScalarType orig_dtype;
-  torch::ScalarType param_dtype;    // dtype of the all-gather and the unsharded data
-  int64_t row_numel = 1;            // elements per dim-0 row
-  int64_t padded_rows = 0;          // ceil(d0 / ws)
-  int64_t local_rows = 0;           // rows this rank holds (0 for an empty shard)
-  int64_t local_offset = 0;         // first global row this rank holds
-  torch::Tensor padded_shard;       // [padded_rows, *rest], orig dtype
-  torch::Tensor sharded_data;       // padded_shard.narrow(0, 0, local_rows)
-  torch::Tensor unsharded_padded;   // [ws * padded_rows, *rest], param dtype; storage freed when sharded
-  torch::Tensor unsharded_data;     // unsharded_padded.narrow(0, 0, d0)
-  torch::Tensor post_forward_shard; // [(ws/k) * padded_rows, *rest] (SHARDED_POST_FORWARD only)
-  torch::Tensor stashed_grad;       // the sharded grad, moved aside while the data is unsharded or a
-                                    // backward runs (autograd accumulates unsharded grads into .grad)
-  torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
-                                    // during a backward before the group's post-backward ran
-  torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
-
-  int64_t padded_numel() const { return padded_rows * row_numel; }
-  bool requires_grad() const { return param.requires_grad(); }
 };
 
 struct GroupOptions {
@@ -134,7 +90,9 @@ class FSDPParamGroup {
 
   /// The sharded parameter as a DTensor (aliases the local shard), or `local` (a tensor of the local
   /// shard's shape, e.g. its gradient) with the parameter's placements and global shape.
-  DTensor sharded_dtensor(const FSDPParam& p, const torch::Tensor& local = {}) const;
+  DTensor sharded_dtensor(const FSDPParam& p, const torch::Tensor& local = {}) const {
+    return p.to_sharded_dtensor(opts_.mesh, local);
+  }
   /// Sum of padded shard bytes (what this rank holds persistently for the group).
   int64_t sharded_bytes() const;
 
@@ -161,22 +119,8 @@ class FSDPParamGroup {
   bool in_backward_ = false;         // between begin_backward() and end_backward()/abort_backward()
   CommContextPtr comm_;              // CUDA streams shared by the groups of the mesh (no-op on CPU)
 
-  struct PendingAllGather {
-    torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
-    Work work;
-    int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
-  };
-  std::optional<PendingAllGather> pending_ag_;  // issued by unshard(), waited by wait_for_unshard()
-
-  struct PendingReduceScatter {
-    torch::Tensor input;   // unused (undefined): the backend's work keeps the input alive (see post_backward)
-    torch::Tensor output;  // [M + P] in reduce dtype: P = presence counts of the reduced parameters
-    Work work;
-    std::vector<size_t> param_indices;  // params reduced, in order
-    int64_t data_numel = 0;             // M: the gradients; then one presence count per parameter
-    std::vector<char> missing;          // per reduced parameter: this rank had no gradient
-  };
-  std::optional<PendingReduceScatter> pending_rs_;  // issued by post_backward(), waited by finish_reduce()
+  std::optional<AllGatherResult> pending_ag_;      // issued by unshard(), waited by wait_for_unshard()
+  std::optional<ReduceScatterResult> pending_rs_;  // issued by post_backward(), waited by finish_reduce()
 };
 
 }  // namespace fsdp::detail

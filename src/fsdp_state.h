@@ -1,4 +1,6 @@
-// The per-module FSDP state: forward/backward hooks, root detection and lazy init, prefetching.
+// The per-module FSDP state: forward/backward hooks, root detection and lazy init, prefetching, and the
+// registry that maps modules and parameters to their state.
+// Mirrors torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState.
 #pragma once
 
 #include <functional>
@@ -27,7 +29,7 @@ class FSDPState;
 struct FSDPContext {
   FSDPState* root = nullptr;
   /// Every state under the root, pre-order. End-of-backward work walks this fixed order so that every
-  /// rank issues its collectives in the same order.
+  /// rank issues its collectives in the same order (see [Note: collective order], fsdp_state.cpp).
   std::vector<FSDPState*> states;
   /// Pre-forward order of the first iteration: implicit forward prefetch issues the all-gather of the
   /// state after the current one.
@@ -65,6 +67,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   DeviceMeshPtr mesh;
 
   // Resolved at lazy init. 0: keep unsharded after forward; 1: reshard fully; k > 1: keep a 1/k slice.
+  // See [Note: reshard_after_forward=k] (fsdp_param_group.cpp).
   int reshard_after_forward_k = 1;
   ProcessGroupPtr post_forward_group;  // groups of k consecutive shard ranks (k > 1 only)
 
@@ -102,6 +105,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   size_t backward_cursor = 0;  // pre-backwards so far (reads post_forward_indices from the back)
   int post_backward_runs = 0;
 
+  /// See [Note: post-backward and the end-of-backward callback] (fsdp_state.cpp).
   /// Every use of the group's parameters in this backward has produced its gradient when every call
   /// is tracked and each call's inputs got their gradients (the engine runs a call's nodes, and the
   /// AccumulateGrad nodes they complete, before the call's RegisterPostBackward node).
@@ -116,6 +120,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// Path of modules[i] from the root (set at lazy init; empty before or when outside the root).
   std::vector<std::optional<std::string>> module_fqns;
 
+  /// After the group is built (fully_shard): records where each parameter comes from (`origin`: module
+  /// index and name in that module, per parameter) and registers the hook that checks every gradient
+  /// reaching a parameter (check_grad_arrival).
+  void init_params(const std::vector<std::pair<size_t, std::string>>& origin);
   void lazy_init();
   void root_pre_forward();
   std::vector<torch::Tensor> pre_forward(std::vector<torch::Tensor> inputs);
@@ -141,6 +149,21 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// inside this group's FSDP forward, else raises the bypass error.
   void check_grad_arrival(const FSDPParam& p, const torch::Tensor& grad) const;
 };
+
+/// Registers a new state for `modules` (keyed weakly by module) and gives it its id.
+void register_state(const std::shared_ptr<FSDPState>& state,
+                    const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+/// Marks a module whose forward goes through FSDP (fsdp::mark_fsdp_forward).
+void mark_module(const torch::nn::Module& module);
+/// Whether `module` was marked by mark_module (an FSDPModule holder exists for it).
+bool is_marked(const torch::nn::Module& module);
+
+/// Every parameter managed by a live state -> its state and its FSDPParam.
+using ManagedParamMap =
+    std::unordered_map<const c10::TensorImpl*, std::pair<std::shared_ptr<FSDPState>, const FSDPParam*>>;
+/// The managed parameters (one registry scan). With `forget_destroyed`, first drops the registry entries
+/// (and so the states) of destroyed modules.
+ManagedParamMap managed_params(bool forget_destroyed = false);
 
 /// The state with registry key `id`, or null if it is gone.
 std::shared_ptr<FSDPState> state_by_id(int64_t id);

@@ -677,7 +677,7 @@ TEST(RegressionsBypass, ForwardGraphCheckIsCheapAndQuiet) {
       auto t0 = std::chrono::steady_clock::now();
       auto out = model(b.idx);
       auto t1 = std::chrono::steady_clock::now();
-      api.state().check_forward_graph({out});  // what the root's post-forward ran inside `fwd`
+      detail::fsdp_state(api).check_forward_graph({out});  // what the root's post-forward ran inside `fwd`
       auto t2 = std::chrono::steady_clock::now();
       fwd += std::chrono::duration<double, std::micro>(t1 - t0).count();
       check += std::chrono::duration<double, std::micro>(t2 - t1).count();

@@ -267,12 +267,12 @@ TEST(RegressionsMemory, UnshardedStorageIsFreedAfterForwardAndAfterBackward) {
     auto batches = make_batches(2, 4, kSeq);
     for (bool root_reshards : {false, true}) {
       FSDPModule<Net> model(shard_net(mesh, std::nullopt, ReshardAfterForward(root_reshards)));
-      auto& root = *fsdp_api(model).state().group;
+      auto& root = *detail::fsdp_state(fsdp_api(model)).group;
       for (int it = 0; it < 2; ++it) {
         auto b = batches[it].slice(pg->rank() * 2, 2);
         auto loss = loss_fn(model(b.idx), b.targets);
         for (auto& blk : model->blocks) {
-          auto& g = *blk.fsdp().state().group;
+          auto& g = *detail::fsdp_state(blk.fsdp()).group;
           EXPECT_EQ(g.sharded_state(), detail::ShardedState::SHARDED);
           EXPECT_EQ(unsharded_bytes(g), 0) << "block group after forward, iteration " << it;
         }
@@ -285,13 +285,13 @@ TEST(RegressionsMemory, UnshardedStorageIsFreedAfterForwardAndAfterBackward) {
         }
         loss.backward();
         for (auto& blk : model->blocks) {
-          EXPECT_EQ(unsharded_bytes(*blk.fsdp().state().group), 0) << "block group after backward, iteration " << it;
+          EXPECT_EQ(unsharded_bytes(*detail::fsdp_state(blk.fsdp()).group), 0) << "block group after backward, iteration " << it;
         }
         EXPECT_EQ(unsharded_bytes(root), 0) << "root after backward, iteration " << it;
       }
       // An explicit unshard holds the full bytes; reshard frees them.
       model->blocks[0].unshard();
-      auto& g0 = *model->blocks[0].fsdp().state().group;
+      auto& g0 = *detail::fsdp_state(model->blocks[0].fsdp()).group;
       EXPECT_EQ(unsharded_bytes(g0), full_unsharded_bytes(g0));
       model->blocks[0].reshard();
       EXPECT_EQ(unsharded_bytes(g0), 0) << "after FSDPModule::reshard()";
@@ -322,7 +322,7 @@ void check_reshard_after_forward(int ws, ReshardAfterForward raf) {
     EXPECT_EQ(ag1 - ag0, nblocks + 1) << "forward all-gathers";
     std::vector<uint64_t> pf0;
     for (auto& blk : model->blocks) {
-      auto& st = blk.fsdp().state();
+      auto& st = detail::fsdp_state(blk.fsdp());
       auto& g = *st.group;
       const auto& fc1 = blk->fc1->weight;
       const int64_t local_rows = chunk_range(kHidden, ws, pg->rank()).length;
@@ -354,7 +354,7 @@ void check_reshard_after_forward(int ws, ReshardAfterForward raf) {
     // or k (gathered over the post-forward group of k ranks instead, one per block).
     EXPECT_EQ(ag2 - ag1, (keep || k > 1) ? 0u : nblocks) << "backward all-gathers over the shard group";
     for (size_t i = 0; i < pf0.size(); ++i) {
-      auto& st = model->blocks[i].fsdp().state();
+      auto& st = detail::fsdp_state(model->blocks[i].fsdp());
       EXPECT_EQ(st.post_forward_group->collective_count("all_gather_into_tensor") - pf0[i], 1u)
           << "block " << i << " gathers over its post-forward group in backward";
     }

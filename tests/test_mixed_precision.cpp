@@ -195,7 +195,7 @@ TEST(MixedPrecision, Bf16AccumulationInFp32WithDifferentModuleSubsets) {
       if (m < k - 1) {
         // Sync off: the unsharded accumulator is fp32, not bf16.
         for (auto& b2 : net->blocks) {
-          for (const auto& p : b2.fsdp().state().group->params()) {
+          for (const auto& p : detail::fsdp_state(b2.fsdp()).group->params()) {
             if (p.unsharded_accum_grad.defined()) EXPECT_EQ(p.unsharded_accum_grad.scalar_type(), torch::kFloat32);
           }
         }

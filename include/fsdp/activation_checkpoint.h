@@ -18,7 +18,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
-#include "fsdp/forward_args.h"
+#include "fsdp/detail/forward_args.h"
 
 namespace fsdp {
 
@@ -78,10 +78,5 @@ template <typename T>
 void checkpoint_wrapper(const torch::nn::ModuleHolder<T>& holder) {
   checkpoint_wrapper(std::static_pointer_cast<torch::nn::Module>(holder.ptr()));
 }
-
-namespace detail {
-/// Whether checkpoint_wrapper was applied to `module`.
-bool is_checkpointed(const torch::nn::Module& module);
-}  // namespace detail
 
 }  // namespace fsdp

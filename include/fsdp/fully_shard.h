@@ -75,7 +75,7 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/dtensor.h"
-#include "fsdp/forward_args.h"
+#include "fsdp/detail/hooks.h"
 #include "fsdp/policies.h"
 
 namespace fsdp {
@@ -88,6 +88,8 @@ namespace fsdp {
 using ReshardAfterForward = std::variant<bool, int>;
 
 /// Options of fully_shard. Mirrors fully_shard's keyword arguments.
+/// Example: `fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false)
+///           .mp_policy(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16))`
 struct FullyShardOptions {
   /// Mesh to shard over: 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
   /// (Default: null = a 1-D mesh over the default process group)
@@ -109,47 +111,6 @@ struct FullyShardOptions {
   /// fully_shard)
   TORCH_ARG(bool, sync_module_states) = false;
 };
-
-namespace detail {
-class FSDPState;
-template <typename T>
-struct is_shared_ptr : std::false_type {};
-template <typename T>
-struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
-/// The FSDP state attached to `module` by fully_shard, or null.
-std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module);
-/// Hook entry points used by FSDPModule and fsdp_forward. `inputs` are the tensor arguments of the
-/// call; returns the tensors to call the module with (cast, and wrapped to run post-backward).
-std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs);
-/// Returns the outputs to hand back (pre-backward hooks registered, cast to output_dtype).
-std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Tensor> outputs);
-/// Called when the wrapped forward threw: leaves the group consistent and rethrows with context
-/// (e.g. naming modules whose forward bypassed FSDP).
-[[noreturn]] void forward_failed(FSDPState& state, std::exception_ptr error);
-
-// Runs `call(args...)` between the FSDP pre- and post-forward of `state` (if any).
-template <typename Call, typename... Args>
-auto run_with_hooks(const std::shared_ptr<FSDPState>& state, Call&& call, Args&&... args) {
-  if (!state) return call(std::forward<Args>(args)...);
-  std::vector<torch::Tensor> ins;
-  (collect(ins, args), ...);
-  try {
-    auto new_ins = pre_forward(*state, std::move(ins));
-    size_t i = 0;
-    // Braced init keeps left-to-right evaluation of the replacements.
-    auto out = std::apply(call, std::tuple<decltype(replace(std::forward<Args>(args), new_ins, i))...>{
-                                    replace(std::forward<Args>(args), new_ins, i)...});
-    std::vector<torch::Tensor> outs;
-    collect_out(outs, out);
-    outs = post_forward(*state, std::move(outs));
-    size_t j = 0;
-    restore_out(out, outs, j);
-    return out;
-  } catch (...) {
-    forward_failed(*state, std::current_exception());
-  }
-}
-}  // namespace detail
 
 /// Handle of an explicit unshard; wait() completes it (copies the all-gather output into the
 /// unsharded parameters). Mirrors FSDP2's UnshardHandle.
@@ -210,9 +171,9 @@ class FSDPModuleAPI {
   /// microbatches that keep the parameters unsharded (set_reshard_after_backward(false)), the
   /// gradients reduced so far are returned. No communication.
   std::vector<std::pair<std::string, DTensor>> sharded_gradients() const;
-  detail::FSDPState& state() const { return *state_; }
 
  private:
+  friend detail::FSDPState& detail::fsdp_state(const FSDPModuleAPI& api);
   std::shared_ptr<detail::FSDPState> state_;
 };
 
@@ -352,7 +313,10 @@ FSDPModuleAPI fully_shard(const torch::nn::ModuleHolder<T>& holder, const FullyS
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), options);
 }
 
-/// Which modules fully_shard_tree wraps (besides the root, which is always wrapped last).
+/// Which modules fully_shard_tree wraps (besides the root, which is always wrapped last). Mirrors FSDP1's
+/// auto-wrap policies (torch.distributed.fsdp.wrap's ModuleWrapPolicy and size_based_auto_wrap_policy):
+/// FSDP2 has none (its users call fully_shard on each module themselves), so this is a convenience.
+/// Example: `fsdp::AutoWrapPolicy().module_types({"BlockImpl"})`, or `.min_num_params(1'000'000)`
 struct AutoWrapPolicy {
   /// Wrap modules whose type name is in this set: Module::name() ("my::BlockImpl") or its unqualified
   /// form ("BlockImpl"). (Default: none)

@@ -13,6 +13,7 @@
 namespace fsdp {
 
 /// Options of ShardedGradScaler; defaults as torch.amp.GradScaler.
+/// Example: `fsdp::ShardedGradScaler scaler(fsdp::GradScalerOptions().init_scale(1024).growth_interval(100));`
 struct GradScalerOptions {
   /// Initial scale factor. (Default: 65536.0)
   TORCH_ARG(double, init_scale) = 65536.0;

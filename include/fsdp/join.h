@@ -52,12 +52,10 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "fsdp/detail/hooks.h"
 #include "fsdp/distributed.h"
 
 namespace fsdp {
-namespace detail {
-class FSDPState;
-}
 
 /// One round of the join protocol (one all-reduce over the join group): a notify_join_context or a
 /// forward announcement of the ranks still training, seen by every rank.
@@ -160,6 +158,7 @@ class FSDPJoinable : public Joinable {
 };
 
 /// Options of Join. Mirrors Join's keyword arguments.
+/// Example: `fsdp::Join join({&joinable}, fsdp::JoinOptions().throw_on_early_termination(true));`
 struct JoinOptions {
   /// Divide gradients by the initial world size even after ranks joined (else by the number of
   /// ranks still training). (Default: true)

@@ -15,6 +15,7 @@ namespace fsdp {
 /// forward and backward compute in it, the sharded parameters and the optimizer state stay in their
 /// original dtype (fp32 master weights); gradients are reduced in `reduce_dtype` and stored in the
 /// parameter's dtype. Buffers are never cast. Mirrors torch.distributed.fsdp.MixedPrecisionPolicy.
+/// Example: `fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32)`
 struct MixedPrecisionPolicy {
   /// Dtype of the unsharded parameters (all-gather and compute). (Default: none = the original dtype)
   TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
@@ -29,6 +30,7 @@ struct MixedPrecisionPolicy {
 /// Keeps padded shards, their gradients and the optimizer state on the CPU; shards are copied to the
 /// compute device at unshard and gradients copied back after the reduce-scatter, so
 /// `optimizer.step()` runs on the CPU. Mirrors torch.distributed.fsdp.CPUOffloadPolicy.
+/// Example: `fsdp::FullyShardOptions().offload_policy(fsdp::CPUOffloadPolicy().pin_memory(false))`
 struct CPUOffloadPolicy {
   /// Pin the CPU shards and gradients so that host-device copies can be asynchronous. (Default: true)
   TORCH_ARG(bool, pin_memory) = true;

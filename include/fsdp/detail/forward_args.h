@@ -1,5 +1,6 @@
-// Flattening of a forward call's arguments and results into tensors and back: what FSDP's hooks
-// and activation checkpointing see of an arbitrary module forward signature.
+// Internal (installed because public templates use it; not part of the API): flattening of a forward
+// call's arguments and results into tensors and back, which is what FSDP's hooks and activation
+// checkpointing see of an arbitrary module forward signature.
 #pragma once
 
 #include <tuple>

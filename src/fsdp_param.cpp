@@ -1,0 +1,132 @@
+// FSDPParam: sharding one parameter and moving its data between the shard and the unsharded tensor.
+#include "fsdp_param.h"
+
+#include <utility>
+
+namespace fsdp::detail {
+namespace {
+
+// Frees or re-allocates the bytes of `t`'s storage in place: views that autograd saved keep pointing
+// at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors]. The old
+// contents are not kept (every re-allocation is followed by a copy-out), so this works the same for
+// any device's allocator (CPU, or CUDA's caching allocator).
+void resize_storage(const torch::Tensor& t, size_t nbytes) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == nbytes) return;  // already the requested size
+  if (nbytes == 0) {
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  } else {
+    TORCH_INTERNAL_ASSERT(impl->allocator(), "resize_storage: storage without an allocator");
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  }
+  impl->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+void accumulate(torch::Tensor& into, torch::Tensor from) {
+  if (!from.defined()) return;
+  torch::NoGradGuard no_grad;
+  if (into.defined()) {
+    into.add_(from);
+  } else {
+    into = std::move(from);
+  }
+}
+
+FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch::ScalarType param_dtype_,
+                     int shard_size, int shard_rank, torch::Device shard_device, bool pin_memory)
+    : fqn(name), local_fqn(name), name_in_module(name), param(tensor), orig_size(tensor.sizes().vec()),
+      orig_dtype(tensor.scalar_type()), param_dtype(param_dtype_) {
+  torch::NoGradGuard no_grad;
+  for (size_t d = 1; d < orig_size.size(); ++d) row_numel *= orig_size[d];
+  padded_rows = (orig_size[0] + shard_size - 1) / shard_size;
+  auto range = chunk_range(orig_size[0], shard_size, shard_rank);
+  local_rows = range.length;
+  local_offset = range.offset;
+  auto padded_shape = orig_size;
+  padded_shape[0] = padded_rows;
+  padded_shard = torch::zeros(padded_shape, tensor.options().device(shard_device));
+  if (pin_memory && torch::cuda::is_available()) padded_shard = padded_shard.pin_memory();
+  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
+  sharded_data = padded_shard.narrow(0, 0, local_rows);
+  param.set_data(sharded_data);
+}
+
+void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device) {
+  if (!unsharded_padded.defined()) {
+    auto shape = orig_size;
+    shape[0] = shard_size * padded_rows;
+    unsharded_padded = torch::empty(shape, torch::TensorOptions().dtype(param_dtype).device(device));
+    unsharded_data = unsharded_padded.narrow(0, 0, orig_size[0]);
+  } else {
+    resize_storage(unsharded_padded, unsharded_padded.numel() * unsharded_padded.element_size());
+  }
+}
+
+void FSDPParam::free_unsharded_param() {
+  if (unsharded_padded.defined()) resize_storage(unsharded_padded, 0);
+}
+
+void FSDPParam::to_unsharded(bool in_backward) {
+  // Move a sharded gradient aside: autograd must accumulate an unsharded gradient of the unsharded
+  // shape; the stash is restored (and added to) when the data is sharded again.
+  // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
+  auto& g = param.mutable_grad();
+  if (!in_backward) accumulate(stashed_grad, std::exchange(g, torch::Tensor()));
+  param.set_data(unsharded_data);
+}
+
+void FSDPParam::to_sharded(bool in_backward, int rank) {
+  auto& g = param.mutable_grad();
+  if (in_backward) {
+    // During a backward .grad holds only this backward's unsharded gradient (begin_backward stashed
+    // the sharded one). The group is resharded before every use produced its gradient (e.g. a
+    // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
+    accumulate(pending_grad, std::exchange(g, torch::Tensor()));
+    param.set_data(sharded_data);
+    return;
+  }
+  // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
+  // parameter that FSDP did not see.
+  TORCH_CHECK(!g.defined() || g.sizes() == sharded_data.sizes(), "fully_shard: parameter '", fqn,
+              "' on rank ", rank, " has a gradient of the unsharded shape ", g.sizes(), " outside a backward (its local ",
+              "shard is ", sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
+              "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
+              "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
+  param.set_data(sharded_data);
+  accumulate(g, std::exchange(stashed_grad, torch::Tensor()));
+}
+
+void FSDPParam::to_sharded_post_forward(int k, int j) {
+  torch::NoGradGuard no_grad;
+  int64_t rows = unsharded_padded.size(0) / k;
+  post_forward_shard = unsharded_padded.narrow(0, j * rows, rows).clone();
+}
+
+void FSDPParam::check_holds_fsdp_data(bool unsharded, const std::string& module_name, int rank) const {
+  const auto& d = param;
+  // set_data() swaps the TensorImpl's storage: the data is ours while it views our shard (or, when
+  // unsharded, our unsharded tensor).
+  const auto& want = unsharded ? unsharded_data : sharded_data;
+  const auto& base = unsharded ? unsharded_padded : padded_shard;
+  const bool ours = d.scalar_type() == want.scalar_type() && d.device() == want.device() &&
+                    d.sizes() == want.sizes() && d.is_alias_of(base);
+  TORCH_CHECK(ours, "fully_shard: parameter '", fqn, "' of ", module_name, " on rank ", rank,
+              " no longer holds FSDP's data: it is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
+              " but FSDP holds it as ", want.scalar_type(), " ", want.sizes(), " on ", want.device(),
+              (unsharded ? " (unsharded)" : " (this rank's shard)"), " and gathers from its shard, so the change would "
+              "be silently undone. It was replaced after fully_shard (e.g. by module->to(dtype or device), or "
+              "param.set_data()). Fix: convert the module before fully_shard; to compute in another dtype use "
+              "FullyShardOptions().mp_policy(param_dtype); to change the values, copy_ into the parameter under "
+              "torch::NoGradGuard");
+}
+
+DTensor FSDPParam::to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Tensor& local) const {
+  std::vector<Placement> placements;
+  if (mesh->ndim() == 2) placements.push_back(Replicate());
+  placements.push_back(Shard(0));
+  return DTensor(local.defined() ? local : sharded_data, mesh, placements, orig_size);
+}
+
+}  // namespace fsdp::detail

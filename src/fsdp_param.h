@@ -1,0 +1,96 @@
+// FSDPParam: one parameter managed by fully_shard, and the tensors FSDP keeps for it.
+// Mirrors torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.
+//
+// [Note: FSDP tensors]
+// - original parameter: the tensor the module registered. We never replace it (identity, grad, hooks
+//   and version counter stay); only its data is swapped with set_data():
+//     SHARDED   -> data = sharded data
+//     UNSHARDED -> data = unsharded data
+// - padded shard: this rank's torch.chunk of dim 0, zero-padded to ceil(d0 / ws) rows; shape
+//   [padded_rows, *rest], original dtype; lives as long as the group (the optimizer updates it through
+//   the sharded data view).
+// - sharded data: padded_shard.narrow(0, 0, local_rows) — what the optimizer and state dicts see
+//   (possibly 0 rows: an empty shard).
+// - all-gather input: the padded shards of the group, cast to param_dtype, copied into one flat
+//   buffer of N elements (N = sum of padded shard numels) that is this rank's slice of the output.
+// - all-gather output: [ws * N], rank-major; freed once copied out.
+// - unsharded padded: [ws * padded_rows, *rest] in param_dtype, one per parameter, allocated once; its
+//   storage is resized to 0 bytes when resharded and back before the next copy-out, so the views
+//   autograd saved in forward see the re-gathered data in backward and no memory is held in between.
+// - unsharded data: unsharded_padded.narrow(0, 0, d0) — the full parameter the module computes with.
+// - post-forward shard (reshard_after_forward = k): rows [j * ws/k * padded_rows, ...) of the
+//   unsharded padded tensor kept after forward by position j of a group of k consecutive ranks.
+//   See [Note: reshard_after_forward=k].
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fsdp/device_mesh.h"
+#include "fsdp/dtensor.h"
+
+namespace fsdp::detail {
+
+/// Gradient accumulation's rule, used wherever gradients move between .grad, the stash and the pending
+/// slot: `into += from`, or `into` takes `from` when it holds nothing yet. An undefined `from` is a no-op.
+void accumulate(torch::Tensor& into, torch::Tensor from);
+
+/// One sharded parameter (see [Note: FSDP tensors]). Its group (FSDPParamGroup) decides when it moves
+/// between sharded and unsharded; this class does the per-parameter part of each move.
+class FSDPParam {
+ public:
+  /// Shards `tensor` in place (FSDP2's _init_sharded_param): copies this rank's torch.chunk of dim 0
+  /// (rank `shard_rank` of `shard_size`) into a zero-padded shard on `shard_device` (pinned when
+  /// `pin_memory` and CUDA is available) and sets the parameter's data to it. `name` is the local FQN.
+  FSDPParam(const std::string& name, const torch::Tensor& tensor, torch::ScalarType param_dtype, int shard_size,
+            int shard_rank, torch::Device shard_device, bool pin_memory);
+
+  std::string fqn;                  // for messages: path from the root after lazy init, else local_fqn
+  std::string local_fqn;            // relative to the fully_shard module ("i." + name for several modules)
+  size_t module_index = 0;          // which module of the fully_shard call holds it
+  std::string name_in_module;       // relative to that module
+  torch::Tensor param;              // the original parameter (see [Note: FSDP tensors])
+  std::vector<int64_t> orig_size;   // global shape
+  torch::ScalarType orig_dtype;
+  torch::ScalarType param_dtype;    // dtype of the all-gather and the unsharded data
+  int64_t row_numel = 1;            // elements per dim-0 row
+  int64_t padded_rows = 0;          // ceil(d0 / ws)
+  int64_t local_rows = 0;           // rows this rank holds (0 for an empty shard)
+  int64_t local_offset = 0;         // first global row this rank holds
+  torch::Tensor padded_shard;       // [padded_rows, *rest], orig dtype
+  torch::Tensor sharded_data;       // padded_shard.narrow(0, 0, local_rows)
+  torch::Tensor unsharded_padded;   // [ws * padded_rows, *rest], param dtype; storage freed when sharded
+  torch::Tensor unsharded_data;     // unsharded_padded.narrow(0, 0, d0)
+  torch::Tensor post_forward_shard; // [(ws/k) * padded_rows, *rest] (SHARDED_POST_FORWARD only)
+  torch::Tensor stashed_grad;       // the sharded grad, moved aside while the data is unsharded or a
+                                    // backward runs (autograd accumulates unsharded grads into .grad)
+  torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
+                                    // during a backward before the group's post-backward ran
+  torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
+
+  int64_t padded_numel() const { return padded_rows * row_numel; }
+  bool requires_grad() const { return param.requires_grad(); }
+
+  /// Allocates the unsharded padded tensor ([shard_size * padded_rows, *rest], param dtype, on `device`)
+  /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]).
+  void alloc_unsharded_param(int shard_size, torch::Device device);
+  /// Frees the unsharded padded tensor's storage (0 bytes); the tensor object and its views stay.
+  void free_unsharded_param();
+  /// The parameter's data becomes the unsharded data. Outside a backward a sharded gradient moves to
+  /// the stash (autograd must accumulate a gradient of the unsharded shape).
+  void to_unsharded(bool in_backward);
+  /// The parameter's data becomes the sharded data. In a backward the unsharded gradient of this
+  /// backward moves to the pending slot; outside one the stash goes back to .grad. Throws c10::Error
+  /// (naming the parameter and `rank`) for an unsharded gradient outside a backward.
+  void to_sharded(bool in_backward, int rank);
+  /// Keeps position `j` of `k` of the unsharded padded rows as the post-forward shard (a copy).
+  void to_sharded_post_forward(int k, int j);
+  /// Throws c10::Error unless the parameter's data is still FSDP's (its shard, or with `unsharded` its
+  /// unsharded tensor): a replacement after fully_shard would be silently undone by the next all-gather.
+  void check_holds_fsdp_data(bool unsharded, const std::string& module_name, int rank) const;
+  /// The sharded parameter as a DTensor over `mesh` (aliases the local shard), or `local` (a tensor of
+  /// the local shard's shape, e.g. its gradient) with the parameter's placements and global shape.
+  DTensor to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Tensor& local = {}) const;
+};
+
+}  // namespace fsdp::detail
