@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "fsdp/collectives.h"
+#include "fsdp_init.h"
 #include "fsdp_state.h"
 
 namespace fsdp::detail {
@@ -46,23 +47,12 @@ torch::Tensor exchange_rows(ProcessGroup& group, const std::vector<int64_t>& row
 std::vector<std::pair<std::string, torch::Tensor>> own_buffers(
     const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (size_t mi = 0; mi < modules.size(); ++mi) {
-    std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
-    std::vector<std::string> sharded;
-    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
-      const std::string& path = item.key();
-      bool under = false;
-      for (const auto& t : sharded) under = under || path == t || path.rfind(t + ".", 0) == 0;
-      if (under) continue;
-      if (!path.empty() && state_of(*item.value())) {
-        sharded.push_back(path);
-        continue;
-      }
-      for (const auto& b : item.value()->named_buffers(/*recurse=*/false)) {
-        if (b.value().defined()) out.emplace_back(prefix + (path.empty() ? b.key() : path + "." + b.key()), b.value());
-      }
+  for_each_managed_module(modules, [&](size_t, const std::string& prefix, const std::string& path,
+                                       torch::nn::Module& module) {
+    for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+      if (b.value().defined()) out.emplace_back(prefix + (path.empty() ? b.key() : path + "." + b.key()), b.value());
     }
-  }
+  });
   return out;
 }
 

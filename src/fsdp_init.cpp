@@ -38,6 +38,26 @@ DeviceMeshPtr fully_shard_mesh(const FullyShardOptions& options) {
   return mesh;
 }
 
+void for_each_managed_module(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+    const std::function<void(size_t, const std::string&, const std::string&, torch::nn::Module&)>& fn) {
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    std::vector<std::string> sharded_subtrees;
+    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
+      const std::string& path = item.key();
+      bool under = false;
+      for (const auto& t : sharded_subtrees) under = under || path == t || path.rfind(t + ".", 0) == 0;
+      if (under) continue;
+      if (!path.empty() && state_of(*item.value())) {
+        sharded_subtrees.push_back(path);  // a sharded submodule manages its own subtree
+        continue;
+      }
+      fn(mi, prefix, path, *item.value());
+    }
+  }
+}
+
 ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                                  const FullyShardOptions& options, int rank) {
   // Parameters owned by other states (param -> (state, its FSDPParam)).
@@ -73,34 +93,23 @@ ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Mo
 
   ManagedParams out;
   std::unordered_set<const c10::TensorImpl*> taken;
-  for (size_t mi = 0; mi < modules.size(); ++mi) {
-    std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
-    std::vector<std::string> sharded_subtrees;
-    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
-      const std::string& path = item.key();
-      bool under = false;
-      for (const auto& t : sharded_subtrees) under = under || path == t || path.rfind(t + ".", 0) == 0;
-      if (under) continue;
-      if (!path.empty() && state_of(*item.value())) {
-        sharded_subtrees.push_back(path);  // a sharded submodule manages its own subtree
-        continue;
-      }
-      for (const auto& pp : item.value()->named_parameters(/*recurse=*/false)) {
-        const auto* impl = pp.value().unsafeGetTensorImpl();
-        std::string name = prefix + (path.empty() ? pp.key() : path + "." + pp.key());
-        if (ignored.count(impl) || !taken.insert(impl).second) continue;  // ignored, or tied within the group
-        auto it = managed.find(impl);
-        TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", (path.empty() ? pp.key() : path + "." + pp.key()),
-                    "' of ", describe_self(mi), " on rank ", rank, " is the same tensor as ",
-                    describe_managed(it->second.first, *it->second.second),
-                    ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
-                    "or leave both modules to their common parent's fully_shard");
-        check_dense_gradients(*item.value(), prefix + path, name, rank);
-        out.params.emplace_back(name, pp.value());
-        out.origin.emplace_back(mi, path.empty() ? pp.key() : path + "." + pp.key());
-      }
+  for_each_managed_module(modules, [&](size_t mi, const std::string& prefix, const std::string& path,
+                                       torch::nn::Module& module) {
+    for (const auto& pp : module.named_parameters(/*recurse=*/false)) {
+      const auto* impl = pp.value().unsafeGetTensorImpl();
+      std::string name = prefix + (path.empty() ? pp.key() : path + "." + pp.key());
+      if (ignored.count(impl) || !taken.insert(impl).second) continue;  // ignored, or tied within the group
+      auto it = managed.find(impl);
+      TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", (path.empty() ? pp.key() : path + "." + pp.key()),
+                  "' of ", describe_self(mi), " on rank ", rank, " is the same tensor as ",
+                  describe_managed(it->second.first, *it->second.second),
+                  ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
+                  "or leave both modules to their common parent's fully_shard");
+      check_dense_gradients(module, prefix + path, name, rank);
+      out.params.emplace_back(name, pp.value());
+      out.origin.emplace_back(mi, path.empty() ? pp.key() : path + "." + pp.key());
     }
-  }
+  });
   return out;
 }
 

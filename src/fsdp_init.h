@@ -4,6 +4,7 @@
 // _get_managed_modules / _get_managed_states, _verify_managed_param).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,14 @@ namespace fsdp::detail {
 /// `options.mesh()`, or a 1-D mesh over the default process group. Throws c10::Error for a mesh that is
 /// neither 1-D nor 2-D.
 DeviceMeshPtr fully_shard_mesh(const FullyShardOptions& options);
+
+/// Visits, pre-order, every module of `modules`' trees outside the subtrees of already-sharded submodules
+/// (those are managed by their own fully_shard call): `fn(index of the tree in modules, prefix ("i." with
+/// several modules, else ""), path from that tree's root ("" for the root), module)`. Mirrors
+/// _get_managed_modules.
+void for_each_managed_module(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+    const std::function<void(size_t, const std::string&, const std::string&, torch::nn::Module&)>& fn);
 
 /// The parameters a fully_shard call of `modules` manages, in module order.
 struct ManagedParams {
