@@ -7,12 +7,12 @@ on Gloo, replaying a train_gpt run: the same weights, the same token batches, th
     torchrun --standalone --nproc-per-node 2 bench/gpt_twin.py \\
         --init /tmp/r/init.safetensors --batches /tmp/r/batches --metrics /tmp/r/torch.jsonl
 
-What makes the two runs identical (examples/train_gpt/{model.cpp,main.cpp} are the reference):
+What makes the two runs identical (examples/train_gpt/{model,parallelize,optimizer,main}.cpp are the reference):
   * the model: the same modules, parameter names and forward (examples/train_gpt/model.cpp), built from the
     shape in the safetensors metadata and loaded from the weights train_gpt wrote before sharding
     (--save-init; a tied lm_head.weight is stored once, as wte.weight);
-  * the data: the batches train_gpt's ranks trained on (--dump-batches DIR: DIR/rank<R>.npy), rank R
-    replays DIR/rank<R>.npy; the hyper-parameters come from DIR/run.json;
+  * the data: the batches train_gpt's ranks trained on (--dump-batches DIR: DIR/rank<R>.safetensors), rank R
+    replays the tensor "batches" of DIR/rank<R>.safetensors; the hyper-parameters come from DIR/run.json;
   * the parallelism: each block a fully_shard group, then the root (default reshard_after_forward: False for
     the root); MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16;
   * the step: loss / accum per microbatch (gradient sync on the last one only), clip to the global norm,
@@ -42,12 +42,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 
 # ---- Model (examples/train_gpt/model.cpp, line by line) ------------------------------------------------
@@ -158,7 +158,7 @@ def load_model(path):
     return model, cfg
 
 
-# ---- The step (examples/train_gpt/main.cpp: lr_at, lm_loss, train) -----------------------------------
+# ---- The step (examples/train_gpt: optimizer.cpp's lr_at, main.cpp's lm_loss and train_step) -----------
 
 def lr_at(step, run):
     """Linear warmup to lr, then cosine decay to min_lr at the last step (same double arithmetic as lr_at)."""
@@ -266,7 +266,7 @@ def parse_reshard(value):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--init", required=True, help="initial weights: train_gpt --save-init FILE")
-    ap.add_argument("--batches", required=True, help="train_gpt --dump-batches DIR (rank<R>.npy, run.json)")
+    ap.add_argument("--batches", required=True, help="train_gpt --dump-batches DIR (rank<R>.safetensors, run.json)")
     ap.add_argument("--steps", type=int, help="steps to run (default: all the recorded ones)")
     ap.add_argument("--mixed-precision", choices=["fp32", "bf16"], help="default: as recorded in run.json")
     ap.add_argument("--reshard-after-forward", help="true|false|N for the blocks (default: as recorded)")
@@ -311,7 +311,7 @@ def main():
                  f"launch with --nproc-per-node {run['world_size']}")
 
     # The batches this rank trained on in train_gpt: [steps, accum, 2, B, T] int64.
-    batches = torch.from_numpy(np.load(batches_dir / f"rank{rank}.npy")).to(device)
+    batches = load_file(batches_dir / f"rank{rank}.safetensors")["batches"].to(device)
     steps = args.steps or batches.size(0)
     if steps > batches.size(0) or steps > run["steps"]:
         sys.exit(f"gpt_twin: --steps {steps} exceeds the {batches.size(0)} recorded steps")

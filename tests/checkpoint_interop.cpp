@@ -9,6 +9,9 @@
 //   checkpoint_interop crash-save --parent P --ref R --kill-rank r --kill-stage S
 //                                                             save P/step-1 (reference R), then die by
 //                                                             SIGKILL on rank r at stage S of P/step-2
+//   checkpoint_interop copy-file --in A --out B               one process: dcp::load_file(A), then
+//                                                             dcp::save_file(B) with the metadata
+//                                                             {"producer": "checkpoint_interop"}
 #include <signal.h>
 #include <unistd.h>
 
@@ -24,14 +27,7 @@ using namespace fsdp::testing;
 namespace {
 
 void write_full(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
-  std::vector<dcp::detail::WriteEntry> entries;
-  std::vector<torch::Tensor> data;
-  for (const auto& [k, t] : tensors) {
-    entries.push_back({k, t.scalar_type(), t.sizes().vec(), std::nullopt});
-    data.push_back(t.contiguous().cpu());
-  }
-  std::filesystem::remove(path);
-  dcp::detail::write_safetensors(path, entries, [&](size_t i) { return data[i]; }, false, 1 << 20, true, "interop");
+  dcp::save_file(tensors, path, {{"format", "pt"}});
 }
 
 std::vector<Batch> batches() { return make_batches(4, kCkptBatch, kCkptSeq, 4321); }
@@ -56,9 +52,17 @@ int main(int argc, char** argv) {
   crash->add_option("--ref", ref)->required();
   crash->add_option("--kill-rank", kill_rank);
   crash->add_option("--kill-stage", stage);
+  std::string in;
+  auto* copy = app.add_subcommand("copy-file", "load_file, then save_file");
+  copy->add_option("--in", in)->required();
+  copy->add_option("--out", out)->required();
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (*copy) {
+      dcp::save_file(dcp::load_file(in), out, {{"producer", "checkpoint_interop"}});
+      return 0;
+    }
     auto pg = init_process_group();
     const int rank = pg->rank();
     if (*save || *crash) {

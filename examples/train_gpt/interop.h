@@ -1,81 +1,68 @@
 // What train_gpt writes so that another program can replay its run exactly (bench/gpt_twin.py: the same
 // GPT in PyTorch, sharded with PyTorch's own FSDP2; bench/compare_fsdp2.py runs both side by side):
 //   --save-init FILE     the full initial weights, before sharding, as safetensors (rank 0);
-//   --dump-batches DIR   DIR/rank<R>.npy: the int64 token batches rank R trained on, shape
-//                        [steps, grad_accum_steps, 2 (input, target), batch_size, block_size];
-//                        DIR/run.json: the hyper-parameters the replay needs (rank 0).
-// And the floor of the comparison (--no-shard): plain LibTorch in one process, mixed precision by CPU
-// autocast. Self-contained (no dependency on the checkpoint code), little-endian hosts only.
+//   --dump-batches DIR   DIR/rank<R>.safetensors: the int64 token batches rank R trained on, tensor
+//                        "batches" of shape [steps, grad_accum_steps, 2 (input, target), batch_size,
+//                        block_size]; DIR/run.json: the hyper-parameters the replay needs (rank 0).
+// Both written by fsdp::dcp::save_file (safetensors.torch.load_file reads them). And the floor of the
+// comparison (--no-shard): plain LibTorch in one process, mixed precision by CPU autocast.
 #pragma once
 
 #include <ATen/autocast_mode.h>
 
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "data.h"
+#include "fsdp/fsdp.h"
+#include "model.h"
+#include "options.h"
 
 namespace train_gpt {
 
-/// Writes `tensors` (name, contiguous CPU tensor of a dtype below) as one safetensors file: an 8-byte
-/// little-endian header length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {...}}
-/// padded with spaces to a multiple of 8, then the raw data of the tensors in the order given.
-/// Throws UsageError if the file cannot be written.
-inline void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
-  static const std::map<torch::ScalarType, std::string> kDtypes = {
-      {torch::kFloat32, "F32"}, {torch::kBFloat16, "BF16"}, {torch::kFloat16, "F16"}, {torch::kInt64, "I64"}};
-  nlohmann::ordered_json header;
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<torch::Tensor> data;
-  int64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    auto t = tensor.detach().to(torch::kCPU).contiguous();
-    auto dtype = kDtypes.find(t.scalar_type());
-    TORCH_CHECK(dtype != kDtypes.end(), "write_safetensors: '", name, "' has unsupported dtype ", t.scalar_type());
-    const auto nbytes = static_cast<int64_t>(t.nbytes());
-    header[name] = {{"dtype", dtype->second}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-    data.push_back(t);
+/// --save-init: the full weights under their named_parameters() names, a tied weight once (as wte.weight),
+/// the model shape in the metadata. Call before parallelize(): afterwards each rank holds a shard only.
+inline void save_initial_weights(const GPTImpl& model, const std::string& path) {
+  std::map<std::string, torch::Tensor> tensors;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace(p.key(), p.value());
   }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw UsageError("--save-init " + path + " cannot be written (missing directory?)");
-  const uint64_t len = text.size();
-  out.write(reinterpret_cast<const char*>(&len), sizeof len);
-  out << text;
-  for (const auto& t : data) out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-  if (!out) throw UsageError("--save-init " + path + ": write failed (disk full?)");
+  const auto& c = model.cfg;
+  try {
+    fsdp::dcp::save_file(
+        tensors, path,
+        {{"format", "pt"}, {"producer", "train_gpt"}, {"vocab_size", std::to_string(c.vocab_size)},
+         {"block_size", std::to_string(c.block_size)}, {"n_layer", std::to_string(c.n_layer)},
+         {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
+         {"dropout", fmt("%.17g", c.dropout)}, {"tie_weights", c.tie_weights ? "true" : "false"}});
+  } catch (const c10::Error& e) {
+    throw UsageError("--save-init " + path + " cannot be written: " + one_line(e.what_without_backtrace()));
+  }
 }
 
-/// Writes an int64 tensor as a .npy file (format 1.0: magic, header length, a Python dict literal
-/// padded to a multiple of 64 bytes and ending in '\n', then the C-order data).
-inline void write_npy(const std::string& path, const torch::Tensor& tensor) {
-  auto t = tensor.to(torch::kInt64).contiguous();
-  std::string shape;
-  for (auto d : t.sizes()) shape += std::to_string(d) + ", ";
-  std::string dict = "{'descr': '<i8', 'fortran_order': False, 'shape': (" + shape + "), }";
-  const size_t preamble = 10;  // magic (6) + version (2) + header length (2)
-  dict.append((64 - (preamble + dict.size() + 1) % 64) % 64, ' ');
-  dict += '\n';
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw UsageError("--dump-batches: " + path + " cannot be written");
-  const uint16_t len = static_cast<uint16_t>(dict.size());
-  out.write("\x93NUMPY\x01\x00", 8);
-  out.write(reinterpret_cast<const char*>(&len), sizeof len);
-  out << dict;
-  out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-  if (!out) throw UsageError("--dump-batches: write to " + path + " failed (disk full?)");
+/// --dump-batches: DIR/run.json, what bench/gpt_twin.py needs to replay this run (the optimizer's
+/// betas and eps are those make_adamw gives AdamW).
+inline nlohmann::json run_description(const RunSetup& s, int world, int64_t start_step) {
+  const Options& o = s.opts;
+  return {{"world_size", world},         {"first_step", start_step + 1},  {"steps", o.steps},
+          {"batch_size", o.batch_size},  {"grad_accum_steps", o.grad_accum_steps},
+          {"block_size", s.cfg.block_size}, {"lr", o.lr},                 {"min_lr", o.min_lr},
+          {"warmup_steps", o.warmup_steps}, {"weight_decay", o.weight_decay}, {"betas", {0.9, 0.95}},
+          {"eps", torch::optim::AdamWOptions(o.lr).eps()}, {"clip_grad", o.clip_grad},
+          {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
+          {"no_shard", o.no_shard},      {"seed", o.seed},
+          {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 
 /// The batches one rank trains on, kept in memory during training and written once at the end (so
@@ -92,14 +79,18 @@ class BatchRecorder {
   }
   /// One microbatch: inputs and targets [batch_size, block_size].
   void add(const torch::Tensor& x, const torch::Tensor& y) { batches_.push_back(torch::stack({x, y})); }
-  /// Writes <dir>/rank<rank>.npy, [steps, accum, 2, batch_size, block_size]; rank 0 also writes
-  /// <dir>/run.json (`run`).
+  /// Writes <dir>/rank<rank>.safetensors ("batches": [steps, accum, 2, batch_size, block_size]); rank 0
+  /// also writes <dir>/run.json (`run`).
   void write(int rank, int64_t grad_accum_steps, const nlohmann::json& run) const {
     TORCH_CHECK(!batches_.empty() && batches_.size() % grad_accum_steps == 0, "BatchRecorder: ", batches_.size(),
                 " microbatches recorded, not a whole number of steps of ", grad_accum_steps);
     auto all = torch::stack(batches_);  // [steps * accum, 2, B, T]
-    write_npy(dir_ + "/rank" + std::to_string(rank) + ".npy",
-              all.view({-1, grad_accum_steps, 2, all.size(2), all.size(3)}));
+    const std::string path = dir_ + "/rank" + std::to_string(rank) + ".safetensors";
+    try {
+      fsdp::dcp::save_file({{"batches", all.view({-1, grad_accum_steps, 2, all.size(2), all.size(3)})}}, path);
+    } catch (const c10::Error& e) {
+      throw UsageError("--dump-batches: " + path + " cannot be written: " + one_line(e.what_without_backtrace()));
+    }
     if (rank == 0) {
       std::ofstream out(dir_ + "/run.json", std::ios::trunc);
       out << run.dump(2) << '\n';

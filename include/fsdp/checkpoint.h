@@ -170,4 +170,39 @@ struct ConsolidateOptions {
 std::vector<std::string> consolidate(const std::string& dir, const std::string& out_dir,
                                      const ConsolidateOptions& options = {});
 
+// ---------------------------------------------------------------------------------------------
+// Single safetensors files, outside any checkpoint folder.
+//
+//   fsdp::dcp::save_file({{"wte.weight", w}, {"batches", b}}, "init.safetensors", {{"producer", "me"}});
+//   auto tensors = fsdp::dcp::load_file("init.safetensors");   // {"batches": ..., "wte.weight": ...}
+//
+// The same writer and reader as the checkpoints' shard files, so Python's
+// `safetensors.torch.load_file` reads what save_file writes and load_file reads what
+// `safetensors.torch.save_file` writes. Supported dtypes (safetensors name): float64 (F64), float32 (F32),
+// bfloat16 (BF16), float16 (F16), int64 (I64), int32 (I32), int16 (I16), int8 (I8), uint8 (U8),
+// bool (BOOL). Data is little-endian, C order.
+
+/// Writes `tensors` into the safetensors file `path`, each under its key (the header lists them in key
+/// order), with `metadata` as the header's "__metadata__" (absent when empty). Tensors may be on any
+/// device, non-contiguous or views: each is copied to contiguous CPU memory as it is written, and
+/// tensors that share memory are stored as separate copies (where safetensors.torch.save_file refuses
+/// both). Scalars (shape []) and empty tensors are stored as such. Replaces an existing file
+/// atomically: the data goes to `path.tmp-<nonce>`, which is renamed to `path` once complete, so that
+/// a failed save leaves the old file (or none). Not fsynced (as the Python function).
+/// Throws c10::Error "dcp::save_file: ..." naming the key and the fix for an undefined or sparse tensor,
+/// a dtype safetensors cannot store (complex, float8, unsigned wider than 8 bits, ...) or the key
+/// "__metadata__"; naming the path for a missing folder, or a failed write (with errno, e.g. ENOSPC).
+/// Mirrors safetensors.torch.save_file(tensors, filename, metadata).
+void save_file(const std::map<std::string, torch::Tensor>& tensors, const std::string& path,
+               const std::map<std::string, std::string>& metadata = {});
+
+/// Reads every tensor of the safetensors file `path` (any writer's: ours, the `safetensors` package,
+/// PyTorch's DCP shards), onto `device`. Each tensor has its own memory. Throws c10::Error
+/// "dcp::load_file: <path>: ..." for a missing or unreadable file, a truncated file (naming the tensor
+/// cut off), a malformed header (not JSON, offsets that do not tile the data, bytes past the data) or
+/// a dtype outside the list above (naming the tensor). The header's "__metadata__" is not returned
+/// (as in Python, where safe_open(...).metadata() reads it).
+/// Mirrors safetensors.torch.load_file(filename, device).
+std::map<std::string, torch::Tensor> load_file(const std::string& path, torch::Device device = torch::kCPU);
+
 }  // namespace fsdp::dcp

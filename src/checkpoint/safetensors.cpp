@@ -320,7 +320,10 @@ std::string read_small_file(const std::string& path, const char* api) {
 
 int64_t WriteEntry::nbytes() const { return numel_of(shape) * static_cast<int64_t>(c10::elementSize(dtype)); }
 
-Header read_header(const File& file, int64_t file_size, const char* api) {
+namespace {
+
+/// The header length and the JSON after it (h.raw, h.data_start).
+nlohmann::json read_header_json(const File& file, int64_t file_size, const char* api, Header& h) {
   const std::string& path = file.path();
   TORCH_CHECK(file_size >= 8, api, ": ", path, " is truncated: ", file_size,
               " bytes, fewer than the 8-byte header length of a safetensors file");
@@ -332,7 +335,6 @@ Header read_header(const File& file, int64_t file_size, const char* api) {
               " exceeds 100 MiB");
   TORCH_CHECK(static_cast<int64_t>(8 + n) <= file_size, api, ": ", path, " is truncated: its header needs ", 8 + n,
               " bytes but the file has ", file_size);
-  Header h;
   h.raw.resize(8 + n);
   std::memcpy(h.raw.data(), len, 8);
   file.pread_exact(h.raw.data() + 8, n, 8, "the header");
@@ -344,61 +346,72 @@ Header read_header(const File& file, int64_t file_size, const char* api) {
     TORCH_CHECK(false, api, ": ", path, " has a malformed safetensors header (not JSON: ", e.what(), ")");
   }
   TORCH_CHECK(j.is_object(), api, ": ", path, " has a malformed safetensors header (not a JSON object)");
+  return j;
+}
+
+/// "__metadata__" into h.metadata (and h.has_sharding_info); returns DCP_SHARDING_INFO parsed (null if none).
+nlohmann::json read_metadata(const nlohmann::json& j, const std::string& path, const char* api, Header& h) {
   h.metadata = nlohmann::json::object();
   nlohmann::json sharding;
-  if (j.contains("__metadata__")) {
-    h.metadata = j["__metadata__"];
-    TORCH_CHECK(h.metadata.is_object(), api, ": ", path, ": __metadata__ is not an object");
-    if (h.metadata.contains("DCP_SHARDING_INFO")) {
-      const auto& s = h.metadata["DCP_SHARDING_INFO"];
-      TORCH_CHECK(s.is_string(), api, ": ", path, ": DCP_SHARDING_INFO is not a string");
-      try {
-        sharding = nlohmann::json::parse(s.get<std::string>());
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, api, ": ", path, ": DCP_SHARDING_INFO is not valid JSON: ", e.what());
-      }
-      // PyTorch treats an empty value as absent.
-      h.has_sharding_info = !s.get<std::string>().empty();
-    }
-  }
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
-    const auto& v = it.value();
-    HeaderEntry e;
-    e.name = it.key();
+  if (!j.contains("__metadata__")) return sharding;
+  h.metadata = j["__metadata__"];
+  TORCH_CHECK(h.metadata.is_object(), api, ": ", path, ": __metadata__ is not an object");
+  if (h.metadata.contains("DCP_SHARDING_INFO")) {
+    const auto& s = h.metadata["DCP_SHARDING_INFO"];
+    TORCH_CHECK(s.is_string(), api, ": ", path, ": DCP_SHARDING_INFO is not a string");
     try {
-      auto dt = dtype_from_name(v.at("dtype").get<std::string>());
-      TORCH_CHECK(dt, api, ": ", path, ": tensor '", e.name, "' has dtype ", v.at("dtype").get<std::string>(),
-                  ", which libfsdp does not read (expected one of F64 F32 BF16 F16 I64 I32 I16 I8 U8 BOOL)");
-      e.dtype = *dt;
-      e.shape = v.at("shape").get<std::vector<int64_t>>();
-      auto offs = v.at("data_offsets").get<std::vector<int64_t>>();
-      TORCH_CHECK(offs.size() == 2, api, ": ", path, ": tensor '", e.name, "' has malformed data_offsets");
-      e.begin = offs[0];
-      e.end = offs[1];
-    } catch (const nlohmann::json::exception& ex) {
-      TORCH_CHECK(false, api, ": ", path, ": tensor '", e.name, "' has a malformed header entry: ", ex.what());
+      sharding = nlohmann::json::parse(s.get<std::string>());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, api, ": ", path, ": DCP_SHARDING_INFO is not valid JSON: ", e.what());
     }
-    for (auto s : e.shape) TORCH_CHECK(s >= 0, api, ": ", path, ": tensor '", e.name, "' has a negative size");
-    int64_t expect = numel_of(e.shape) * static_cast<int64_t>(c10::elementSize(e.dtype));
-    TORCH_CHECK(e.begin >= 0 && e.end - e.begin == expect, api, ": ", path, ": tensor '", e.name,
-                "' has data_offsets [", e.begin, ", ", e.end, ") for ", expect, " bytes of shape ",
-                c10::IntArrayRef(e.shape));
-    if (h.has_sharding_info) {
-      TORCH_CHECK(sharding.is_object() && sharding.contains(e.name), api, ": ", path, ": tensor '", e.name,
-                  "' has no entry in DCP_SHARDING_INFO");
-      try {
-        e.saved_offsets = sharding[e.name].at("saved_offsets").get<std::vector<int64_t>>();
-      } catch (const nlohmann::json::exception& ex) {
-        TORCH_CHECK(false, api, ": ", path, ": DCP_SHARDING_INFO of '", e.name, "' is malformed: ", ex.what());
-      }
-      TORCH_CHECK(e.saved_offsets->size() == e.shape.size(), api, ": ", path, ": DCP_SHARDING_INFO of '", e.name,
-                  "' has ", e.saved_offsets->size(), " offsets for a ", e.shape.size(), "-D tensor");
-      for (auto o : *e.saved_offsets)
-        TORCH_CHECK(o >= 0, api, ": ", path, ": DCP_SHARDING_INFO of '", e.name, "' has a negative offset");
-    }
-    h.entries.push_back(std::move(e));
+    // PyTorch treats an empty value as absent.
+    h.has_sharding_info = !s.get<std::string>().empty();
   }
+  return sharding;
+}
+
+/// One tensor's header entry: dtype, shape, data_offsets that match the shape's byte count, and its
+/// DCP_SHARDING_INFO offsets when the file has them (`sharding` non-null).
+HeaderEntry read_entry(const std::string& name, const nlohmann::json& v, const nlohmann::json* sharding,
+                       const std::string& path, const char* api) {
+  HeaderEntry e;
+  e.name = name;
+  try {
+    auto dt = dtype_from_name(v.at("dtype").get<std::string>());
+    TORCH_CHECK(dt, api, ": ", path, ": tensor '", e.name, "' has dtype ", v.at("dtype").get<std::string>(),
+                ", which libfsdp does not read (expected one of F64 F32 BF16 F16 I64 I32 I16 I8 U8 BOOL)");
+    e.dtype = *dt;
+    e.shape = v.at("shape").get<std::vector<int64_t>>();
+    auto offs = v.at("data_offsets").get<std::vector<int64_t>>();
+    TORCH_CHECK(offs.size() == 2, api, ": ", path, ": tensor '", e.name, "' has malformed data_offsets");
+    e.begin = offs[0];
+    e.end = offs[1];
+  } catch (const nlohmann::json::exception& ex) {
+    TORCH_CHECK(false, api, ": ", path, ": tensor '", e.name, "' has a malformed header entry: ", ex.what());
+  }
+  for (auto s : e.shape) TORCH_CHECK(s >= 0, api, ": ", path, ": tensor '", e.name, "' has a negative size");
+  int64_t expect = numel_of(e.shape) * static_cast<int64_t>(c10::elementSize(e.dtype));
+  TORCH_CHECK(e.begin >= 0 && e.end - e.begin == expect, api, ": ", path, ": tensor '", e.name,
+              "' has data_offsets [", e.begin, ", ", e.end, ") for ", expect, " bytes of shape ",
+              c10::IntArrayRef(e.shape));
+  if (!sharding) return e;
+  TORCH_CHECK(sharding->is_object() && sharding->contains(e.name), api, ": ", path, ": tensor '", e.name,
+              "' has no entry in DCP_SHARDING_INFO");
+  try {
+    e.saved_offsets = (*sharding)[e.name].at("saved_offsets").get<std::vector<int64_t>>();
+  } catch (const nlohmann::json::exception& ex) {
+    TORCH_CHECK(false, api, ": ", path, ": DCP_SHARDING_INFO of '", e.name, "' is malformed: ", ex.what());
+  }
+  TORCH_CHECK(e.saved_offsets->size() == e.shape.size(), api, ": ", path, ": DCP_SHARDING_INFO of '", e.name,
+              "' has ", e.saved_offsets->size(), " offsets for a ", e.shape.size(), "-D tensor");
+  for (auto o : *e.saved_offsets)
+    TORCH_CHECK(o >= 0, api, ": ", path, ": DCP_SHARDING_INFO of '", e.name, "' has a negative offset");
+  return e;
+}
+
+/// Sorts h.entries by offset, checks that they tile the data buffer and that the file ends with it
+/// (h.data_bytes).
+void check_layout(Header& h, int64_t file_size, const std::string& path, const char* api) {
   std::sort(h.entries.begin(), h.entries.end(),
             [](const HeaderEntry& a, const HeaderEntry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
   int64_t pos = 0;
@@ -422,10 +435,23 @@ Header read_header(const File& file, int64_t file_size, const char* api) {
   }
   TORCH_CHECK(file_size == expect_size, api, ": ", path, " has ", file_size - expect_size,
               " bytes past the data its header describes (", expect_size, " bytes): not a valid safetensors file");
+}
+
+}  // namespace
+
+Header read_header(const File& file, int64_t file_size, const char* api) {
+  Header h;
+  const nlohmann::json j = read_header_json(file, file_size, api, h);
+  const nlohmann::json sharding = read_metadata(j, file.path(), api, h);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    h.entries.push_back(read_entry(it.key(), it.value(), h.has_sharding_info ? &sharding : nullptr, file.path(), api));
+  }
+  check_layout(h, file_size, file.path(), api);
   return h;
 }
 
-std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_info) {
+std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_info, const Metadata* metadata) {
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   if (sharding_info) {
     nlohmann::ordered_json info = nlohmann::ordered_json::object();
@@ -434,8 +460,10 @@ std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_i
       info[e.name] = {{"saved_offsets", *e.saved_offsets}};
     }
     j["__metadata__"] = {{"DCP_SHARDING_INFO", info.dump()}, {"DCP_VERSION", "1.0"}, {"format", "pt"}};
-  } else {
+  } else if (!metadata) {
     j["__metadata__"] = {{"format", "pt"}};
+  } else if (!metadata->empty()) {
+    j["__metadata__"] = *metadata;
   }
   int64_t pos = 0;
   for (const auto& e : entries) {
@@ -453,11 +481,11 @@ std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_i
 
 FileRecord write_safetensors(const std::string& path, const std::vector<WriteEntry>& entries,
                              const std::function<torch::Tensor(size_t)>& data, bool sharding_info,
-                             int64_t block_bytes, bool do_fsync, const char* api) {
+                             int64_t block_bytes, bool do_fsync, const char* api, const Metadata* metadata) {
   FileRecord rec;
   auto slash = path.find_last_of('/');
   rec.name = slash == std::string::npos ? path : path.substr(slash + 1);
-  std::string header = build_header(entries, sharding_info);
+  std::string header = build_header(entries, sharding_info, metadata);
   File f = File::create(path, api);
   f.write_all(header.data(), header.size(), "the header");
   rec.header_crc = crc32c(0, header.data(), header.size());

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -123,18 +124,24 @@ struct FileRecord {
   std::vector<std::vector<uint32_t>> tensor_crcs;  // per entry (in entries' order), per block
 };
 
+/// The "__metadata__" of a file written by save_file (string to string, as safetensors allows).
+using Metadata = std::map<std::string, std::string>;
+
 /// Builds the 8 + N header bytes. With `sharding_info`, __metadata__ holds DCP_SHARDING_INFO (every
 /// entry must then have saved_offsets), DCP_VERSION "1.0" and format "pt", as PyTorch writes them.
-std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_info);
+/// Otherwise __metadata__ is `*metadata` (absent when empty), or {"format": "pt"} when `metadata` is null.
+std::string build_header(const std::vector<WriteEntry>& entries, bool sharding_info,
+                         const Metadata* metadata = nullptr);
 
 /// Writes a safetensors file at `path` (created: must not exist): the header, then the data of each
 /// entry, which `data(i)` returns (a contiguous CPU tensor of entry i's dtype and shape; called once,
 /// in order, so that only one tensor needs to be in memory). Computes CRC-32Cs per `block_bytes` of
 /// each tensor. Calls the fault hook ("write", with the bytes written so far) after the header and
-/// after each tensor. fsyncs when `do_fsync`.
+/// after each tensor. fsyncs when `do_fsync`. `metadata`: as build_header's.
 FileRecord write_safetensors(const std::string& path, const std::vector<WriteEntry>& entries,
                              const std::function<torch::Tensor(size_t)>& data, bool sharding_info,
-                             int64_t block_bytes, bool do_fsync, const char* api);
+                             int64_t block_bytes, bool do_fsync, const char* api,
+                             const Metadata* metadata = nullptr);
 
 // ---------------------------------------------------------------------------------------------
 // Fault hook (tests only)

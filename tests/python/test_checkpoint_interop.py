@@ -7,6 +7,7 @@
 3. kill -9 of a rank in the middle of a save (real processes under fsdprun): the previous checkpoint still
    verifies and loads, `latest` still names it.
 4. fsdp-ckpt: ls, verify, consolidate (loadable by the `safetensors` package, split with an index), diff.
+5. fsdp::dcp::save_file / load_file and the `safetensors` package read each other's single files.
 
 The C++ side is build/bin/checkpoint_interop (tests/checkpoint_interop.cpp) launched by build/bin/fsdprun.
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build). Every subprocess has a timeout.
@@ -299,3 +300,30 @@ def test_ckpt_diff(saved, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_save_file_and_load_file_interop_with_safetensors(tmp_path):
+    """fsdp::dcp::load_file reads what safetensors.torch.save_file writes, and safetensors.torch.load_file reads
+    what fsdp::dcp::save_file writes: every dtype both support, a scalar and an empty tensor, bit for bit, with the
+    metadata given (and nothing else) in the header."""
+    from safetensors import safe_open
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(3, 5, dtype=torch.float64, generator=g) * 1e3
+    want = {"f64": f, "f32": f.float(), "bf16": f.bfloat16(), "f16": (f / 1e2).half(),
+            "i64": torch.randint(-2**62, 2**62, (4,), dtype=torch.int64, generator=g),
+            "i32": torch.randint(-2**30, 2**30, (2, 2), dtype=torch.int32, generator=g),
+            "i16": torch.randint(-30000, 30000, (7,), dtype=torch.int16, generator=g),
+            "i8": torch.randint(-128, 128, (2, 3, 1), dtype=torch.int8, generator=g),
+            "u8": torch.randint(0, 256, (9,), dtype=torch.uint8, generator=g),
+            "bool": torch.rand(6, generator=g) > 0.5, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    src, out = tmp_path / "python.safetensors", tmp_path / "cpp.safetensors"
+    save_file(want, str(src), metadata={"producer": "python"})
+    p = run([INTEROP, "copy-file", "--in", src, "--out", out], timeout=60)
+    assert p.returncode == 0, show(p)
+    assert_same(load_file(str(out)), want)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"producer": "checkpoint_interop"}
+    # A file that is not safetensors fails with the path, not a crash.
+    (tmp_path / "junk.safetensors").write_bytes(b"\x04" + b"\0" * 7 + b"{no}")
+    p = run([INTEROP, "copy-file", "--in", tmp_path / "junk.safetensors", "--out", tmp_path / "x"], timeout=60)
+    assert p.returncode == 1 and "dcp::load_file: " in p.stderr and "malformed safetensors header" in p.stderr, show(p)

@@ -382,7 +382,7 @@ def test_checkpoint_holds_tied_weight_once_for_the_optimizer(text_files, tmp_pat
 def test_resume_on_another_world_size(text_files, tmp_path):
     """Saved on 2 ranks (batch 4 each), resumed on 1 with the same global batch (8): the model and the
     optimizer are resharded and the data position carries over (the very same batches)."""
-    import numpy as np
+    from safetensors.numpy import load_file
     ckpt = tmp_path / "ckpt"
     ref = run(tiny(text_files, tmp_path, *RESUME, "--dump-batches", tmp_path / "ref_batches", name="ref.jsonl"),
               timeout=120)
@@ -397,8 +397,8 @@ def test_resume_on_another_world_size(text_files, tmp_path):
                      r"data: epoch 0, window 80 of \d+; continuing at step 11/20", second.stdout), show(second)
     # The same batches: the one rank's batch of each step is the 2 ranks' batches interleaved (rank r
     # takes every 2nd window of the global batch from r).
-    r0, r1 = (np.load(tmp_path / "ref_batches" / f"rank{r}.npy") for r in (0, 1))
-    mine = np.load(tmp_path / "batches" / "rank0.npy")  # [steps, accum, 2, batch, block]
+    r0, r1 = (load_file(str(tmp_path / "ref_batches" / f"rank{r}.safetensors"))["batches"] for r in (0, 1))
+    mine = load_file(str(tmp_path / "batches" / "rank0.safetensors"))["batches"]  # [steps, accum, 2, batch, block]
     assert r0.shape == (20, 1, 2, 4, 32) and mine.shape == (10, 1, 2, 8, 32), (r0.shape, mine.shape)
     assert (mine[:, :, :, 0::2] == r0[10:]).all() and (mine[:, :, :, 1::2] == r1[10:]).all()
     # Losses within the sharded-vs-unsharded parity tolerance of the uninterrupted 2-rank run.

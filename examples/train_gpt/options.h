@@ -1,0 +1,115 @@
+// train_gpt's command line: every flag (Options), the model presets applied to it, and every check of
+// the input that can run before the ranks talk to each other (prepare_run and the check_* functions),
+// so that a bad flag fails every rank with the same one-line message instead of hanging the others.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data.h"
+#include "fsdp/fsdp.h"
+#include "model.h"
+#include "parallelize.h"
+
+namespace train_gpt {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// `v` formatted by printf's format `f` ("%.4f").
+std::string fmt(const char* f, double v);
+/// A library error's text on one line (UsageError messages are one line).
+std::string one_line(std::string text);
+
+/// Everything the command line sets. Defaults train the "small" preset visibly in a couple of minutes
+/// on two CPU cores (scripts/train.sh).
+struct Options {
+  // Model: a preset, optionally overridden field by field.
+  std::string model = "small";
+  std::optional<int64_t> n_layer, n_head, n_embd, block_size;
+  std::optional<double> dropout;
+  bool tie_weights = true;
+  // Data.
+  std::vector<std::string> data;  // empty: the default corpus
+  double val_fraction = 0.1;
+  // Optimisation.
+  int64_t steps = 500;
+  int64_t batch_size = 16;  // per rank, per microbatch
+  int64_t grad_accum_steps = 1;
+  double lr = 4e-3, min_lr = 4e-4;  // small models on bytes take a high rate (1e-3 and 2e-3 were slower)
+  int64_t warmup_steps = 50;
+  double weight_decay = 0.1;
+  double clip_grad = 1.0;  // 0 = no clipping (the norm is still logged)
+  // Parallelism and memory.
+  std::string mixed_precision = "fp32";
+  std::string reshard_after_forward = "true";
+  bool activation_checkpointing = false;
+  bool cpu_offload = false;
+  int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
+  // Output.
+  int64_t log_every = 10;
+  int64_t eval_every = 100;
+  int64_t eval_batches = 8;
+  std::string metrics;
+  bool no_progress = false;
+  // Sampling.
+  std::string sample_prompt = "The meaning of life is";
+  int64_t sample_tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1337;
+  // Comparison with PyTorch's FSDP2 (bench/compare_fsdp2.py; see interop.h).
+  std::string save_init;     // write the initial weights here (safetensors, rank 0)
+  std::string dump_batches;  // write each rank's token batches and run.json into this directory
+  bool no_shard = false;     // the floor: no fully_shard, one process, plain LibTorch
+  // Device (issue 12): "cuda" (each rank on cuda:LOCAL_RANK, NCCL) or "cpu" (Gloo); empty: cuda when usable.
+  std::string device;
+  std::string optimizer_impl = "auto";  // foreach | libtorch; auto: foreach on CUDA, libtorch on the CPU
+  double peak_tflops = 989.0;  // the GPU's dense bf16 peak for MFU (H100/H200 SXM: ~989 TFLOP/s)
+  // [checkpoints] Distributed checkpoints (fsdp::dcp), see checkpointing.h.
+  std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
+  int64_t ckpt_every = 0;   // steps between saves; 0: only after the last step (with --ckpt-dir)
+  int keep_last = 0;        // keep the newest N step-N folders; 0: all
+  std::string resume;       // "": new run (a restart resumes, as auto); "always": --resume; "auto": --resume auto
+  int64_t stop_at = 0;      // stop after this step, as an interrupted run would; 0: run to --steps
+};
+
+/// Parses the command line into `o`. Returns the exit code when there is nothing to run (--help,
+/// printed), nullopt otherwise. Throws UsageError (one line) for a bad flag or value.
+std::optional<int> parse_options(int argc, char** argv, Options& o);
+
+/// The model shape: the preset with the explicit flags applied. Throws UsageError.
+GPTConfig model_config(const Options& o);
+
+/// "true" | "false" | N. Throws UsageError unless N divides the world size.
+fsdp::ReshardAfterForward parse_reshard_after_forward(const std::string& s, int world_size);
+
+/// Everything the run is made of, checked: the options, the model shape, the data and how it is split.
+struct RunSetup {
+  Options opts;
+  GPTConfig cfg;
+  ParallelOptions parallel;
+  TokenWindows train, val;
+  int64_t eval_batches;  // per evaluation, capped by the validation split
+  std::string data_name;
+  int64_t data_bytes;
+};
+
+/// Builds the model shape and the parallelism from `o` and loads and splits the data, checking each
+/// against the others and against the launcher's world (`env`). Throws UsageError.
+RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env);
+
+/// --no-shard is one process of plain LibTorch: no launcher's world, nothing FSDP-only. Throws UsageError.
+void check_no_shard(const Options& o, int world_size);
+
+/// Whether this rank runs on CUDA (--device, else whether a CUDA device is usable). Throws UsageError
+/// when --device cuda cannot be honoured for LOCAL_RANK.
+bool use_cuda(const Options& o, const fsdp::LaunchEnv& env);
+
+}  // namespace train_gpt
