@@ -12,6 +12,7 @@
 
 #include "consistency.h"
 #include "fsdp_state.h"
+#include "process_group_access.h"
 
 namespace fsdp {
 namespace detail {
@@ -238,7 +239,8 @@ void FSDPState::lazy_init() {
         std::vector<int> members;
         for (int i = 0; i < k; ++i) members.push_back(base + i);
         s->post_forward_group =
-            new_group(pg, members, "post_forward" + std::to_string(pg->next_subgroup_id()) + "/" + std::to_string(base));
+            new_group(pg, members, "post_forward" + std::to_string(detail::ProcessGroupAccess::next_subgroup_id(*pg)) +
+                                       "/" + std::to_string(base));
       }
     }
   }

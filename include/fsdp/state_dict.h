@@ -105,6 +105,7 @@ class StateDict {
 const char* kind_name(const StateDictValue& value);
 
 /// Options of the get/set state dict functions. Mirrors torch's StateDictOptions.
+/// Example: `fsdp::get_model_state_dict(model, fsdp::StateDictOptions().full_state_dict(true).cpu_offload(true))`
 struct StateDictOptions {
   /// get: gather full tensors (a collective over each parameter's mesh) instead of DTensors aliasing the
   /// local shards. (set accepts either: a full tensor is sliced locally into each rank's shard; a DTensor
@@ -185,24 +186,24 @@ StateDict get_model_state_dict(const torch::nn::ModuleHolder<T>& model, const St
   return get_model_state_dict(*model, options);
 }
 template <typename T>
-LoadResult set_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDict& state_dict,
-                                const StateDictOptions& options = {}) {
-  return set_model_state_dict(*model.ptr(), state_dict, options);
-}
-template <typename T>
 StateDict get_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
                                    const StateDictOptions& options = {}) {
   return get_optimizer_state_dict(*model, optimizer, options);
 }
 template <typename T>
-LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
-                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
-  return set_optimizer_state_dict(*model, optimizer, state_dict, options);
-}
-template <typename T>
 StateDict get_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
                          const StateDictOptions& options = {}) {
   return get_state_dict(*model, optimizer, options);
+}
+template <typename T>
+LoadResult set_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDict& state_dict,
+                                const StateDictOptions& options = {}) {
+  return set_model_state_dict(*model.ptr(), state_dict, options);
+}
+template <typename T>
+LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_optimizer_state_dict(*model, optimizer, state_dict, options);
 }
 template <typename T>
 LoadResult set_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
