@@ -148,7 +148,8 @@ StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOp
 /// (keys with strict, shapes, dtypes, layouts), and the ranks agree (one all-reduce over the model's
 /// world group: call it on every rank) before any copies: on error nothing is changed on any rank.
 /// Throws c10::Error naming the FQN and the rank, e.g. "set_model_state_dict: 'fc1.weight' has shape
-/// [4, 6] in the state dict but [5, 6] in the destination (rank 0) ...".
+/// [4, 6] in the state dict but [5, 6] in the destination (rank 0) ... (nothing was loaded on any
+/// rank)"; the other ranks throw "set_model_state_dict: rank 0 failed: <that message>".
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
                                 const StateDictOptions& options = {});
 
