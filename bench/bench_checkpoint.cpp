@@ -108,6 +108,17 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+/// Every rank's loaded shards equal the saved ones.
+void expect_same(const std::vector<fsdp::StateDict>& loaded, const std::vector<fsdp::StateDict>& saved,
+                 const char* what) {
+  for (size_t r = 0; r < loaded.size(); ++r) {
+    for (const auto& [k, v] : loaded[r]) {
+      TORCH_CHECK(torch::equal(std::get<fsdp::DTensor>(v).to_local(), std::get<fsdp::DTensor>(saved[r].at(k)).to_local()),
+                  "bench_checkpoint: ", what, " differs");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -116,10 +127,10 @@ int main(int argc, char** argv) {
   int64_t mib = 256;
   int world = 2, reshard_world = 3, reps = 3;
   app.add_option("--dir", dir, "Folder on the disk to measure (Default: $TMPDIR or /tmp)");
-  app.add_option("--mib", mib, "MiB of state per rank at --world ranks (Default: 256)");
-  app.add_option("--world", world, "Ranks of the save and the same-size load (Default: 2)");
-  app.add_option("--reshard-world", reshard_world, "Ranks of the resharded load (Default: 3)");
-  app.add_option("--reps", reps, "Repetitions; the median is reported (Default: 3)");
+  app.add_option("--mib", mib, "MiB of state per rank at --world ranks")->capture_default_str();
+  app.add_option("--world", world, "Ranks of the save and the same-size load")->capture_default_str();
+  app.add_option("--reshard-world", reshard_world, "Ranks of the resharded load")->capture_default_str();
+  app.add_option("--reps", reps, "Repetitions; the median is reported")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   const fs::path base = fs::path(dir) / ("bench_checkpoint_" + std::to_string(::getpid()));
@@ -168,12 +179,7 @@ int main(int argc, char** argv) {
     t_load.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
-    for (int r = 0; r < world; ++r) {
-      for (const auto& [k, v] : dst[r]) {
-        TORCH_CHECK(torch::equal(std::get<fsdp::DTensor>(v).to_local(), std::get<fsdp::DTensor>(sds[r].at(k)).to_local()),
-                    "bench_checkpoint: loaded data differs");
-      }
-    }
+    expect_same(dst, sds, "loaded data");
     dst.clear();
     bufs.clear();
     // 5. On reshard_world ranks: a load of a checkpoint saved on reshard_world ranks (same size, no
@@ -203,12 +209,7 @@ int main(int argc, char** argv) {
     t_reshard.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
-    for (int r = 0; r < reshard_world; ++r) {
-      for (const auto& [k, v] : dst2[r]) {
-        TORCH_CHECK(torch::equal(std::get<fsdp::DTensor>(v).to_local(), std::get<fsdp::DTensor>(sds2[r].at(k)).to_local()),
-                    "bench_checkpoint: resharded data differs");
-      }
-    }
+    expect_same(dst2, sds2, "resharded data");
     fs::remove_all(plain);
     fs::remove_all(ck);
     fs::remove_all(ck2);

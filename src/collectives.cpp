@@ -3,6 +3,8 @@
 #include <chrono>
 #include <sstream>
 
+#include "process_group_access.h"
+
 namespace fsdp {
 namespace {
 
@@ -116,12 +118,12 @@ template <typename Issue>
 Work launch(ProcessGroup& group, const char* op, uint64_t seq, uint64_t bytes, std::string description,
             bool async_op, const torch::Tensor* in, const torch::Tensor* out, int64_t arg, Issue&& issue,
             std::function<void()> on_done = {}) {
-  group.count_collective(op, bytes);
+  detail::ProcessGroupAccess::count_collective(group, op, bytes);
   group.flight_recorder().issued(seq, op, description.substr(description.find(':') == std::string::npos
                                                                  ? description.size()
                                                                  : description.find(':') + 2));
   if (group.debug_backend()) check_fingerprint(group, op, seq, arg, in, out);
-  group.note_progress(seq);
+  detail::ProcessGroupAccess::note_progress(group, seq);
   c10::intrusive_ptr<c10d::Work> w;
   try {
     w = issue();
@@ -145,6 +147,26 @@ std::string describe(const torch::Tensor& t) {
   return os.str();
 }
 
+namespace {
+
+/// "<header>: input <describe>, output <describe>": the context of an all-gather or reduce-scatter.
+std::string pair_desc(const char* op, ProcessGroup& group, uint64_t seq, const torch::Tensor& input,
+                      const torch::Tensor& output) {
+  return header(op, group, seq) + ": input " + describe(input) + ", output " + describe(output);
+}
+
+/// The tensors of an all-gather (big = output) or reduce-scatter (big = input): `big` holds `n` times
+/// the elements of `small`, in the same dtype, both contiguous.
+void check_pair(const std::string& desc, const torch::Tensor& big, const char* big_name, const torch::Tensor& small,
+                const char* small_name, int n) {
+  TORCH_CHECK(big.numel() == small.numel() * n, desc, ": expected ", big_name, ".numel() == ", n, " * ", small_name,
+              ".numel() = ", small.numel() * n, ", got ", big.numel());
+  TORCH_CHECK(big.scalar_type() == small.scalar_type(), desc, ": input and output dtypes differ");
+  TORCH_CHECK(big.is_contiguous() && small.is_contiguous(), desc, ": tensors must be contiguous");
+}
+
+}  // namespace
+
 Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done,
            ProcessGroup* group, uint64_t seq)
     : work_(std::move(work)),
@@ -167,7 +189,10 @@ void Work::wait() {
     } catch (const std::exception& e) {
       cause = e.what();
     }
-    if (group_) group_->add_wait_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (group_) {
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      detail::ProcessGroupAccess::add_wait_seconds(*group_, waited);
+    }
     if (!cause.empty()) {
       // Name the ranks that never reached this collective (from the progress each rank publishes in
       // the store) and leave the flight recorder behind for the post-mortem.
@@ -193,13 +218,9 @@ bool Work::is_completed() const { return done_ || !work_ || work_->isCompleted()
 
 Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                             bool async_op) {
-  uint64_t seq = group.next_seq();
-  std::string desc = header("all_gather_into_tensor", group, seq) + ": input " + describe(input) + ", output " +
-                     describe(output);
-  TORCH_CHECK(output.numel() == input.numel() * group.size(), desc, ": expected output.numel() == ", group.size(),
-              " * input.numel() = ", input.numel() * group.size(), ", got ", output.numel());
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), desc, ": input and output dtypes differ");
-  TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), desc, ": tensors must be contiguous");
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  const std::string desc = pair_desc("all_gather_into_tensor", group, seq, input, output);
+  check_pair(desc, output, "output", input, "input", group.size());
   if (group.size() == 1) {
     if (!output.is_same(input) && output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
@@ -214,13 +235,9 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 
 Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                            ReduceOp op, bool async_op) {
-  uint64_t seq = group.next_seq();
-  std::string desc = header("reduce_scatter_tensor", group, seq) + ": input " + describe(input) + ", output " +
-                     describe(output);
-  TORCH_CHECK(input.numel() == output.numel() * group.size(), desc, ": expected input.numel() == ", group.size(),
-              " * output.numel() = ", output.numel() * group.size(), ", got ", input.numel());
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), desc, ": input and output dtypes differ");
-  TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), desc, ": tensors must be contiguous");
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  const std::string desc = pair_desc("reduce_scatter_tensor", group, seq, input, output);
+  check_pair(desc, input, "input", output, "output", group.size());
   if (group.size() == 1) {
     if (output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
@@ -243,7 +260,7 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
 }
 
 Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, bool async_op) {
-  uint64_t seq = group.next_seq();
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
   std::string desc = header("all_reduce", group, seq) + ": tensor " + describe(tensor);
   if (group.size() == 1) return Work();
   std::function<void()> on_done;
@@ -263,7 +280,7 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
 }
 
 Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool async_op) {
-  uint64_t seq = group.next_seq();
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
   std::string desc = header("broadcast", group, seq) + ": tensor " + describe(tensor) + " from rank " +
                      std::to_string(src);
   TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
@@ -277,7 +294,7 @@ Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool a
 }
 
 Work barrier(ProcessGroup& group, bool async_op) {
-  uint64_t seq = group.next_seq();
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
   std::string desc = header("barrier", group, seq);
   if (group.size() == 1) return Work();
   return launch(group, "barrier", seq, 0, desc, async_op, nullptr, nullptr, 0, [&] {

@@ -4,6 +4,8 @@
 #include <set>
 #include <sstream>
 
+#include "process_group_access.h"
+
 namespace fsdp {
 
 DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape, std::vector<std::string> dim_names)
@@ -38,7 +40,7 @@ DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape, std::v
   }
   std::vector<int64_t> strides(shape_.size(), 1);
   for (int64_t d = ndim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape_[d + 1];
-  uint64_t mesh_id = world_->next_subgroup_id();
+  uint64_t mesh_id = detail::ProcessGroupAccess::next_subgroup_id(*world_);
   for (int64_t d = 0; d < ndim(); ++d) {
     if (shape_.size() == 1) {
       groups_.push_back(world_);  // a 1-D mesh is the world itself: no new group

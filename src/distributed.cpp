@@ -15,6 +15,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "process_group_access.h"
+#include "util.h"
+
 namespace fsdp {
 namespace {
 
@@ -205,14 +208,9 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
     backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank, " of ",
-                size, " within ", timeout.count(), " ms: ", e.what_without_backtrace(),
-                ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
-                "names a reachable interface");
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank,
-                " of ", size, " within ", timeout.count(), " ms: ", e.what(),
+    TORCH_CHECK(false, "init_process_group: Gloo rendezvous of group '", name, "' failed on rank ", rank, " of ",
+                size, " within ", timeout.count(), " ms: ", detail::message_of(e),
                 ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
                 "names a reachable interface");
   }
@@ -223,46 +221,56 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
     auto side_opts = c10d::ProcessGroupGloo::Options::create(timeout);
     side_opts->devices = opts->devices;
     side_opts->threads = 1;
-    group->set_debug_backend(c10::make_intrusive<c10d::ProcessGroupGloo>(
+    detail::ProcessGroupAccess::set_debug_backend(*group, c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("fsdp_debug", store), rank, size, side_opts));
   }
   return group;
 }
 
-ProcessGroupPtr init_process_group(const InitOptions& options) {
-  LaunchEnv env = options.env ? *options.env : read_launch_env();
-  if (options.debug) {
-    std::lock_guard<std::mutex> lock(g_default_mutex);
-    g_debug_override = *options.debug;
-  }
-  std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  if (options.timeout) {
-    timeout = *options.timeout;
-  } else if (auto s = getenv_int("FSDP_TIMEOUT_S")) {
+namespace {
+
+// The steps of init_process_group, in order.
+
+/// InitOptions::timeout, else FSDP_TIMEOUT_S, else 30 min (PyTorch's default).
+std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
+  if (options.timeout()) return *options.timeout();
+  if (auto s = getenv_int("FSDP_TIMEOUT_S")) {
     TORCH_CHECK(*s > 0, "init_process_group: FSDP_TIMEOUT_S=", *s, " is invalid: expected a positive number of seconds");
-    timeout = std::chrono::seconds(*s);
+    return std::chrono::seconds(*s);
   }
-  std::string backend_name = options.backend.value_or(options.device_type == torch::kCUDA ? "nccl" : "gloo");
-  TORCH_CHECK(backend_name == "gloo" || backend_name == "nccl", "init_process_group: unknown backend '",
-              backend_name, "': expected \"gloo\" (CPU) or \"nccl\" (CUDA)");
+  return std::chrono::minutes(30);
+}
 
-  torch::Device device(torch::kCPU);
-  if (options.device_type == torch::kCUDA) {
-    TORCH_CHECK(torch::cuda::is_available(), "init_process_group: device type CUDA requested but this LibTorch "
-                "has no usable CUDA device. Fix: use device_type kCPU (backend gloo) or a CUDA build of LibTorch");
-    int n = static_cast<int>(torch::cuda::device_count());
-    TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
-                n, " CUDA device(s): expected --nproc-per-node <= ", n);
-    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-    // Rank-aware device init, before any CUDA work (the rendezvous below creates none; NCCL's
-    // communicator, the first allocation and FSDP's streams come later and all land on this device).
-    c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
-  } else {
+/// "gloo" or "nccl": InitOptions::backend, else the device type's.
+std::string resolve_backend(const InitOptions& options) {
+  std::string name = options.backend().value_or(options.device_type() == torch::kCUDA ? "nccl" : "gloo");
+  TORCH_CHECK(name == "gloo" || name == "nccl", "init_process_group: unknown backend '", name,
+              "': expected \"gloo\" (CPU) or \"nccl\" (CUDA)");
+  return name;
+}
+
+/// The device this rank computes on (cuda:LOCAL_RANK on CUDA, made the current CUDA device).
+torch::Device select_device(const InitOptions& options, const LaunchEnv& env, const std::string& backend_name) {
+  if (options.device_type() != torch::kCUDA) {
     TORCH_CHECK(backend_name == "gloo", "init_process_group: backend nccl needs device type CUDA; got CPU");
+    return torch::Device(torch::kCPU);
   }
+  TORCH_CHECK(torch::cuda::is_available(), "init_process_group: device type CUDA requested but this LibTorch "
+              "has no usable CUDA device. Fix: use device_type kCPU (backend gloo) or a CUDA build of LibTorch");
+  int n = static_cast<int>(torch::cuda::device_count());
+  TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
+              n, " CUDA device(s): expected --nproc-per-node <= ", n);
+  torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  // Rank-aware device init, before any CUDA work (the rendezvous creates none; NCCL's communicator,
+  // the first allocation and FSDP's streams come later and all land on this device).
+  c10::impl::getDeviceGuardImpl(torch::kCUDA)->setDevice(device);
+  return device;
+}
 
-  // Rendezvous. With an agent store the launcher hosts the TCPStore and we are clients under the
-  // attempt's prefix (torchrun's contract); otherwise rank 0 hosts it.
+/// The store the default group rendezvous on. With an agent store the launcher hosts the TCPStore and
+/// we are clients under the attempt's prefix (torchrun's contract); otherwise rank 0 hosts it.
+c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& options, const LaunchEnv& env,
+                                              std::chrono::milliseconds timeout) {
   // An unresolvable host would make the TCPStore retry until the timeout: fail now, naming it.
   {
     addrinfo* res = nullptr;
@@ -271,7 +279,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     TORCH_CHECK(rc == 0, "init_process_group: MASTER_ADDR=", env.master_addr, " cannot be resolved (",
                 gai_strerror(rc), "). Fix: set MASTER_ADDR to the host name or IP address of rank 0");
   }
-  c10::intrusive_ptr<c10d::Store> store = options.store;
+  c10::intrusive_ptr<c10d::Store> store = options.store();
   c10d::TCPStoreOptions sopts;
   sopts.port = static_cast<std::uint16_t>(env.master_port);
   sopts.timeout = timeout;
@@ -281,27 +289,34 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   sopts.multiTenant = true;
   try {
     if (!store) store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
-                " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
-                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ", timeout.count(),
-                " ms: ", e.what_without_backtrace(),
-                ". Fix: check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are reachable from this host");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
                 " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
-                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ",
-                timeout.count(), " ms: ", e.what(),
+                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ", timeout.count(),
+                " ms: ", detail::message_of(e),
                 ". Fix: check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are reachable from this host");
   }
   if (env.use_agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
   }
-  store = c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
+  return c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
+}
 
+}  // namespace
+
+ProcessGroupPtr init_process_group(const InitOptions& options) {
+  LaunchEnv env = options.env() ? *options.env() : read_launch_env();
+  if (options.debug()) {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    g_debug_override = *options.debug();
+  }
+  const auto timeout = resolve_timeout(options);
+  const std::string backend_name = resolve_backend(options);
+  const torch::Device device = select_device(options, env, backend_name);
+  auto store = connect_store(options, env, timeout);
   ProcessGroupPtr group;
   if (backend_name == "gloo") {
-    group = make_gloo_group(store, env.rank, env.world_size, timeout, {}, "default", options.gloo_threads);
+    group = make_gloo_group(store, env.rank, env.world_size, timeout, {}, "default", options.gloo_threads());
   } else {
 #ifdef USE_C10D_NCCL
     auto nopts = c10d::ProcessGroupNCCL::Options::create();
@@ -309,6 +324,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nopts);
     group = std::make_shared<ProcessGroup>(backend, device, store, std::vector<int>{}, timeout, "default");
 #else
+    (void)device;
     TORCH_CHECK(false, "init_process_group: backend nccl requested but this LibTorch was built without NCCL");
 #endif
   }

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "consistency.h"
+#include "process_group_access.h"
 
 namespace fsdp::detail {
 
@@ -315,7 +316,8 @@ void FSDPState::lazy_init() {
         std::vector<int> members;
         for (int i = 0; i < k; ++i) members.push_back(base + i);
         s->post_forward_group =
-            new_group(pg, members, "post_forward" + std::to_string(pg->next_subgroup_id()) + "/" + std::to_string(base));
+            new_group(pg, members, "post_forward" + std::to_string(ProcessGroupAccess::next_subgroup_id(*pg)) + "/" +
+                                       std::to_string(base));
       }
     }
   }

@@ -65,9 +65,9 @@ ProcessGroupPtr nccl_world_of_one() {
   InitOptions o;
   LaunchEnv env;
   env.master_addr = "127.0.0.1";
-  o.env = env;
-  o.device_type = torch::kCUDA;
-  o.store = c10::make_intrusive<c10d::HashStore>();
+  o.env(env);
+  o.device_type(torch::kCUDA);
+  o.store(c10::make_intrusive<c10d::HashStore>());
   return init_process_group(o);
 }
 
@@ -77,8 +77,8 @@ ProcessGroupPtr world_of_one(torch::Device dev) {
   InitOptions o;
   LaunchEnv env;
   env.master_addr = "127.0.0.1";
-  o.env = env;
-  o.store = c10::make_intrusive<c10d::HashStore>();
+  o.env(env);
+  o.store(c10::make_intrusive<c10d::HashStore>());
   return init_process_group(o);
 }
 
@@ -194,9 +194,9 @@ TEST(CudaInit, StoreOptionReplacesTheTcpRendezvous) {
   LaunchEnv env;
   env.master_addr = "127.0.0.1";
   env.master_port = 1;  // nothing listens there: a TCPStore would fail
-  o.env = env;
-  o.store = c10::make_intrusive<c10d::HashStore>();
-  o.timeout = std::chrono::seconds(5);
+  o.env(env);
+  o.store(c10::make_intrusive<c10d::HashStore>());
+  o.timeout(std::chrono::seconds(5));
   auto pg = init_process_group(o);
   EXPECT_EQ(pg->size(), 1);
   EXPECT_EQ(pg->device(), torch::Device(torch::kCPU));
@@ -209,9 +209,9 @@ TEST(CudaInit, CudaWithoutAGpuIsAClearError) {
   InitOptions o;
   LaunchEnv env;
   env.master_addr = "127.0.0.1";
-  o.env = env;
-  o.device_type = torch::kCUDA;
-  o.store = c10::make_intrusive<c10d::HashStore>();
+  o.env(env);
+  o.device_type(torch::kCUDA);
+  o.store(c10::make_intrusive<c10d::HashStore>());
   try {
     init_process_group(o);
     ADD_FAILURE() << "expected an error";

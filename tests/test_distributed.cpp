@@ -229,7 +229,7 @@ TEST_F(Env, UnreachableMasterFailsWithinTheTimeout) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", "1", 1);  // nothing listens on port 1
   fsdp::InitOptions opts;
-  opts.timeout = std::chrono::seconds(2);
+  opts.timeout(std::chrono::seconds(2));
   auto t0 = std::chrono::steady_clock::now();
   auto msg = error_of([&] { fsdp::init_process_group(opts); });
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

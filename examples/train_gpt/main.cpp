@@ -248,13 +248,13 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
 /// The process group: from the launcher's environment, or a group of one when started without one.
 fsdp::ProcessGroupPtr make_process_group(bool launched, bool cuda) {
   fsdp::InitOptions init;
-  init.device_type = cuda ? torch::kCUDA : torch::kCPU;
+  init.device_type(cuda ? torch::kCUDA : torch::kCPU);
   if (launched) return fsdp::init_process_group(init);
   if (cuda) {  // one process on cuda:0 without a launcher: NCCL over an in-memory store
     fsdp::LaunchEnv env;
     env.master_addr = "127.0.0.1";
-    init.env = env;
-    init.store = c10::make_intrusive<c10d::HashStore>();
+    init.env(env);
+    init.store(c10::make_intrusive<c10d::HashStore>());
     return fsdp::init_process_group(init);
   }
   auto pg = fsdp::make_gloo_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::minutes(30));

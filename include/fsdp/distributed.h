@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <torch/arg.h>
 #include <torch/types.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -19,6 +20,10 @@
 #include "fsdp/flight_recorder.h"
 
 namespace fsdp {
+
+namespace detail {
+struct ProcessGroupAccess;  // src/process_group_access.h
+}  // namespace detail
 
 /// Who launched us and where this process sits, as read from the environment.
 /// Sources, in order: torchrun/fsdprun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
@@ -43,26 +48,27 @@ struct LaunchEnv {
 LaunchEnv read_launch_env();
 
 /// Options of init_process_group. Every field is optional.
+/// Example: `fsdp::init_process_group(fsdp::InitOptions().device_type(torch::kCUDA).timeout(std::chrono::minutes(5)))`
 struct InitOptions {
-  /// "gloo" or "nccl". (Default: "nccl" when `device` is CUDA, else "gloo")
-  std::optional<std::string> backend;
+  /// "gloo" or "nccl". (Default: "nccl" when `device_type` is CUDA, else "gloo")
+  TORCH_ARG(std::optional<std::string>, backend);
   /// Device type to compute on: kCPU or kCUDA; with kCUDA each rank takes cuda:LOCAL_RANK.
   /// (Default: kCPU)
-  torch::DeviceType device_type = torch::kCPU;
+  TORCH_ARG(torch::DeviceType, device_type) = torch::kCPU;
   /// Timeout of the rendezvous and of every collective.
   /// (Default: `FSDP_TIMEOUT_S` seconds from the environment if set, else 30 min, as PyTorch's)
-  std::optional<std::chrono::milliseconds> timeout;
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
   /// Overrides the environment (e.g. for tests). (Default: from read_launch_env())
-  std::optional<LaunchEnv> env;
+  TORCH_ARG(std::optional<LaunchEnv>, env);
   /// Gloo worker threads per group. (Default: 2)
-  int gloo_threads = 2;
+  TORCH_ARG(int, gloo_threads) = 2;
   /// Debug mode: before every collective the ranks compare a fingerprint (sequence number, op, shapes,
   /// dtypes) over a side Gloo group and all raise on a mismatch. (Default: `FSDP_DEBUG=DETAIL` in the
   /// environment; off otherwise, and then free)
-  std::optional<bool> debug;
+  TORCH_ARG(std::optional<bool>, debug);
   /// Rendezvous on this store instead of the TCPStore at MASTER_ADDR:MASTER_PORT (e.g. a c10d::HashStore
   /// for a one-process job started without a launcher, with `env` = LaunchEnv{}). (Default: null)
-  c10::intrusive_ptr<c10d::Store> store;
+  TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store);
 };
 
 /// Whether groups created from now on run in debug mode (FSDP_DEBUG=DETAIL or InitOptions::debug).
@@ -91,7 +97,6 @@ class ProcessGroup {
 
   /// Number of collectives issued on this group so far (identical on every rank when in sync).
   uint64_t seq() const { return seq_; }
-  uint64_t next_seq() { return seq_++; }
   /// Number of collectives of kind `op` ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
   /// "broadcast", "barrier") that reached the backend (a group of size 1 never does).
   uint64_t collective_count(const std::string& op) const;
@@ -101,13 +106,6 @@ class ProcessGroup {
   /// Seconds this rank spent blocked in Work::wait() on this group: communication not hidden behind
   /// compute.
   double wait_seconds() const { return wait_seconds_; }
-  void add_wait_seconds(double s) { wait_seconds_ += s; }
-  void count_collective(const std::string& op, uint64_t bytes) {
-    ++counts_[op];
-    bytes_[op] += bytes;
-  }
-  /// Counter that names sub-groups (identical on every rank when they build groups in one order).
-  uint64_t next_subgroup_id() { return subgroups_++; }
 
   /// "ProcessGroup(name=default, backend=gloo, rank=1, size=3)".
   std::string str() const;
@@ -118,14 +116,16 @@ class ProcessGroup {
   std::string dump_flight_recorder(const std::string& dir = "") const;
   /// Side Gloo backend that compares collective fingerprints in debug mode (null when off).
   const c10::intrusive_ptr<c10d::Backend>& debug_backend() const { return debug_backend_; }
-  void set_debug_backend(c10::intrusive_ptr<c10d::Backend> b) { debug_backend_ = std::move(b); }
-  /// Publishes in the store that this rank reached collective `seq` (read by lagging_ranks()).
-  void note_progress(uint64_t seq);
   /// Ranks of the group that have not reached collective `seq` according to the store, e.g. after a
   /// timeout. Empty when unknown (no store).
   std::vector<int> lagging_ranks(uint64_t seq) const;
 
  private:
+  // The library's bookkeeping (sequence numbers, counters, ...) is written through this accessor only.
+  friend struct detail::ProcessGroupAccess;
+  /// Publishes in the store that this rank reached collective `seq` (read by lagging_ranks()).
+  void note_progress(uint64_t seq);
+
   c10::intrusive_ptr<c10d::Backend> backend_;
   torch::Device device_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -105,6 +105,7 @@ class StateDict {
 const char* kind_name(const StateDictValue& value);
 
 /// Options of the get/set state dict functions. Mirrors torch's StateDictOptions.
+/// Example: `fsdp::get_model_state_dict(model, fsdp::StateDictOptions().full_state_dict(true).cpu_offload(true))`
 struct StateDictOptions {
   /// get: gather full tensors (a collective over each parameter's mesh) instead of DTensors aliasing the
   /// local shards. (set accepts either: a full tensor is sliced locally into each rank's shard; a DTensor
@@ -147,7 +148,8 @@ StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOp
 /// (keys with strict, shapes, dtypes, layouts), and the ranks agree (one all-reduce over the model's
 /// world group: call it on every rank) before any copies: on error nothing is changed on any rank.
 /// Throws c10::Error naming the FQN and the rank, e.g. "set_model_state_dict: 'fc1.weight' has shape
-/// [4, 6] in the state dict but [5, 6] in the destination (rank 0) ...".
+/// [4, 6] in the state dict but [5, 6] in the destination (rank 0) ... (nothing was loaded on any
+/// rank)"; the other ranks throw "set_model_state_dict: rank 0 failed: <that message>".
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
                                 const StateDictOptions& options = {});
 
@@ -185,24 +187,24 @@ StateDict get_model_state_dict(const torch::nn::ModuleHolder<T>& model, const St
   return get_model_state_dict(*model, options);
 }
 template <typename T>
-LoadResult set_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDict& state_dict,
-                                const StateDictOptions& options = {}) {
-  return set_model_state_dict(*model.ptr(), state_dict, options);
-}
-template <typename T>
 StateDict get_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
                                    const StateDictOptions& options = {}) {
   return get_optimizer_state_dict(*model, optimizer, options);
 }
 template <typename T>
-LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
-                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
-  return set_optimizer_state_dict(*model, optimizer, state_dict, options);
-}
-template <typename T>
 StateDict get_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
                          const StateDictOptions& options = {}) {
   return get_state_dict(*model, optimizer, options);
+}
+template <typename T>
+LoadResult set_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDict& state_dict,
+                                const StateDictOptions& options = {}) {
+  return set_model_state_dict(*model.ptr(), state_dict, options);
+}
+template <typename T>
+LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_optimizer_state_dict(*model, optimizer, state_dict, options);
 }
 template <typename T>
 LoadResult set_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,

@@ -15,6 +15,7 @@
 
 #include "fsdp/distributed.h"
 #include "fsdp/state_dict.h"
+#include "validate_agree_apply.h"
 
 namespace fsdp::dcp::detail {
 
@@ -83,6 +84,22 @@ class Coordinator {
       return value;
     }
     return get(name, "rank 0 " + what);
+  }
+  /// Phase 2 of [Note: validate, agree, apply] through the store (a load's only exchange): rank 0
+  /// gathers every rank's problem and publishes the first as "<rank>\n<message>".
+  fsdp::detail::Agree agreement() {
+    return [this](const std::string& problem) -> std::optional<fsdp::detail::Failure> {
+      if (single()) return std::nullopt;
+      auto reports = gather("staged", problem, "to read its part of the checkpoint");
+      std::string verdict;
+      for (size_t r = 0; r < reports.size() && verdict.empty(); ++r) {
+        if (!reports[r].empty()) verdict = std::to_string(r) + "\n" + reports[r];
+      }
+      verdict = broadcast("verdict", verdict, "to collect every rank's reading of the checkpoint");
+      if (verdict.empty()) return std::nullopt;
+      const size_t nl = verdict.find('\n');
+      return fsdp::detail::Failure{std::stoi(verdict.substr(0, nl)), verdict.substr(nl + 1)};
+    };
   }
 
  private:

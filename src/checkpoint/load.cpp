@@ -1,14 +1,14 @@
-// Reading checkpoints: inspect (metadata and headers), load with resharding, verify, read_tensor and
-// consolidate.
+// Reading checkpoints: load with resharding, verify, read_tensor and consolidate. The checkpoint's
+// description (inspect) is read by metadata.cpp.
 //
 // Resharding: a destination is a box of the global tensor (a DTensor's local piece, or a whole tensor).
 // For each chunk of the checkpoint that overlaps it, the overlap is one run of the chunk's C-order
 // elements from its first to its last element (exactly the overlap when it spans the trailing dims, as
 // with Shard(0)); only that byte range of the file is read (widened to whole checksum blocks when
 // checksums are verified). Files are memory-mapped: what a load reads stays in the page cache, verified,
-// until every rank has read and verified everything; only then is it copied into the destinations.
+// until every rank has read and verified everything; only then is it copied into the destinations
+// (see [Note: validate, agree, apply] in validate_agree_apply.h).
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -16,13 +16,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <regex>
 #include <set>
 
 #include "checkpoint/coordinator.h"
+#include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "util.h"
+#include "validate_agree_apply.h"
 
 namespace fsdp::dcp {
 
@@ -33,179 +34,7 @@ namespace {
 using fsdp::detail::list_keys;
 using fsdp::detail::numel_of;
 using fsdp::detail::shape_str;
-
-/// `dir`, or the folder a `latest` pointer file names when `dir` is that file.
-std::string resolve_dir(const std::string& dir, const char* api) {
-  std::string d = dir;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  TORCH_CHECK(fs::exists(d), api, ": checkpoint folder ", d, " does not exist");
-  if (fs::is_regular_file(d)) {
-    auto parent = fs::path(d).parent_path();
-    auto target = latest(parent.empty() ? "." : parent.string());
-    TORCH_CHECK(target && fs::path(d).filename() == kLatestFileName, api, ": ", d,
-                " is a file, not a checkpoint folder (nor a `latest` pointer)");
-    TORCH_CHECK(fs::is_directory(*target), api, ": ", d, " names ", *target, ", which does not exist");
-    return *target;
-  }
-  TORCH_CHECK(fs::is_directory(d), api, ": ", d, " is not a checkpoint folder");
-  return d;
-}
-
-int rank_from_name(const std::string& name) {
-  static const std::regex re("^shard-(\\d+)-model-\\d+-of-\\d+\\.safetensors$");
-  std::smatch m;
-  if (std::regex_match(name, m, re)) return std::stoi(m[1].str()) - 1;
-  return -1;
-}
-
-/// Problems either throw (problems == null) or are collected.
-struct Problems {
-  std::vector<std::string>* out = nullptr;
-  const char* api;
-  void report(const std::string& msg) {
-    if (!out) TORCH_CHECK(false, msg);
-    out->push_back(msg);
-  }
-};
-
-std::string tensors_in(const nlohmann::json& file_meta) {
-  std::string s;
-  size_t n = 0;
-  if (file_meta.contains("tensor_crc32c")) {
-    for (const auto& [k, v] : file_meta["tensor_crc32c"].items()) {
-      if (n++ < 3) s += (s.empty() ? "'" : ", '") + k + "'";
-    }
-  }
-  if (n > 3) s += ", ... (" + std::to_string(n) + " tensors)";
-  return s.empty() ? "" : ", holding " + s;
-}
-
-CheckpointInfo read_info(const std::string& dir_arg, const char* api, std::vector<std::string>* problems_out) {
-  Problems problems{problems_out, api};
-  CheckpointInfo info;
-  info.dir = resolve_dir(dir_arg, api);
-  const fs::path dir = info.dir;
-  const fs::path meta_path = dir / kMetadataFileName;
-  std::vector<std::string> names;
-  if (fs::exists(meta_path)) {
-    std::string text = detail::read_small_file(meta_path.string(), api);
-    try {
-      info.metadata = nlohmann::json::parse(text);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, api, ": ", meta_path.string(), " is not valid JSON (truncated or damaged?): ", e.what());
-    }
-    const auto& m = info.metadata;
-    TORCH_CHECK(m.is_object() && m.value("format", "") == "libfsdp-dcp", api, ": ", meta_path.string(),
-                " is not libfsdp checkpoint metadata (format '", m.is_object() ? m.value("format", "") : "", "')");
-    info.format = "libfsdp-dcp";
-    info.version = m.value("version", 0);
-    TORCH_CHECK(info.version >= 1 && info.version <= 1, api, ": ", meta_path.string(), " has format version ",
-                info.version, "; this libfsdp reads version 1. Fix: use a newer libfsdp");
-    try {
-      info.world_size = m.at("world_size").get<int>();
-      info.mesh_shape = m.at("mesh").at("shape").get<std::vector<int64_t>>();
-      info.mesh_dim_names = m.at("mesh").at("dim_names").get<std::vector<std::string>>();
-      for (const auto& [k, v] : m.at("values").items()) info.values[k] = v;
-      for (const auto& [k, v] : m.at("per_rank_values").items()) info.per_rank_values[k] = v.get<std::vector<nlohmann::json>>();
-      for (const auto& [name, f] : m.at("files").items()) names.push_back(name);
-    } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, api, ": ", meta_path.string(), " is malformed: ", e.what());
-    }
-  } else {
-    info.format = "safetensors";
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      auto n = e.path().filename().string();
-      if (e.is_regular_file() && n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) names.push_back(n);
-    }
-    std::sort(names.begin(), names.end());
-    TORCH_CHECK(!names.empty(), api, ": ", dir.string(), " holds neither ", kMetadataFileName,
-                " nor any *.safetensors file: not a checkpoint");
-  }
-
-  for (const auto& name : names) {
-    const std::string path = (dir / name).string();
-    const nlohmann::json fmeta = info.metadata.is_object() ? info.metadata["files"][name] : nlohmann::json();
-    FileInfo fi;
-    fi.name = name;
-    fi.rank = fmeta.is_object() ? fmeta.value("rank", -1) : rank_from_name(name);
-    fi.checksummed = fmeta.is_object() && fmeta.contains("header_crc32c");
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0) {
-      problems.report(std::string(api) + ": " + path + " is missing: the checkpoint's metadata lists it (written by rank " +
-                      std::to_string(fi.rank) + tensors_in(fmeta) + ")" +
-                      ". The checkpoint is incomplete; restore the file or use another checkpoint");
-      continue;
-    }
-    fi.bytes = static_cast<int64_t>(st.st_size);
-    if (fmeta.is_object()) {
-      const int64_t expect = fmeta.value("bytes", int64_t(-1));
-      if (fi.bytes != expect) {
-        problems.report(std::string(api) + ": " + path + (fi.bytes < expect ? " is truncated" : " has the wrong size") +
-                        ": " + std::to_string(fi.bytes) + " bytes, but the checkpoint's metadata records " +
-                        std::to_string(expect) + " (written by rank " + std::to_string(fi.rank) + tensors_in(fmeta) +
-                        "). The file was damaged; restore it or use another checkpoint");
-        continue;
-      }
-    }
-    detail::Header h;
-    try {
-      auto f = detail::File::open_read(path, api);
-      h = detail::read_header(f, fi.bytes, api);
-    } catch (const c10::Error& e) {
-      problems.report(e.what_without_backtrace());
-      continue;
-    }
-    if (fi.checksummed) {
-      uint32_t crc = detail::crc32c(0, h.raw.data(), h.raw.size());
-      if (crc != fmeta["header_crc32c"].get<uint32_t>()) {
-        problems.report(std::string(api) + ": checksum mismatch in the header of " + path + " (written by rank " +
-                        std::to_string(fi.rank) + tensors_in(fmeta) + "): the file was modified or damaged after it was written; restore it or use another checkpoint");
-        continue;
-      }
-    }
-    info.files.push_back(fi);
-    for (const auto& e : h.entries) {
-      ChunkInfo c;
-      c.file = name;
-      c.sizes = e.shape;
-      c.offsets = e.saved_offsets ? *e.saved_offsets : std::vector<int64_t>(e.shape.size(), 0);
-      c.file_offset = h.data_start + e.begin;
-      c.nbytes = e.end - e.begin;
-      auto [it, fresh] = info.tensors.try_emplace(e.name);
-      auto& t = it->second;
-      if (fresh) {
-        t.dtype = e.dtype;
-        t.sizes.assign(e.shape.size(), 0);
-      } else if (t.dtype != e.dtype || t.sizes.size() != e.shape.size()) {
-        problems.report(std::string(api) + ": '" + e.name + "' is " + c10::toString(e.dtype) + " " +
-                        shape_str(e.shape) + " in " + path + " but " + c10::toString(t.dtype) + " with " +
-                        std::to_string(t.sizes.size()) + " dims in " + t.chunks[0].file);
-        continue;
-      }
-      for (size_t d = 0; d < e.shape.size(); ++d) t.sizes[d] = std::max(t.sizes[d], c.offsets[d] + c.sizes[d]);
-      t.chunks.push_back(std::move(c));
-    }
-  }
-  // The metadata's summary must agree with the headers.
-  if (info.metadata.is_object() && info.metadata.contains("tensors")) {
-    for (const auto& [k, v] : info.metadata["tensors"].items()) {
-      auto it = info.tensors.find(k);
-      if (it == info.tensors.end()) {
-        problems.report(std::string(api) + ": '" + k + "' is listed in " + meta_path.string() +
-                        " but no safetensors file holds it (a file is missing?)");
-        continue;
-      }
-      auto shape = v.value("shape", std::vector<int64_t>());
-      if (detail::dtype_name(it->second.dtype, api, k) != v.value("dtype", "") || shape != it->second.sizes) {
-        problems.report(std::string(api) + ": '" + k + "' is " + v.value("dtype", "") + " " + shape_str(shape) + " in " +
-                        meta_path.string() + " but " + detail::dtype_name(it->second.dtype, api, k) + " " +
-                        shape_str(it->second.sizes) + " in the safetensors headers (a chunk is missing?)");
-      }
-    }
-  }
-  return info;
-}
+using detail::read_info;
 
 /// CRC-32Cs of a chunk's data blocks (empty when the checkpoint has none).
 const nlohmann::json* chunk_crcs(const CheckpointInfo& info, const ChunkInfo& c, const std::string& fqn) {
@@ -373,127 +202,141 @@ std::string coverage_problem(const TensorInfo& t, const std::vector<int64_t>& bo
          " (e.g. in " + hits[0]->file + "): the checkpoint is inconsistent";
 }
 
-}  // namespace
+/// Phase 1 of dcp::load on one rank: validates the state dict against the checkpoint and stages every
+/// copy (views of verified file bytes) and Value, changing nothing.
+class LoadPlan {
+ public:
+  LoadPlan(const std::string& dir, const LoadOptions& options, int rank, int world, const char* api)
+      : info_(read_info(dir, api, nullptr)), files_(info_.dir, api), options_(options), rank_(rank), world_(world),
+        api_(api) {}
 
-CheckpointInfo inspect(const std::string& dir) { return read_info(dir, "dcp::inspect", nullptr); }
+  /// Stages every entry of `sd`, then checks the keys (strict). Throws on the first problem.
+  void stage(const StateDict& sd) {
+    std::set<std::string> seen;
+    for (const auto& [key, v] : sd) {
+      seen.insert(key);
+      if (std::holds_alternative<Value>(v)) stage_value(key);
+      else stage_tensor(key, v);
+    }
+    for (const auto& [k, _] : info_.tensors)
+      if (!seen.count(k)) result_.unexpected_keys.push_back(k);
+    for (const auto& [k, _] : info_.values)
+      if (!seen.count(k)) result_.unexpected_keys.push_back(k);
+    for (const auto& [k, _] : info_.per_rank_values)
+      if (!seen.count(k)) result_.unexpected_keys.push_back(k);
+    if (options_.strict()) check_strict();
+  }
+
+  /// Phase 3: copies what was staged into `sd`'s destinations.
+  void apply(StateDict& sd) {
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& c : copies_) c.dst.copy_(c.src);
+    }
+    for (auto& [k, v] : values_) std::get<Value>(sd.at(k)).json = std::move(v);
+  }
+
+  const LoadResult& result() const { return result_; }
+
+ private:
+  struct Copy {
+    torch::Tensor dst;  // a box of a destination (aliases the model's shard, an optimizer tensor, ...)
+    torch::Tensor src;  // its verified bytes, a view of a mapped file
+  };
+
+  void stage_value(const std::string& key) {
+    const char* api = api_;
+    if (auto it = info_.values.find(key); it != info_.values.end()) {
+      values_.emplace_back(key, it->second);
+    } else if (auto pr = info_.per_rank_values.find(key); pr != info_.per_rank_values.end()) {
+      TORCH_CHECK(info_.world_size == world_ && static_cast<int>(pr->second.size()) == world_, api, ": '", key,
+                  "' is per-rank state saved by ", info_.world_size, " ranks in ", info_.dir, ", but this job has ",
+                  world_, " (rank ", rank_, "): per-rank state cannot be resharded to another world size. Fix: load on ",
+                  info_.world_size, " ranks, or remove '", key, "' from the state dict (and restore it another way)");
+      values_.emplace_back(key, pr->second[static_cast<size_t>(rank_)]);
+    } else if (info_.tensors.count(key)) {
+      TORCH_CHECK(false, api, ": '", key, "' is a Value in the state dict but a tensor in ", info_.dir, " (rank ", rank_,
+                  ")");
+    } else {
+      result_.missing_keys.push_back(key);
+    }
+  }
+
+  void stage_tensor(const std::string& key, const StateDictValue& v) {
+    const char* api = api_;
+    torch::Tensor dst;
+    std::vector<int64_t> global, offsets;
+    if (const auto* d = std::get_if<DTensor>(&v)) {
+      dst = d->to_local();
+      global = d->sizes();
+      offsets = d->local_offsets();
+    } else {
+      dst = std::get<torch::Tensor>(v);
+      TORCH_CHECK(dst.defined(), api, ": '", key, "' is an undefined tensor in the state dict (rank ", rank_, ")");
+      global = dst.sizes().vec();
+      offsets.assign(global.size(), 0);
+    }
+    auto it = info_.tensors.find(key);
+    if (it == info_.tensors.end()) {
+      TORCH_CHECK(!info_.values.count(key) && !info_.per_rank_values.count(key), api, ": '", key, "' is a ",
+                  kind_name(v), " in the state dict but a Value in ", info_.dir, " (rank ", rank_, ")");
+      result_.missing_keys.push_back(key);
+      return;
+    }
+    const TensorInfo& t = it->second;
+    TORCH_CHECK(t.sizes == global, api, ": '", key, "' has shape ", shape_str(t.sizes), " in ", info_.dir, " (e.g. ",
+                t.chunks[0].file, ") but ", shape_str(global), " in the state dict (rank ", rank_,
+                "). Fix: load into a model of the configuration that was saved");
+    TORCH_CHECK(t.dtype == dst.scalar_type(), api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, " (e.g. ",
+                t.chunks[0].file, ") but ", dst.scalar_type(), " in the state dict (rank ", rank_,
+                "). Fix: build the model with dtype ", t.dtype, " to load it, then convert");
+    auto problem = coverage_problem(t, offsets, dst.sizes().vec());
+    TORCH_CHECK(problem.empty(), api, ": '", key, "' cannot be read from ", info_.dir, " (rank ", rank_, "): ", problem);
+    if (dst.numel() == 0) return;
+    const auto box = dst.sizes().vec();
+    for (const auto& c : t.chunks) {
+      auto ov = overlap_of(c, offsets, box);
+      if (!ov) continue;
+      copies_.push_back(
+          {narrow_to(dst, offsets, *ov), chunk_view(info_, c, key, t.dtype, *ov, options_.verify_checksums(), files_, api)});
+    }
+  }
+
+  void check_strict() const {
+    const char* api = api_;
+    TORCH_CHECK(result_.missing_keys.empty(), api, ": ", result_.missing_keys.size(),
+                " key(s) of the state dict are not in ", info_.dir, " (rank ", rank_, "): ", list_keys(result_.missing_keys),
+                ". Fix: load the checkpoint this state dict's model was saved to, or pass LoadOptions().strict(false) to ",
+                "leave them unchanged");
+    TORCH_CHECK(result_.unexpected_keys.empty(), api, ": ", info_.dir, " holds ", result_.unexpected_keys.size(),
+                " key(s) the state dict does not (rank ", rank_, "): ", list_keys(result_.unexpected_keys),
+                ". Fix: add them to the state dict (e.g. get_state_dict(model, optimizer) for a checkpoint with ",
+                "optimizer state), or pass LoadOptions().strict(false) to ignore them");
+  }
+
+  CheckpointInfo info_;
+  FileCache files_;
+  const LoadOptions& options_;
+  int rank_, world_;
+  const char* api_;
+  std::vector<Copy> copies_;
+  std::vector<std::pair<std::string, nlohmann::json>> values_;
+  LoadResult result_;
+};
+
+}  // namespace
 
 LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
   const char* api = "dcp::load";
   auto group = detail::resolve_group(state_dict, options.group());
   detail::Coordinator coord(group, api);
-  const int rank = coord.rank();
-  const int world = coord.world();
-
-  struct Staged {
-    torch::Tensor dst;  // a box of a destination (aliases the model's shard, an optimizer tensor, ...)
-    torch::Tensor src;  // its verified bytes, a view of a mapped file: copied once every rank succeeded
+  std::optional<LoadPlan> plan;
+  auto validate = [&] {  // see [Note: validate, agree, apply]
+    plan.emplace(dir, options, coord.rank(), coord.world(), api);
+    plan->stage(state_dict);
   };
-  std::vector<Staged> staged;
-  std::vector<std::pair<std::string, nlohmann::json>> values;
-  LoadResult result;
-  std::string error;
-  try {
-    CheckpointInfo info = read_info(dir, api, nullptr);
-    FileCache files(info.dir, api);
-    std::set<std::string> seen;
-    for (const auto& [key, v] : state_dict) {
-      seen.insert(key);
-      if (std::holds_alternative<Value>(v)) {
-        if (auto it = info.values.find(key); it != info.values.end()) {
-          values.emplace_back(key, it->second);
-        } else if (auto pr = info.per_rank_values.find(key); pr != info.per_rank_values.end()) {
-          TORCH_CHECK(info.world_size == world && static_cast<int>(pr->second.size()) == world, api, ": '", key,
-                      "' is per-rank state saved by ", info.world_size, " ranks in ", info.dir, ", but this job has ",
-                      world, " (rank ", rank, "): per-rank state cannot be resharded to another world size. Fix: load on ",
-                      info.world_size, " ranks, or remove '", key, "' from the state dict (and restore it another way)");
-          values.emplace_back(key, pr->second[static_cast<size_t>(rank)]);
-        } else if (info.tensors.count(key)) {
-          TORCH_CHECK(false, api, ": '", key, "' is a Value in the state dict but a tensor in ", info.dir, " (rank ", rank, ")");
-        } else {
-          result.missing_keys.push_back(key);
-        }
-        continue;
-      }
-      torch::Tensor dst;
-      std::vector<int64_t> global, offsets;
-      if (const auto* d = std::get_if<DTensor>(&v)) {
-        dst = d->to_local();
-        global = d->sizes();
-        offsets = d->local_offsets();
-      } else {
-        dst = std::get<torch::Tensor>(v);
-        TORCH_CHECK(dst.defined(), api, ": '", key, "' is an undefined tensor in the state dict (rank ", rank, ")");
-        global = dst.sizes().vec();
-        offsets.assign(global.size(), 0);
-      }
-      auto it = info.tensors.find(key);
-      if (it == info.tensors.end()) {
-        TORCH_CHECK(!info.values.count(key) && !info.per_rank_values.count(key), api, ": '", key, "' is a ",
-                    kind_name(v), " in the state dict but a Value in ", info.dir, " (rank ", rank, ")");
-        result.missing_keys.push_back(key);
-        continue;
-      }
-      const TensorInfo& t = it->second;
-      TORCH_CHECK(t.sizes == global, api, ": '", key, "' has shape ", shape_str(t.sizes), " in ", info.dir, " (e.g. ",
-                  t.chunks[0].file, ") but ", shape_str(global), " in the state dict (rank ", rank,
-                  "). Fix: load into a model of the configuration that was saved");
-      TORCH_CHECK(t.dtype == dst.scalar_type(), api, ": '", key, "' has dtype ", t.dtype, " in ", info.dir, " (e.g. ",
-                  t.chunks[0].file, ") but ", dst.scalar_type(), " in the state dict (rank ", rank,
-                  "). Fix: build the model with dtype ", t.dtype, " to load it, then convert");
-      auto problem = coverage_problem(t, offsets, dst.sizes().vec());
-      TORCH_CHECK(problem.empty(), api, ": '", key, "' cannot be read from ", info.dir, " (rank ", rank, "): ", problem);
-      if (dst.numel() == 0) continue;
-      const auto box = dst.sizes().vec();
-      for (const auto& c : t.chunks) {
-        auto ov = overlap_of(c, offsets, box);
-        if (!ov) continue;
-        staged.push_back({narrow_to(dst, offsets, *ov),
-                          chunk_view(info, c, key, t.dtype, *ov, options.verify_checksums(), files, api)});
-      }
-    }
-    for (const auto& [k, _] : info.tensors)
-      if (!seen.count(k)) result.unexpected_keys.push_back(k);
-    for (const auto& [k, _] : info.values)
-      if (!seen.count(k)) result.unexpected_keys.push_back(k);
-    for (const auto& [k, _] : info.per_rank_values)
-      if (!seen.count(k)) result.unexpected_keys.push_back(k);
-    if (options.strict()) {
-      TORCH_CHECK(result.missing_keys.empty(), api, ": ", result.missing_keys.size(), " key(s) of the state dict are not in ",
-                  info.dir, " (rank ", rank, "): ", list_keys(result.missing_keys),
-                  ". Fix: load the checkpoint this state dict's model was saved to, or pass LoadOptions().strict(false) to ",
-                  "leave them unchanged");
-      TORCH_CHECK(result.unexpected_keys.empty(), api, ": ", info.dir, " holds ", result.unexpected_keys.size(),
-                  " key(s) the state dict does not (rank ", rank, "): ", list_keys(result.unexpected_keys),
-                  ". Fix: add them to the state dict (e.g. get_state_dict(model, optimizer) for a checkpoint with ",
-                  "optimizer state), or pass LoadOptions().strict(false) to ignore them");
-    }
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    error = std::string(api) + ": " + e.what();
-  }
-
-  // Every rank staged everything, or nobody changes anything.
-  auto reports = coord.gather("staged", error, "to read its part of the checkpoint");
-  std::string verdict;
-  if (rank == 0) {
-    for (size_t r = 0; r < reports.size(); ++r) {
-      if (!reports[r].empty()) {
-        verdict = r == 0 ? reports[r] : "rank " + std::to_string(r) + " failed: " + reports[r];
-        break;
-      }
-    }
-  }
-  verdict = coord.broadcast("verdict", verdict, "to collect every rank's reading of the checkpoint");
-  if (!error.empty()) TORCH_CHECK(false, error, " (nothing was loaded on any rank)");
-  TORCH_CHECK(verdict.empty(), api, ": ", verdict, " (nothing was loaded on any rank)");
-
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& s : staged) s.dst.copy_(s.src);
-  }
-  for (auto& [k, v] : values) std::get<Value>(state_dict.at(k)).json = std::move(v);
-  return result;
+  fsdp::detail::validate_agree_apply(api, validate, coord.agreement(), [&] { plan->apply(state_dict); });
+  return plan->result();
 }
 
 torch::Tensor read_tensor(const CheckpointInfo& info, const std::string& fqn) {

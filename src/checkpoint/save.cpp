@@ -79,7 +79,7 @@ struct Plan {
   std::vector<std::string> mesh_dim_names;
 };
 
-/// An exception's message, without the C++ backtrace c10::Error appends.
+/// `s` without trailing slashes.
 std::string strip_slashes(std::string s) {
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s;
@@ -268,10 +268,8 @@ void prune(const fs::path& parent, const fs::path& dir, int keep) {
   }
 }
 
-/// Rank 0: everything after the shards are on disk. Throws on failure (the caller removes `tmp`).
-void commit(const Plan& plan, const std::vector<nlohmann::json>& reports, const fs::path& tmp, const fs::path& dir,
-            int world, const SaveOptions& o, const char* api) {
-  const fs::path parent = dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
+/// Rank 0: the checkpoint's metadata file, from every rank's report.
+nlohmann::ordered_json metadata_of(const Plan& plan, const std::vector<nlohmann::json>& reports, int world) {
   nlohmann::ordered_json meta;
   meta["format"] = detail::kFormatName;
   meta["version"] = detail::kFormatVersion;
@@ -303,34 +301,44 @@ void commit(const Plan& plan, const std::vector<nlohmann::json>& reports, const 
     per_rank[key] = all;
   }
   meta["per_rank_values"] = per_rank;
+  return meta;
+}
 
+/// Rank 0: renames the complete `tmp` to `dir` (swapping it with an existing `dir` atomically where the
+/// filesystem can, then deleting the old one).
+void rename_into_place(const fs::path& tmp, const fs::path& dir, const char* api) {
+  if (!fs::exists(dir)) {
+    TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir, " failed: ",
+                detail::errno_text(errno));
+    return;
+  }
+  std::error_code ec;
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp, ec);  // now the old checkpoint
+    return;
+  }
+  const fs::path old = dir.string() + ".old-" + detail::random_nonce(8);
+  TORCH_CHECK(::rename(dir.c_str(), old.c_str()) == 0, api, ": moving the old ", dir, " aside failed: ",
+              detail::errno_text(errno));
+  TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir,
+              " failed: ", detail::errno_text(errno), " (the old checkpoint is at ", old, ")");
+  fs::remove_all(old, ec);
+}
+
+/// Rank 0: everything after the shards are on disk. Throws on failure (the caller removes `tmp`).
+void commit(const Plan& plan, const std::vector<nlohmann::json>& reports, const fs::path& tmp, const fs::path& dir,
+            int world, const SaveOptions& o, const char* api) {
+  const fs::path parent = dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
   detail::fault_point({"before_metadata", tmp.string(), 0});
   {
-    const std::string text = meta.dump(1);
+    const std::string text = metadata_of(plan, reports, world).dump(1);
     auto f = detail::File::create((tmp / kMetadataFileName).string(), api);
     f.write_all(text.data(), text.size(), "the checkpoint metadata");
     if (o.fsync()) f.fsync();
   }
   if (o.fsync()) detail::fsync_dir(tmp.string(), api);
   detail::fault_point({"before_rename", dir.string(), 0});
-  if (fs::exists(dir)) {
-    // overwrite: swap the folders atomically where the filesystem can, then delete the old one.
-    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0) {
-      const fs::path old = dir.string() + ".old-" + detail::random_nonce(8);
-      TORCH_CHECK(::rename(dir.c_str(), old.c_str()) == 0, api, ": moving the old ", dir, " aside failed: ",
-                  detail::errno_text(errno));
-      TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir,
-                  " failed: ", detail::errno_text(errno), " (the old checkpoint is at ", old, ")");
-      std::error_code ec;
-      fs::remove_all(old, ec);
-    } else {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);  // now the old checkpoint
-    }
-  } else {
-    TORCH_CHECK(::rename(tmp.c_str(), dir.c_str()) == 0, api, ": renaming ", tmp, " to ", dir, " failed: ",
-                detail::errno_text(errno));
-  }
+  rename_into_place(tmp, dir, api);
   if (o.fsync()) detail::fsync_dir(parent.string(), api);
   detail::fault_point({"before_latest", dir.string(), 0});
   if (o.update_latest()) {
@@ -362,13 +370,10 @@ fs::path make_tmp(const fs::path& dir, const SaveOptions& o, const char* api) {
   return tmp;
 }
 
-/// The save itself, on the calling thread (save) or a background thread (async_save).
-void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, const SaveOptions& o, const char* api) {
-  const fs::path dir = strip_slashes(dir_arg);
-  const int rank = coord.rank();
-  // 1. The temporary folder.
+/// Step 1 of a save: rank 0 creates the temporary folder and publishes it (or its error) to every rank.
+fs::path agree_on_tmp(Coordinator& coord, const fs::path& dir, const SaveOptions& o, const char* api) {
   std::string msg;
-  if (rank == 0) {
+  if (coord.rank() == 0) {
     try {
       msg = nlohmann::json{{"tmp", make_tmp(dir, o, api).string()}}.dump();
     } catch (const std::exception& e) {
@@ -377,12 +382,48 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
   }
   auto prep = nlohmann::json::parse(coord.broadcast("tmp", msg, "to create the temporary folder"));
   if (prep.contains("error")) {
-    TORCH_CHECK(false, rank == 0 ? prep["error"].get<std::string>()
-                                 : api + std::string(": rank 0 could not prepare ") + dir.string() + ": " +
-                                       prep["error"].get<std::string>());
+    TORCH_CHECK(false, coord.rank() == 0 ? prep["error"].get<std::string>()
+                                         : api + std::string(": rank 0 could not prepare ") + dir.string() + ": " +
+                                               prep["error"].get<std::string>());
   }
-  const fs::path tmp = prep["tmp"].get<std::string>();
+  return prep["tmp"].get<std::string>();
+}
 
+/// Step 3 of a save, rank 0: checks every rank's report and commits. Returns the failure ("" on success).
+std::string check_and_commit(const Plan& plan, const std::vector<std::string>& reports_text, const fs::path& tmp,
+                             const fs::path& dir, int world, const SaveOptions& o, const char* api) {
+  std::vector<nlohmann::json> reports;
+  std::string error;
+  for (size_t r = 0; r < reports_text.size(); ++r) {
+    reports.push_back(nlohmann::json::parse(reports_text[r]));
+    if (error.empty() && reports.back().contains("error")) {
+      error = "rank " + std::to_string(r) + ": " + reports.back()["error"].get<std::string>();
+    }
+  }
+  if (error.empty()) {
+    auto problem = check_reports(reports);
+    if (!problem.empty()) error = std::string(api) + ": the ranks' state dicts disagree: " + problem;
+  }
+  if (error.empty()) {
+    try {
+      commit(plan, reports, tmp, dir, world, o, api);
+    } catch (const std::exception& e) {
+      error = std::string("rank 0: ") + message_of(e);
+    }
+  }
+  if (error.empty()) return "";
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  return std::string(api) + " of " + dir.string() + " failed; the previous checkpoint and `latest` are " +
+         "untouched. " + error;
+}
+
+/// The save itself, on the calling thread (save) or a background thread (async_save).
+void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, const SaveOptions& o, const char* api) {
+  const fs::path dir = strip_slashes(dir_arg);
+  const int rank = coord.rank();
+  // 1. The temporary folder.
+  const fs::path tmp = agree_on_tmp(coord, dir, o, api);
   // 2. This rank's shard.
   nlohmann::json report;
   try {
@@ -392,38 +433,29 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
     report = {{"error", std::string(message_of(e))}};
   }
   auto reports_text = coord.gather("report", report.dump(), "to finish writing its shard");
-
-  // 3. Rank 0 commits.
-  std::string outcome;
-  if (rank == 0) {
-    std::vector<nlohmann::json> reports;
-    std::string error;
-    for (size_t r = 0; r < reports_text.size(); ++r) {
-      reports.push_back(nlohmann::json::parse(reports_text[r]));
-      if (error.empty() && reports.back().contains("error")) {
-        error = "rank " + std::to_string(r) + ": " + reports.back()["error"].get<std::string>();
-      }
-    }
-    if (error.empty()) {
-      auto problem = check_reports(reports);
-      if (!problem.empty()) error = std::string(api) + ": the ranks' state dicts disagree: " + problem;
-    }
-    if (error.empty()) {
-      try {
-        commit(plan, reports, tmp, dir, coord.world(), o, api);
-      } catch (const std::exception& e) {
-        error = std::string("rank 0: ") + message_of(e);
-      }
-    }
-    if (!error.empty()) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      outcome = std::string(api) + " of " + dir.string() + " failed; the previous checkpoint and `latest` are " +
-                "untouched. " + error;
-    }
-  }
+  // 3. Rank 0 commits; every rank learns the outcome.
+  std::string outcome = rank == 0 ? check_and_commit(plan, reports_text, tmp, dir, coord.world(), o, api) : "";
   outcome = coord.broadcast("outcome", outcome, "to commit the checkpoint");
   TORCH_CHECK(outcome.empty(), outcome);
+}
+
+/// What this rank saves, staged (`copy`: always copied, for async_save). On an error, lets the other
+/// ranks fail too instead of waiting for this one, then throws.
+Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, const char* api) {
+  Plan plan;
+  std::string error;
+  try {
+    plan = build_plan(state_dict, coord.rank(), api);
+    stage(plan, copy);
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  if (error.empty()) return plan;
+  if (!coord.single()) {
+    if (coord.rank() == 0) coord.set("tmp", nlohmann::json{{"error", error}}.dump());
+    else coord.gather("report", nlohmann::json{{"error", error}}.dump(), "");
+  }
+  TORCH_CHECK(false, error);
 }
 
 // async saves of one group run one after another (so `latest` moves in call order).
@@ -443,22 +475,7 @@ void save(const StateDict& state_dict, const std::string& dir, const SaveOptions
   TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
   auto group = resolve_group(state_dict, options.group());
   Coordinator coord(group, api);
-  Plan plan;
-  std::string error;
-  try {
-    plan = build_plan(state_dict, coord.rank(), api);
-    stage(plan, /*copy=*/false);
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  if (!error.empty()) {
-    // Let the other ranks fail too instead of waiting for this one.
-    if (!coord.single()) {
-      if (coord.rank() == 0) coord.set("tmp", nlohmann::json{{"error", error}}.dump());
-      else coord.gather("report", nlohmann::json{{"error", error}}.dump(), "");
-    }
-    TORCH_CHECK(false, error);
-  }
+  Plan plan = plan_or_fail(state_dict, coord, /*copy=*/false, api);
   run_save(plan, coord, dir, options, api);
 }
 
@@ -467,21 +484,8 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
   TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
   auto group = resolve_group(state_dict, options.group());
   auto coord = std::make_shared<Coordinator>(group, api, /*clone_store=*/true);
-  auto plan = std::make_shared<Plan>();
-  std::string error;
-  try {
-    *plan = build_plan(state_dict, coord->rank(), api);
-    stage(*plan, /*copy=*/true);  // staged: training may change the model from now on
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  if (!error.empty()) {
-    if (!coord->single()) {
-      if (coord->rank() == 0) coord->set("tmp", nlohmann::json{{"error", error}}.dump());
-      else coord->gather("report", nlohmann::json{{"error", error}}.dump(), "");
-    }
-    TORCH_CHECK(false, error);
-  }
+  // Staged (copied): training may change the model from now on.
+  auto plan = std::make_shared<Plan>(plan_or_fail(state_dict, *coord, /*copy=*/true, api));
   auto result = std::make_shared<std::promise<void>>();
   auto finished = std::make_shared<std::promise<void>>();
   std::shared_future<void> previous;

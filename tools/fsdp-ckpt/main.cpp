@@ -35,12 +35,6 @@ std::string human_bytes(int64_t b) {
   return buf;
 }
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 const char* dtype_str(torch::ScalarType t) {
   switch (t) {
     case torch::kFloat64: return "F64";
@@ -123,7 +117,7 @@ int cmd_ls(const std::string& dir, bool all_values) {
   if (info.version) std::cout << " v" << info.version;
   if (info.world_size) std::cout << ", saved by " << info.world_size << " rank(s)";
   if (!info.mesh_shape.empty()) {
-    std::cout << ", mesh " << shape_str(info.mesh_shape);
+    std::cout << ", mesh " << c10::str(c10::IntArrayRef(info.mesh_shape));
     if (!info.mesh_dim_names.empty()) {
       std::cout << " (";
       for (size_t i = 0; i < info.mesh_dim_names.size(); ++i) std::cout << (i ? ", " : "") << info.mesh_dim_names[i];
@@ -144,7 +138,7 @@ int cmd_ls(const std::string& dir, bool all_values) {
     std::string chunks;
     for (const auto& c : t.chunks) chunks += " " + chunk_str(info, c);
     std::printf("  %-*s %-4s %-12s %zu chunk(s):%s\n", static_cast<int>(width), k.c_str(), dtype_str(t.dtype),
-                shape_str(t.sizes).c_str(), t.chunks.size(), chunks.c_str());
+                c10::str(c10::IntArrayRef(t.sizes)).c_str(), t.chunks.size(), chunks.c_str());
   }
   if (!info.values.empty() || !info.per_rank_values.empty()) std::cout << "values:\n";
   size_t shown = 0;
@@ -198,8 +192,9 @@ int cmd_diff(const std::string& a, const std::string& b, double atol) {
     if (ta == ia.tensors.end()) { report("only in B: " + k); continue; }
     if (tb == ib.tensors.end()) { report("only in A: " + k); continue; }
     if (ta->second.dtype != tb->second.dtype || ta->second.sizes != tb->second.sizes) {
-      report(std::string("differs: ") + k + ": " + dtype_str(ta->second.dtype) + " " + shape_str(ta->second.sizes) +
-             " vs " + dtype_str(tb->second.dtype) + " " + shape_str(tb->second.sizes));
+      report(std::string("differs: ") + k + ": " + dtype_str(ta->second.dtype) + " " +
+             c10::str(c10::IntArrayRef(ta->second.sizes)) + " vs " + dtype_str(tb->second.dtype) + " " +
+             c10::str(c10::IntArrayRef(tb->second.sizes)));
       continue;
     }
     auto x = fsdp::dcp::read_tensor(ia, k);

@@ -1,0 +1,34 @@
+// libfsdp's own bookkeeping on a ProcessGroup: sequence numbers, collective counters, wait time,
+// sub-group ids, the debug side backend and the progress marks lagging_ranks() reads. Users read
+// these through ProcessGroup's getters (seq(), collective_count(), wait_seconds(), ...); only the
+// library writes them, through this accessor (a friend of ProcessGroup).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "fsdp/distributed.h"
+
+namespace fsdp::detail {
+
+struct ProcessGroupAccess {
+  /// The sequence number of the collective being issued (then counts it). See [Note: collective order].
+  static uint64_t next_seq(ProcessGroup& g) { return g.seq_++; }
+  /// Adds `s` seconds blocked in Work::wait().
+  static void add_wait_seconds(ProcessGroup& g, double s) { g.wait_seconds_ += s; }
+  /// Counts one collective of kind `op` of `bytes` that reached the backend.
+  static void count_collective(ProcessGroup& g, const std::string& op, uint64_t bytes) {
+    ++g.counts_[op];
+    g.bytes_[op] += bytes;
+  }
+  /// Counter that names sub-groups (identical on every rank when they build groups in one order).
+  static uint64_t next_subgroup_id(ProcessGroup& g) { return g.subgroups_++; }
+  /// Installs the side Gloo backend that compares collective fingerprints in debug mode.
+  static void set_debug_backend(ProcessGroup& g, c10::intrusive_ptr<c10d::Backend> b) {
+    g.debug_backend_ = std::move(b);
+  }
+  /// Publishes in the store that this rank reached collective `seq` (read by lagging_ranks()).
+  static void note_progress(ProcessGroup& g, uint64_t seq) { g.note_progress(seq); }
+};
+
+}  // namespace fsdp::detail
