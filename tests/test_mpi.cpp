@@ -508,7 +508,44 @@ TEST(MpiCheckpoint, SavedUnderMpiLoadsUnderGlooAndBack) {
 }  // namespace
 }  // namespace fsdp::testing
 
+// Modes for tests/python/test_mpi_train_gpt.py (not gtests: they end the process on purpose).
+//   --expect-launch-error: started by fsdprun, ask for backend mpi: init_process_group must refuse, naming
+//     the mismatch and the fix (exit 0 when it does).
+//   --rank-1-fails: under mpirun, rank 1 exits with an error while rank 0 waits in an all_reduce: mpirun must
+//     end the job (not hang); the caller bounds it with FSDP_MPI_EXIT_TIMEOUT_S.
+int special_mode(const std::string& mode) {
+  if (mode == "--expect-launch-error") {
+    fsdp::InitOptions o;
+    o.backend = "mpi";
+    try {
+      fsdp::init_process_group(o);
+    } catch (const c10::Error& e) {
+      std::string m = e.what_without_backtrace();
+      std::printf("expected error: %s\n", m.c_str());
+      bool ok = m.find("init_process_group: backend mpi: MPI_COMM_WORLD has 1 process(es)") != std::string::npos &&
+                m.find("not started by one mpirun") != std::string::npos && m.find("mpirun -np") != std::string::npos;
+      return ok ? 0 : 1;
+    }
+    std::printf("init_process_group with backend mpi under fsdprun did not fail\n");
+    return 1;
+  }
+  if (mode == "--rank-1-fails") {
+    auto pg = fsdp::init_process_group();
+    if (pg->rank() == 1) {
+      std::fprintf(stderr, "rank 1: failing on purpose\n");
+      return 1;
+    }
+    auto t = torch::ones({4});
+    fsdp::all_reduce(t, *pg, fsdp::ReduceOp::SUM);  // never completes: rank 1 is gone
+    return 0;
+  }
+  std::fprintf(stderr, "test_mpi: unknown mode %s\n", mode.c_str());
+  return 2;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]).rfind("--", 0) == 0 && std::string(argv[1]).rfind("--gtest", 0) != 0)
+    return special_mode(argv[1]);
   ::testing::InitGoogleTest(&argc, argv);
   namespace t = fsdp::testing;
   // No backend named: under mpirun without MASTER_ADDR the default is "mpi" (what train_gpt relies on).

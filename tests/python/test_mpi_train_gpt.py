@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
 FSDPRUN = BUILD / "bin" / "fsdprun"
 TRAIN_GPT = BUILD / "bin" / "train_gpt"
+TEST_MPI = BUILD / "bin" / "test_mpi"
 LICENSES = Path("/usr/share/common-licenses")
 MPIRUN = shutil.which("mpirun")
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
@@ -68,7 +70,7 @@ def assert_close(mine, ref, what):
 
 @pytest.fixture(scope="module", autouse=True)
 def binaries():
-    for b in (FSDPRUN, TRAIN_GPT):
+    for b in (FSDPRUN, TRAIN_GPT, TEST_MPI):
         assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
     assert MPIRUN, "mpirun is missing: apt-get install openmpi-bin (scripts/setup.sh does)"
 
@@ -96,3 +98,23 @@ def test_explicit_gloo_under_mpirun_is_honoured_by_master_addr(tmp_path):
            str(TRAIN_GPT), *args(tmp_path / "m.jsonl", "--steps", "2")]
     p = run(cmd)
     assert "(gloo on cpu)" in p.stdout, p.stdout[-2000:]
+
+
+def test_backend_mpi_under_fsdprun_fails_naming_the_fix():
+    """fsdprun's processes are MPI jobs of one each: backend mpi refuses, naming mpirun."""
+    p = run([str(FSDPRUN), "--standalone", "--nproc-per-node", "2", "--", str(TEST_MPI), "--expect-launch-error"],
+            timeout=120)
+    assert "not started by one mpirun" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_failing_rank_ends_the_job_instead_of_hanging():
+    """Rank 1 exits with an error while rank 0 waits in an all_reduce: mpirun ends the job within seconds."""
+    cmd = [MPIRUN, *MPIRUN_FLAGS, "-x", "FSDP_MPI_EXIT_TIMEOUT_S=3", "-np", "2", str(TEST_MPI), "--rank-1-fails"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=clean_env(), capture_output=True, encoding="utf-8", errors="replace", timeout=120)
+    elapsed = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "rank 1: failing on purpose" in out, out[-3000:]
+    assert "exiting without MPI_Finalize" in out, out[-3000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end\n{out[-3000:]}"
