@@ -479,7 +479,7 @@ class ProcessGroupMPI : public c10d::Backend {
     int n = count(t, d);
     return enqueue(c10d::OpType::BROADCAST, d, {t}, opts.timeout, [=, this] {
       auto buf = t.is_contiguous() ? t : t.contiguous();
-      check(MPI_Bcast(buf.data_ptr(), n, type, static_cast<int>(opts.rootRank), comm_), "MPI_Bcast", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Ibcast(buf.data_ptr(), n, type, static_cast<int>(opts.rootRank), comm_, r_); }, "MPI_Ibcast", d);
       if (!buf.is_same(t)) t.copy_(buf);
     });
   }
@@ -522,11 +522,11 @@ class ProcessGroupMPI : public c10d::Backend {
       auto buf = t.contiguous();
       MPI_Op mop = mpi_op(op, t.scalar_type(), d);
       if (getRank() == root) {
-        check(MPI_Reduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mop, root, comm_), "MPI_Reduce", d);
+        run_nb([&](MPI_Request* r_) { return MPI_Ireduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mop, root, comm_, r_); }, "MPI_Ireduce", d);
         if (op == c10d::ReduceOp::AVG) buf.div_(getSize());
         if (!buf.is_same(t)) t.copy_(buf);
       } else {
-        check(MPI_Reduce(buf.data_ptr(), nullptr, n, type, mop, root, comm_), "MPI_Reduce", d);
+        run_nb([&](MPI_Request* r_) { return MPI_Ireduce(buf.data_ptr(), nullptr, n, type, mop, root, comm_, r_); }, "MPI_Ireduce", d);
       }
     });
   }
@@ -549,7 +549,7 @@ class ProcessGroupMPI : public c10d::Backend {
     return enqueue(c10d::OpType::ALLGATHER, d, outs, opts.timeout, [=, this] {
       auto src = in.contiguous();
       auto flat = at::empty({static_cast<int64_t>(getSize()) * in.numel()}, in.options());
-      check(MPI_Allgather(src.data_ptr(), n, type, flat.data_ptr(), n, type, comm_), "MPI_Allgather", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Iallgather(src.data_ptr(), n, type, flat.data_ptr(), n, type, comm_, r_); }, "MPI_Iallgather", d);
       for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(in.sizes()));
     });
   }
@@ -622,8 +622,7 @@ class ProcessGroupMPI : public c10d::Backend {
       auto src = in.contiguous();
       at::Tensor flat;
       if (getRank() == root) flat = at::empty({static_cast<int64_t>(getSize()) * in.numel()}, in.options());
-      check(MPI_Gather(src.data_ptr(), n, type, flat.defined() ? flat.data_ptr() : nullptr, n, type, root, comm_),
-            "MPI_Gather", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Igather(src.data_ptr(), n, type, flat.defined() ? flat.data_ptr() : nullptr, n, type, root, comm_, r_); }, "MPI_Igather", d);
       for (size_t r = 0; r < outs.size(); ++r)
         outs[r].copy_(flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()).view(in.sizes()));
     });
@@ -647,8 +646,7 @@ class ProcessGroupMPI : public c10d::Backend {
     int n = count(out, d);
     return enqueue(c10d::OpType::SCATTER, d, {out}, opts.timeout, [=, this] {
       auto dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-      check(MPI_Scatter(flat.defined() ? flat.data_ptr() : nullptr, n, type, dst.data_ptr(), n, type, root, comm_),
-            "MPI_Scatter", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Iscatter(flat.defined() ? flat.data_ptr() : nullptr, n, type, dst.data_ptr(), n, type, root, comm_, r_); }, "MPI_Iscatter", d);
       if (!dst.is_same(out)) out.copy_(dst);
     });
   }
@@ -733,16 +731,15 @@ class ProcessGroupMPI : public c10d::Backend {
     return enqueue(c10d::OpType::ALLTOALL_BASE, d, {output}, opts.timeout, [=, this] {
       auto src = in.contiguous();
       auto dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-      check(MPI_Alltoallv(src.data_ptr(), scounts.data(), sdispl.data(), type, dst.data_ptr(), rcounts.data(),
-                          rdispl.data(), type, comm_),
-            "MPI_Alltoallv", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Ialltoallv(src.data_ptr(), scounts.data(), sdispl.data(), type, dst.data_ptr(), rcounts.data(),
+                          rdispl.data(), type, comm_, r_); }, "MPI_Ialltoallv", d);
       if (!dst.is_same(out)) out.copy_(dst);
     });
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     return enqueue(c10d::OpType::BARRIER, "barrier()", {}, opts.timeout,
-                   [this] { check(MPI_Barrier(comm_), "MPI_Barrier", "barrier()"); });
+                   [this] { run_nb([&](MPI_Request* r_) { return MPI_Ibarrier(comm_, r_); }, "MPI_Ibarrier", "barrier()"); });
   }
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool /*waitAllRanks*/) override {
@@ -819,8 +816,7 @@ class ProcessGroupMPI : public c10d::Backend {
     check_avg(op, t, d);
     return [=, this] {
       auto buf = t.is_contiguous() ? t : t.contiguous();
-      check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mpi_op(op, t.scalar_type(), d), comm_),
-            "MPI_Allreduce", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mpi_op(op, t.scalar_type(), d), comm_, r_); }, "MPI_Iallreduce", d);
       if (op == c10d::ReduceOp::AVG) buf.div_(getSize());  // MPI has no AVG: SUM, then divide
       if (!buf.is_same(t)) t.copy_(buf);
     };
@@ -842,7 +838,7 @@ class ProcessGroupMPI : public c10d::Backend {
       char* mine = static_cast<char*>(out.data_ptr()) + getRank() * bytes;
       if (in.is_contiguous() && in.data_ptr() == mine) {
         // FSDP's copy-in: the input already sits in this rank's slot of the output.
-        check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_), "MPI_Allgather", d);
+        run_nb([&](MPI_Request* r_) { return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_, r_); }, "MPI_Iallgather", d);
         return;
       }
       // MPI forbids aliased send and receive buffers: copy an input that overlaps the output.
@@ -850,7 +846,7 @@ class ProcessGroupMPI : public c10d::Backend {
       const char* ob = static_cast<const char*>(out.data_ptr());
       bool overlaps = ib < ob + out.nbytes() && ob < ib + bytes;
       auto src = (overlaps || !in.is_contiguous()) ? in.contiguous().clone() : in;
-      check(MPI_Allgather(src.data_ptr(), n, type, out.data_ptr(), n, type, comm_), "MPI_Allgather", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Iallgather(src.data_ptr(), n, type, out.data_ptr(), n, type, comm_, r_); }, "MPI_Iallgather", d);
     };
   }
 
@@ -872,8 +868,7 @@ class ProcessGroupMPI : public c10d::Backend {
       bool overlaps = ib < ob + out.nbytes() && ob < ib + in.nbytes();
       auto src = (overlaps || !in.is_contiguous()) ? in.contiguous().clone() : in;
       auto dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-      check(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), n, type, mpi_op(op, in.scalar_type(), d), comm_),
-            "MPI_Reduce_scatter_block", d);
+      run_nb([&](MPI_Request* r_) { return MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), n, type, mpi_op(op, in.scalar_type(), d), comm_, r_); }, "MPI_Ireduce_scatter_block", d);
       if (op == c10d::ReduceOp::AVG) dst.div_(getSize());
       if (!dst.is_same(out)) out.copy_(dst);
     };
@@ -886,6 +881,37 @@ class ProcessGroupMPI : public c10d::Backend {
                                              timeout);
     MpiThread::get().post([work, fn = std::move(fn)] { work->run(fn); });
     return work;
+  }
+
+  // Starts a non-blocking MPI call with `start`, then waits for it with wait_request().
+  template <typename F>
+  void run_nb(F start, const char* call, const std::string& d) const {
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(start(&req), call, d);
+    check(wait_request(&req), call, d);
+  }
+
+  // Waits for `req` without taking a core from the compute threads. MPI's blocking collectives spin until
+  // every peer has arrived; with FSDP's prefetching the MPI thread often waits while this rank (or the
+  // peer) computes, and spinning there took a core from the compute threads (GPT "small" on 2 cores: 1.7x
+  // Gloo's step time; docs/BENCHMARKS.md). So: spin FSDP_MPI_SPIN_US (default 50) microseconds, which
+  // covers a peer that is already there, then test with sleeps doubling from 20 us up to 500 us (MPI_Test
+  // also drives the collective's progress).
+  static int wait_request(MPI_Request* req) {
+    static const auto spin = std::chrono::microseconds([] {
+      const char* v = std::getenv("FSDP_MPI_SPIN_US");
+      return v ? std::max(0L, std::atol(v)) : 50L;
+    }());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(20);
+    for (;;) {
+      int flag = 0;
+      int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS || flag) return rc;
+      if (std::chrono::steady_clock::now() - t0 < spin) continue;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
   }
 
   // MPI call failed: c10::Error naming the call, the collective (shapes, dtypes), the rank and MPI's reason.
