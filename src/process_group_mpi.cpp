@@ -174,15 +174,21 @@ class MpiThread {
     MPI_Comm_dup(MPI_COMM_WORLD, &exit_comm_);
   }
 
+  // Runs the posted jobs; while requests are pending, tests them: spinning for spin_us() after the last
+  // event (a peer that is already there), then sleeping between tests with a pause doubling from 20 us to
+  // 500 us, instead of MPI's own spinning, which took a core from the compute threads (docs/BENCHMARKS.md).
   void loop() {
+    auto last_event = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(20);
     for (;;) {
       std::function<void()> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
         if (pending_.empty()) {
           cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        } else {
-          cv_.wait_for(lock, std::chrono::microseconds(100), [&] { return stop_ || !queue_.empty(); });
+        } else if (queue_.empty() && std::chrono::steady_clock::now() - last_event >= spin_us()) {
+          cv_.wait_for(lock, pause, [&] { return stop_ || !queue_.empty(); });
+          pause = std::min(pause * 2, std::chrono::microseconds(500));
         }
         if (!queue_.empty()) {
           job = std::move(queue_.front());
@@ -192,11 +198,27 @@ class MpiThread {
         }
       }
       if (job) job();
-      poll();
+      if (job || poll() > 0) {
+        last_event = std::chrono::steady_clock::now();
+        pause = std::chrono::microseconds(20);
+      }
     }
   }
 
-  void poll() {
+ public:
+  // FSDP_MPI_SPIN_US (default 50): how long the MPI thread spins on pending requests before it sleeps.
+  static std::chrono::microseconds spin_us() {
+    static const auto spin = std::chrono::microseconds([] {
+      const char* v = std::getenv("FSDP_MPI_SPIN_US");
+      return v ? std::max(0L, std::atol(v)) : 50L;
+    }());
+    return spin;
+  }
+
+ private:
+  // Tests the pending requests; runs the completion of those done. Returns how many completed.
+  int poll() {
+    int completed = 0;
     for (size_t i = 0; i < pending_.size();) {
       int flag = 0;
       MPI_Status status;
@@ -205,10 +227,12 @@ class MpiThread {
         auto p = std::move(pending_[i]);
         pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
         p.done(rc, status);
+        ++completed;
       } else {
         ++i;
       }
     }
+    return completed;
   }
 
   // At exit every rank meets in a non-blocking barrier, then calls MPI_Finalize. A rank that exits while
@@ -477,11 +501,14 @@ class ProcessGroupMPI : public c10d::Backend {
     check_root(opts.rootRank, d);
     auto type = mpi_type(t.scalar_type(), d);
     int n = count(t, d);
-    return enqueue(c10d::OpType::BROADCAST, d, {t}, opts.timeout, [=, this] {
-      auto buf = t.is_contiguous() ? t : t.contiguous();
-      run_nb([&](MPI_Request* r_) { return MPI_Ibcast(buf.data_ptr(), n, type, static_cast<int>(opts.rootRank), comm_, r_); }, "MPI_Ibcast", d);
-      if (!buf.is_same(t)) t.copy_(buf);
-    });
+    auto buf = t.is_contiguous() ? t : t.contiguous();
+    const int root = static_cast<int>(opts.rootRank);
+    Op op{"MPI_Ibcast", [=, this](MPI_Request* r) { return MPI_Ibcast(buf.data_ptr(), n, type, root, comm_, r); },
+          [buf, t] {
+            if (!buf.is_same(t)) t.copy_(buf);
+          },
+          d};
+    return enqueue_async(c10d::OpType::BROADCAST, d, {t}, opts.timeout, std::move(op));
   }
 
   c10d::ReduceOp::RedOpType red(const c10d::ReduceOp& op) { return static_cast<c10d::ReduceOp::RedOpType>(op); }
@@ -490,8 +517,7 @@ class ProcessGroupMPI : public c10d::Backend {
                                            const c10d::AllreduceOptions& opts) override {
     auto t = single(tensors, "allreduce");
     std::string d = "allreduce(tensor " + describe_tensor(t) + ", op " + op_name(red(opts.reduceOp)) + ")";
-    auto job = allreduce_job(t, red(opts.reduceOp), d);
-    return enqueue(c10d::OpType::ALLREDUCE, d, {t}, opts.timeout, std::move(job));
+    return enqueue_async(c10d::OpType::ALLREDUCE, d, {t}, opts.timeout, allreduce_op(t, red(opts.reduceOp), d));
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -501,7 +527,7 @@ class ProcessGroupMPI : public c10d::Backend {
                     op_name(red(opts.reduceOp)) + ")";
     for (auto& t : tensors) {
       cpu(t, d);
-      jobs.push_back(allreduce_job(t, red(opts.reduceOp), d + ": tensor " + describe_tensor(t)));
+      jobs.push_back(blocking(allreduce_op(t, red(opts.reduceOp), d + ": tensor " + describe_tensor(t))));
     }
     return enqueue(c10d::OpType::ALLREDUCE_COALESCED, d, tensors, opts.timeout, [jobs] {
       for (auto& j : jobs) j();
@@ -557,8 +583,7 @@ class ProcessGroupMPI : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
     std::string d = "_allgather_base(input " + describe_tensor(input) + ", output " + describe_tensor(output) + ")";
-    auto job = allgather_base_job(output, input, d);
-    return enqueue(c10d::OpType::_ALLGATHER_BASE, d, {output}, opts.timeout, std::move(job));
+    return enqueue_async(c10d::OpType::_ALLGATHER_BASE, d, {output}, opts.timeout, allgather_base_op(output, input, d));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -569,9 +594,9 @@ class ProcessGroupMPI : public c10d::Backend {
                 inputs.size(), " inputs");
     std::vector<std::function<void()>> jobs;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      jobs.push_back(allgather_base_job(outputs[i], inputs[i],
+      jobs.push_back(blocking(allgather_base_op(outputs[i], inputs[i],
                                         d + ": input " + describe_tensor(inputs[i]) + ", output " +
-                                            describe_tensor(outputs[i])));
+                                            describe_tensor(outputs[i]))));
     }
     return enqueue(c10d::OpType::COALESCED, d, outputs, opts.timeout, [jobs] {
       for (auto& j : jobs) j();
@@ -590,7 +615,7 @@ class ProcessGroupMPI : public c10d::Backend {
     for (size_t i = 0; i < inputs.size(); ++i) {
       auto in = inputs[i].contiguous();
       auto gathered = at::empty({static_cast<int64_t>(getSize()) * in.numel()}, in.options());
-      jobs.push_back(allgather_base_job(gathered, in, d + ": input " + describe_tensor(in)));
+      jobs.push_back(blocking(allgather_base_op(gathered, in, d + ": input " + describe_tensor(in))));
       std::vector<at::Tensor> dst;
       for (int r = 0; r < getSize(); ++r) dst.push_back(outputs[r].at(i));
       jobs.push_back([gathered, dst, in] {
@@ -665,16 +690,16 @@ class ProcessGroupMPI : public c10d::Backend {
       parts.push_back(t.reshape({-1}));
     }
     auto flat = at::cat(parts);
-    auto job = reduce_scatter_job(out, flat, red(opts.reduceOp), d);
-    return enqueue(c10d::OpType::REDUCE_SCATTER, d, {out}, opts.timeout, std::move(job));
+    return enqueue_async(c10d::OpType::REDUCE_SCATTER, d, {out}, opts.timeout,
+                         reduce_scatter_op(out, flat, red(opts.reduceOp), d));
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
     std::string d = "_reduce_scatter_base(input " + describe_tensor(input) + ", output " + describe_tensor(output) +
                     ", op " + op_name(red(opts.reduceOp)) + ")";
-    auto job = reduce_scatter_job(output, input, red(opts.reduceOp), d);
-    return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, d, {output}, opts.timeout, std::move(job));
+    return enqueue_async(c10d::OpType::_REDUCE_SCATTER_BASE, d, {output}, opts.timeout,
+                         reduce_scatter_op(output, input, red(opts.reduceOp), d));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -686,9 +711,9 @@ class ProcessGroupMPI : public c10d::Backend {
                 inputs.size(), " inputs");
     std::vector<std::function<void()>> jobs;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      jobs.push_back(reduce_scatter_job(outputs[i], inputs[i], red(opts.reduceOp),
-                                        d + ": input " + describe_tensor(inputs[i]) + ", output " +
-                                            describe_tensor(outputs[i])));
+      jobs.push_back(blocking(reduce_scatter_op(outputs[i], inputs[i], red(opts.reduceOp),
+                                                d + ": input " + describe_tensor(inputs[i]) + ", output " +
+                                                    describe_tensor(outputs[i]))));
     }
     return enqueue(c10d::OpType::COALESCED, d, outputs, opts.timeout, [jobs] {
       for (auto& j : jobs) j();
@@ -738,8 +763,8 @@ class ProcessGroupMPI : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return enqueue(c10d::OpType::BARRIER, "barrier()", {}, opts.timeout,
-                   [this] { run_nb([&](MPI_Request* r_) { return MPI_Ibarrier(comm_, r_); }, "MPI_Ibarrier", "barrier()"); });
+    Op op{"MPI_Ibarrier", [this](MPI_Request* r) { return MPI_Ibarrier(comm_, r); }, [] {}, "barrier()"};
+    return enqueue_async(c10d::OpType::BARRIER, "barrier()", {}, opts.timeout, std::move(op));
   }
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool /*waitAllRanks*/) override {
@@ -809,20 +834,35 @@ class ProcessGroupMPI : public c10d::Backend {
     return work;
   }
 
-  std::function<void()> allreduce_job(const at::Tensor& t, c10d::ReduceOp::RedOpType op, const std::string& d) {
+  // One non-blocking MPI operation: `start` issues it (on the MPI thread), `after` finishes the outputs
+  // once MPI has completed it (AVG's division, copies back into non-contiguous tensors). The buffers MPI
+  // uses are captured by value in `start`, which is kept until completion (enqueue_async).
+  struct Op {
+    const char* call;
+    std::function<int(MPI_Request*)> start;
+    std::function<void()> after;
+    std::string desc;  // for errors: the collective, its shapes and dtypes
+  };
+
+  Op allreduce_op(const at::Tensor& t, c10d::ReduceOp::RedOpType op, const std::string& d) {
     cpu(t, d);
     auto type = mpi_type(t.scalar_type(), d);
     int n = count(t, d);
     check_avg(op, t, d);
-    return [=, this] {
-      auto buf = t.is_contiguous() ? t : t.contiguous();
-      run_nb([&](MPI_Request* r_) { return MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mpi_op(op, t.scalar_type(), d), comm_, r_); }, "MPI_Iallreduce", d);
-      if (op == c10d::ReduceOp::AVG) buf.div_(getSize());  // MPI has no AVG: SUM, then divide
-      if (!buf.is_same(t)) t.copy_(buf);
-    };
+    auto buf = t.is_contiguous() ? t : t.contiguous();
+    const int size = getSize();
+    return Op{"MPI_Iallreduce",
+              [=, this](MPI_Request* r) {
+                return MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), n, type, mpi_op(op, t.scalar_type(), d), comm_, r);
+              },
+              [=] {
+                if (op == c10d::ReduceOp::AVG) buf.div_(size);  // MPI has no AVG: SUM, then divide
+                if (!buf.is_same(t)) t.copy_(buf);
+              },
+              d};
   }
 
-  std::function<void()> allgather_base_job(const at::Tensor& output, const at::Tensor& input, const std::string& d) {
+  Op allgather_base_op(const at::Tensor& output, const at::Tensor& input, const std::string& d) {
     cpu(input, d);
     cpu(output, d);
     TORCH_CHECK(output.numel() == input.numel() * getSize(), "ProcessGroupMPI: ", d, ": expected output.numel() == ",
@@ -832,26 +872,31 @@ class ProcessGroupMPI : public c10d::Backend {
     TORCH_CHECK(output.is_contiguous(), "ProcessGroupMPI: ", d, ": the output must be contiguous");
     auto type = mpi_type(input.scalar_type(), d);
     int n = count(input, d);
-    auto in = input, out = output;
-    return [=, this] {
-      const auto bytes = static_cast<int64_t>(in.numel()) * in.element_size();
-      char* mine = static_cast<char*>(out.data_ptr()) + getRank() * bytes;
-      if (in.is_contiguous() && in.data_ptr() == mine) {
-        // FSDP's copy-in: the input already sits in this rank's slot of the output.
-        run_nb([&](MPI_Request* r_) { return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_, r_); }, "MPI_Iallgather", d);
-        return;
-      }
-      // MPI forbids aliased send and receive buffers: copy an input that overlaps the output.
-      const char* ib = static_cast<const char*>(in.data_ptr());
-      const char* ob = static_cast<const char*>(out.data_ptr());
-      bool overlaps = ib < ob + out.nbytes() && ob < ib + bytes;
-      auto src = (overlaps || !in.is_contiguous()) ? in.contiguous().clone() : in;
-      run_nb([&](MPI_Request* r_) { return MPI_Iallgather(src.data_ptr(), n, type, out.data_ptr(), n, type, comm_, r_); }, "MPI_Iallgather", d);
-    };
+    auto out = output;
+    const auto bytes = static_cast<int64_t>(input.numel()) * input.element_size();
+    char* mine = static_cast<char*>(out.data_ptr()) + getRank() * bytes;
+    if (input.is_contiguous() && input.data_ptr() == mine) {
+      // FSDP's copy-in: the input already sits in this rank's slot of the output.
+      return Op{"MPI_Iallgather",
+                [=, this](MPI_Request* r) {
+                  return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out.data_ptr(), n, type, comm_, r);
+                },
+                [out] {}, d};
+    }
+    // MPI forbids aliased send and receive buffers: copy an input that overlaps the output.
+    const char* ib = static_cast<const char*>(input.data_ptr());
+    const char* ob = static_cast<const char*>(out.data_ptr());
+    bool overlaps = ib < ob + out.nbytes() && ob < ib + bytes;
+    auto src = (overlaps || !input.is_contiguous()) ? input.contiguous().clone() : input;
+    return Op{"MPI_Iallgather",
+              [=, this](MPI_Request* r) {
+                return MPI_Iallgather(src.data_ptr(), n, type, out.data_ptr(), n, type, comm_, r);
+              },
+              [src, out] {}, d};
   }
 
-  std::function<void()> reduce_scatter_job(const at::Tensor& output, const at::Tensor& input,
-                                           c10d::ReduceOp::RedOpType op, const std::string& d) {
+  Op reduce_scatter_op(const at::Tensor& output, const at::Tensor& input, c10d::ReduceOp::RedOpType op,
+                       const std::string& d) {
     cpu(input, d);
     cpu(output, d);
     TORCH_CHECK(input.numel() == output.numel() * getSize(), "ProcessGroupMPI: ", d, ": expected input.numel() == ",
@@ -861,17 +906,60 @@ class ProcessGroupMPI : public c10d::Backend {
     auto type = mpi_type(input.scalar_type(), d);
     int n = count(output, d);
     check_avg(op, output, d);
-    auto in = input, out = output;
-    return [=, this] {
-      const char* ib = static_cast<const char*>(in.data_ptr());
-      const char* ob = static_cast<const char*>(out.data_ptr());
-      bool overlaps = ib < ob + out.nbytes() && ob < ib + in.nbytes();
-      auto src = (overlaps || !in.is_contiguous()) ? in.contiguous().clone() : in;
-      auto dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-      run_nb([&](MPI_Request* r_) { return MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), n, type, mpi_op(op, in.scalar_type(), d), comm_, r_); }, "MPI_Ireduce_scatter_block", d);
-      if (op == c10d::ReduceOp::AVG) dst.div_(getSize());
-      if (!dst.is_same(out)) out.copy_(dst);
+    auto out = output;
+    const char* ib = static_cast<const char*>(input.data_ptr());
+    const char* ob = static_cast<const char*>(out.data_ptr());
+    bool overlaps = ib < ob + out.nbytes() && ob < ib + input.nbytes();
+    auto src = (overlaps || !input.is_contiguous()) ? input.contiguous().clone() : input;
+    auto dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    const int size = getSize();
+    const auto dtype = input.scalar_type();
+    return Op{"MPI_Ireduce_scatter_block",
+              [=, this](MPI_Request* r) {
+                return MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), n, type, mpi_op(op, dtype, d), comm_, r);
+              },
+              [=] {
+                if (op == c10d::ReduceOp::AVG) dst.div_(size);
+                if (!dst.is_same(out)) out.copy_(dst);
+              },
+              d};
+  }
+
+  // For the coalesced variants: the op run to completion inside one job.
+  std::function<void()> blocking(Op op) {
+    return [op = std::move(op), this] {
+      run_nb(op.start, op.call, op.desc);
+      op.after();
     };
+  }
+
+  // A single collective, asynchronous on the MPI thread: started when its turn comes, then completed by the
+  // MPI thread's polling while it starts the next ones, so that (as with Gloo's worker threads) FSDP's
+  // reduce-scatter and the next all-gather progress together. Every rank starts them in issue order, which
+  // MPI requires of non-blocking collectives on one communicator.
+  c10::intrusive_ptr<c10d::Work> enqueue_async(c10d::OpType type, const std::string& d, std::vector<at::Tensor> outputs,
+                                               std::chrono::milliseconds op_timeout, Op op) {
+    auto timeout = op_timeout == c10d::kUnsetTimeout ? timeout_ : op_timeout;
+    auto work = c10::make_intrusive<MpiWork>(getRank(), type, "group '" + name_ + "': " + d, std::move(outputs),
+                                             timeout);
+    auto& mt = MpiThread::get();
+    mt.post([work, op = std::move(op), this, &mt] {
+      MpiThread::Pending p;
+      int rc = op.start(&p.request);
+      if (rc != MPI_SUCCESS) {
+        work->run([&] { check(rc, op.call, work->desc()); });
+        return;
+      }
+      // The whole op rides along until completion: its lambdas hold the buffers MPI reads and writes.
+      p.done = [work, op, this](int rc, const MPI_Status&) {
+        work->run([&] {
+          check(rc, op.call, work->desc());
+          op.after();
+        });
+      };
+      mt.add_pending(std::move(p));
+    });
+    return work;
   }
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const std::string& d, std::vector<at::Tensor> outputs,
@@ -898,10 +986,7 @@ class ProcessGroupMPI : public c10d::Backend {
   // covers a peer that is already there, then test with sleeps doubling from 20 us up to 500 us (MPI_Test
   // also drives the collective's progress).
   static int wait_request(MPI_Request* req) {
-    static const auto spin = std::chrono::microseconds([] {
-      const char* v = std::getenv("FSDP_MPI_SPIN_US");
-      return v ? std::max(0L, std::atol(v)) : 50L;
-    }());
+    const auto spin = MpiThread::spin_us();
     const auto t0 = std::chrono::steady_clock::now();
     auto pause = std::chrono::microseconds(20);
     for (;;) {

@@ -327,6 +327,25 @@ TEST(MpiSubGroups, NewGroupOfTheFirstTwoRanks) {
   barrier(*g_mpi);
 }
 
+// A 2-D mesh over the mpi group builds its per-dimension groups with new_group: MPI sub-communicators
+// (groups of one included), whose collectives reduce over exactly their members.
+TEST(MpiSubGroups, TwoDimensionalMeshGroupsReduceOverTheirMembers) {
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{world(), 1}, std::vector<int64_t>{1, world()}}) {
+    auto mesh = init_device_mesh(torch::kCPU, shape, {"a", "b"}, g_mpi);
+    for (int64_t dim = 0; dim < 2; ++dim) {
+      const auto& g = mesh->get_group(dim);
+      EXPECT_EQ(g->backend()->getBackendName(), "mpi");
+      EXPECT_EQ(g->size(), shape[dim]);
+      auto t = torch::full({3}, static_cast<double>(rank() + 1), torch::kDouble);
+      all_reduce(t, *g, ReduceOp::SUM);
+      // The members along `dim` are all ranks (size world) or this rank alone (size 1).
+      double expect = shape[dim] == 1 ? rank() + 1 : world() * (world() + 1) / 2.0;
+      EXPECT_TRUE(torch::equal(t, torch::full({3}, expect, torch::kDouble)))
+          << "mesh [" << shape[0] << ", " << shape[1] << "] dim " << dim << " on rank " << rank() << ": " << t;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // fully_shard on the mpi backend vs a single-process reference (the parity harness of
 // test_fully_shard.cpp, condensed): losses, full gradients and their norm at every step, final shards.
