@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
+
+#include "process_group_mpi.h"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -106,7 +108,8 @@ LaunchEnv read_launch_env() {
 
   auto addr = getenv_str("MASTER_ADDR");
   auto port = getenv_int("MASTER_PORT");
-  if (env.world_size > 1) {
+  // Under mpirun with the mpi backend built in, the store's address comes over MPI (process_group_mpi.h).
+  if (env.world_size > 1 && !detail::mpi_provides_rendezvous(env.source)) {
     TORCH_CHECK(addr.has_value() && !addr->empty(), "init_process_group: MASTER_ADDR is not set: expected the host of "
                 "rank 0 (", rank_var, "=", env.rank, ", ", size_var, "=", env.world_size,
                 "). Fix: launch with fsdprun/torchrun or export MASTER_ADDR=<host of rank 0>");
@@ -245,7 +248,7 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
 std::string resolve_backend(const InitOptions& options) {
   std::string name = options.backend().value_or(options.device_type() == torch::kCUDA ? "nccl" : "gloo");
   TORCH_CHECK(name == "gloo" || name == "nccl", "init_process_group: unknown backend '", name,
-              "': expected \"gloo\" (CPU) or \"nccl\" (CUDA)");
+              "': expected \"gloo\" (CPU), \"nccl\" (CUDA) or \"mpi\" (CPU)");
   return name;
 }
 
@@ -311,6 +314,11 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     g_debug_override = *options.debug();
   }
   const auto timeout = resolve_timeout(options);
+  // Backend "mpi", also the default under mpirun without MASTER_ADDR: src/process_group_mpi.cpp.
+  if (auto g = detail::init_mpi_process_group(options.backend(), options.device_type(), env, timeout, options.store())) {
+    set_default_process_group(g);
+    return g;
+  }
   const std::string backend_name = resolve_backend(options);
   const torch::Device device = select_device(options, env, backend_name);
   auto store = connect_store(options, env, timeout);
@@ -353,6 +361,7 @@ ProcessGroupPtr new_group(const ProcessGroupPtr& parent, const std::vector<int>&
   }
   TORCH_CHECK(me >= 0, "new_group: rank ", parent->rank(), " of ", parent->str(), " is not in the new group '", name,
               "'");
+  if (auto g = detail::new_mpi_group(parent, ranks, name)) return g;  // an "mpi" parent: an MPI sub-communicator
   auto store = c10::make_intrusive<c10d::PrefixStore>(name, parent->store());
   if (parent->device_type() == torch::kCPU) {
     return make_gloo_group(store, me, static_cast<int>(ranks.size()), parent->timeout(), global, name);
