@@ -414,14 +414,18 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def print_header(head):
+    print(head)
+    print("-" * len(head))
+
+
 def print_table(rows, load_before, load_after):
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
     head = (f"{'config':<20} {'ours ms':>8} {'torch ms':>9} {'ratio':>6} {'floor ms':>9} {'ours/floor':>10} "
             f"{'torch floor':>11} {'torch/floor':>11} {'ours MiB':>9} {'torch MiB':>10} {'ratio':>6} "
             f"{'max|dloss|':>10} {'(same math)':>11}")
-    print(head)
-    print("-" * len(head))
+    print_header(head)
     for r in rows:
         print(f"{r['config']:<20} {r['ours_step_ms']:>8.1f} {r['torch_step_ms']:>9.1f} {r['step_ratio']:>6.2f} "
               f"{f(r['floor_step_ms'], '.1f'):>9} {f(r['ours_floor_ratio'], '.2f'):>10} "
@@ -436,8 +440,7 @@ def print_table(rows, load_before, load_after):
         print(f"\nbreakdown (ms/step; every column with {rows[0]['ranks']} processes busy at once):")
         head = (f"{'config':<20} {'floor':>8} {'ours 1 rank':>12} {'ours':>8} {'torch floor':>12} "
                 f"{'torch 1 rank':>13} {'torch':>8}")
-        print(head)
-        print("-" * len(head))
+        print_header(head)
         for r in rows:
             print(f"{r['config']:<20} {f(r['floor_step_ms'], '.1f'):>8} {f(r['ours_1rank_step_ms'], '.1f'):>12} "
                   f"{r['ours_step_ms']:>8.1f} {f(r['torch_floor_step_ms'], '.1f'):>12} "

@@ -67,6 +67,12 @@ CLI::Validator integer_at_least(T min) {
       "", "");
 }
 
+/// Adds an integer flag `name` >= `min` to `group` (a CLI::App or option group), its default shown in --help.
+template <typename T, typename Group>
+CLI::Option* add_integer(Group* group, const std::string& name, T& value, const std::string& help, T min) {
+  return group->add_option(name, value, help)->capture_default_str()->check(integer_at_least<T>(min));
+}
+
 /// A finite number in [lo, hi] (or (lo, hi] with lo_open, [lo, hi) with hi_open; hi = inf: no bound).
 CLI::Validator number_in(double lo, bool lo_open, double hi = std::numeric_limits<double>::infinity(),
                          bool hi_open = false) {
@@ -124,17 +130,13 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str()->check(number_in(0.001, false, 0.5));
 
   g = app.add_option_group("Optimisation");
-  g->add_option("--steps", o.steps, "Optimizer steps")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
-  g->add_option("--batch-size", o.batch_size, "Sequences per rank per microbatch")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
-  g->add_option("--grad-accum-steps", o.grad_accum_steps, "Microbatches per step")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
+  add_integer(g, "--steps", o.steps, "Optimizer steps", int64_t(1));
+  add_integer(g, "--batch-size", o.batch_size, "Sequences per rank per microbatch", int64_t(1));
+  add_integer(g, "--grad-accum-steps", o.grad_accum_steps, "Microbatches per step", int64_t(1));
   g->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str()->check(number_in(0, true));
   g->add_option("--min-lr", o.min_lr, "Learning rate at the end of the cosine decay")
       ->capture_default_str()->check(number_in(0, false));
-  g->add_option("--warmup-steps", o.warmup_steps, "Steps of linear warmup")
-      ->capture_default_str()->check(integer_at_least<int64_t>(0));
+  add_integer(g, "--warmup-steps", o.warmup_steps, "Steps of linear warmup", int64_t(0));
   g->add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices and embeddings only)")
       ->capture_default_str()->check(number_in(0, false));
   g->add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: no clipping)")
@@ -159,39 +161,30 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--peak-tflops", o.peak_tflops, "Peak dense bf16 TFLOP/s of one GPU, for the MFU (model FLOPs "
                                                 "utilisation) in the log and metrics; H100/H200 SXM: 989")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  g->add_option("--threads", o.threads, "Intra-op threads per rank (0: OMP_NUM_THREADS, 1 under fsdprun)")
-      ->capture_default_str()->check(integer_at_least<int>(0));
+  add_integer(g, "--threads", o.threads, "Intra-op threads per rank (0: OMP_NUM_THREADS, 1 under fsdprun)", int(0));
 
   g = app.add_option_group("Output");
-  g->add_option("--log-every", o.log_every, "Steps between log lines")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
-  g->add_option("--eval-every", o.eval_every, "Steps between evaluations (and at the start and the end)")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
-  g->add_option("--eval-batches", o.eval_batches, "Batches per rank per evaluation")
-      ->capture_default_str()->check(integer_at_least<int64_t>(1));
+  add_integer(g, "--log-every", o.log_every, "Steps between log lines", int64_t(1));
+  add_integer(g, "--eval-every", o.eval_every, "Steps between evaluations (and at the start and the end)", int64_t(1));
+  add_integer(g, "--eval-batches", o.eval_batches, "Batches per rank per evaluation", int64_t(1));
   g->add_option("--metrics", o.metrics, "Write JSON lines (step, loss, lr, grad_norm, tokens_per_s, step_ms, "
                                         "peak_rss_mb, peak_gpu_mem_mb, mfu, eval_loss) to FILE (rank 0)");
   g->add_flag("--no-progress", o.no_progress, "No progress bar even on a terminal");
 
   g = app.add_option_group("Sampling");
   g->add_option("--sample-prompt", o.sample_prompt, "Text the sample continues")->capture_default_str();
-  g->add_option("--sample-tokens", o.sample_tokens, "Bytes to generate (0: no sample)")
-      ->capture_default_str()->check(integer_at_least<int64_t>(0));
+  add_integer(g, "--sample-tokens", o.sample_tokens, "Bytes to generate (0: no sample)", int64_t(0));
   g->add_option("--temperature", o.temperature, "Sampling temperature (0: greedy)")
       ->capture_default_str()->check(number_in(0, false));
-  g->add_option("--top-k", o.top_k, "Sample among the k likeliest bytes (0: all)")
-      ->capture_default_str()->check(integer_at_least<int64_t>(0));
-  app.add_option("--seed", o.seed, "Seed of the weights, the data order and the sample")
-      ->capture_default_str()->check(integer_at_least<uint64_t>(0));
+  add_integer(g, "--top-k", o.top_k, "Sample among the k likeliest bytes (0: all)", int64_t(0));
+  add_integer(&app, "--seed", o.seed, "Seed of the weights, the data order and the sample", uint64_t(0));
 
   // [checkpoints]
   g = app.add_option_group("Checkpoints");
   g->add_option("--ckpt-dir", o.ckpt_dir, "Save distributed checkpoints in DIR/step-N (every rank writes its "
                                           "shards; DIR/latest names the newest)");
-  g->add_option("--ckpt-every", o.ckpt_every, "Steps between checkpoints (0: only after the last step)")
-      ->capture_default_str()->check(integer_at_least<int64_t>(0));
-  g->add_option("--keep-last", o.keep_last, "Keep only the newest N checkpoints (0: all)")
-      ->capture_default_str()->check(integer_at_least<int>(0));
+  add_integer(g, "--ckpt-every", o.ckpt_every, "Steps between checkpoints (0: only after the last step)", int64_t(0));
+  add_integer(g, "--keep-last", o.keep_last, "Keep only the newest N checkpoints (0: all)", int(0));
   g->add_option("--resume", o.resume,
                 "Continue from the newest checkpoint in --ckpt-dir, on any number of ranks (model and optimizer "
                 "resharded, the data position carried over); an error if there is none. --resume auto: continue "
