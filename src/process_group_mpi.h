@@ -1,12 +1,17 @@
 // The "mpi" backend (internal): a c10d::Backend over Open MPI for CPU tensors, and the hand-offs that
 // init_process_group, read_launch_env and new_group make to it (src/distributed.cpp).
 //
-// The CPU wheel of PyTorch ships no ProcessGroupMPI, so libfsdp brings its own (process_group_mpi.cpp),
-// compiled only when CMake finds MPI (Debian: libopenmpi-dev). This header is the same in both builds:
-// without MPI the functions below say so (mpi_backend_built() is false and asking for "mpi" throws with
-// the fix), so that the rest of the library needs no #ifdef.
+// The CPU wheel of PyTorch ships no ProcessGroupMPI, so libfsdp brings its own, compiled only when CMake
+// finds MPI (Debian: libopenmpi-dev). This header is the same in both builds: without MPI the functions
+// below (process_group_mpi_init.cpp) say so (mpi_backend_built() is false and asking for "mpi" throws with
+// the fix), so that the rest of the library needs no #ifdef. The files, all MPI-only but the first:
+//  - process_group_mpi_init.cpp: these functions (the default group, its store, sub-groups);
+//  - process_group_mpi_backend.h: ProcessGroupMPI, the c10d::Backend; process_group_mpi.cpp its
+//    collectives, process_group_mpi_ops.cpp how it issues them on the MPI thread and its checks;
+//  - mpi_thread.{h,cpp}: the MPI thread (init, queue, polling, finalize) and MpiWork;
+//  - mpi_types.{h,cpp}: datatypes and reduce ops.
 //
-// Design, in short (details in process_group_mpi.cpp and README "MPI"):
+// Design, in short (details in those files and README "MPI"):
 //  - MPI is initialised once per process (MPI_Init_thread, MPI_THREAD_SERIALIZED requested) on one
 //    process-wide MPI thread, which then runs every MPI call of every "mpi" group in issue order; a
 //    collective returns a c10d::Work at once and completes on that thread, so communication overlaps
