@@ -45,6 +45,7 @@ constexpr const char* kMetadataFileName = "libfsdp_checkpoint.json";
 constexpr const char* kLatestFileName = "latest";
 
 /// Options of save and async_save.
+/// Example: `fsdp::dcp::save(sd, "ckpt/step-100", fsdp::dcp::SaveOptions().keep_last(3))`
 struct SaveOptions {
   /// Ranks taking part; every one must call save. (Default: null = the world group of the first
   /// DTensor's mesh, else the default process group when initialised, else this process alone)
@@ -62,6 +63,7 @@ struct SaveOptions {
 };
 
 /// Options of load.
+/// Example: `fsdp::dcp::load(sd, "ckpt/latest", fsdp::dcp::LoadOptions().strict(false))`
 struct LoadOptions {
   /// Ranks taking part; every one must call load. (Default: as SaveOptions::group)
   TORCH_ARG(ProcessGroupPtr, group) = nullptr;
@@ -153,6 +155,8 @@ std::vector<std::string> verify(const std::string& dir);
 torch::Tensor read_tensor(const CheckpointInfo& info, const std::string& fqn);
 
 /// Options of consolidate.
+/// Example:
+/// `fsdp::dcp::consolidate("ckpt/step-100", "hf", fsdp::dcp::ConsolidateOptions().prefix("model.").strip_prefix(true))`
 struct ConsolidateOptions {
   /// Start a new output file when the next tensor would take the current one past this many bytes;
   /// 0: one file. (Default: 0)
