@@ -92,7 +92,8 @@ const std::vector<Case>& cases() {
                    fully_shard(net->conv, o);
                    fully_shard(m.module, o);
                  },
-                 {"LSTMImpl", "MultiheadAttentionImpl", "Conv1dImpl"},
+                 // MultiheadAttentionImpl names itself "torch::nn::MultiheadAttention" (Module::name()), without "Impl".
+                 {"LSTMImpl", "MultiheadAttention", "Conv1dImpl"},
                  {"lstm", "mha", "conv", ""},
                  60,
                  {"wte", "lstm", "mha", ""}});

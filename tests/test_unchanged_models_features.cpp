@@ -132,6 +132,7 @@ TEST_P(Unchanged, Bf16MixedPrecisionIdenticalToHolderPath) {
 // Group states ([blocks..., root]) and the parameter elements held, after forward and after backward.
 struct MemorySnapshot {
   std::vector<detail::ShardedState> after_forward, after_backward;
+  std::vector<char> in_flight_after_forward;  // an all-gather in flight holds a full buffer too
   int64_t numel_after_forward = 0;
 };
 
@@ -148,6 +149,10 @@ MemorySnapshot memory_of(const torch::nn::Module& root, const std::vector<std::s
   for (int it = 0; it < 2; ++it) {  // the second iteration runs with the orders recorded
     auto loss = loss_fn(m.forward(b.idx), b.targets);
     snap.after_forward = states();
+    snap.in_flight_after_forward.clear();
+    for (const auto& b : blocks) {
+      snap.in_flight_after_forward.push_back(detail::fsdp_state(fsdp_api(*b)).group->unshard_in_flight());
+    }
     snap.numel_after_forward = 0;
     for (const auto& p : root.parameters()) snap.numel_after_forward += p.numel();
     loss.backward();
@@ -179,6 +184,8 @@ TEST_P(UnchangedMemory, AfterForwardSameGroupsUnshardedAsHolderPath) {
   for (int r = 0; r < ws; ++r) {
     EXPECT_EQ(plain[r].after_forward, holder[r].after_forward) << "rank " << r;
     EXPECT_EQ(plain[r].numel_after_forward, holder[r].numel_after_forward) << "rank " << r;
+    EXPECT_EQ(plain[r].in_flight_after_forward, holder[r].in_flight_after_forward)
+        << "blocks with an all-gather in flight after forward, rank " << r;
     EXPECT_EQ(plain[r].after_backward, holder[r].after_backward) << "rank " << r;
     EXPECT_EQ(plain[r].after_backward, std::vector<S>(3, S::SHARDED)) << "rank " << r;
     if (reshard == 1) {
@@ -314,22 +321,28 @@ TEST_P(Unchanged, ExplicitUnshardAndReshard) {
     api.reshard();
     EXPECT_EQ(group.sharded_state(), detail::ShardedState::SHARDED);
     EXPECT_EQ(w.size(0), mine);
-    // A forward after an explicit (async) unshard of block 0 gathers only the root and block 1, and
-    // computes the same loss.
+    // Forwards with and without an explicit (async) unshard of block 0 before them: the same loss, and
+    // the all-gathers the holder path issues for the same sequence.
     auto b = make_batches(1, kBatch, kSeq)[0].slice(pg->rank() * 2, 2);
-    auto ag0 = pg->collective_count("all_gather_into_tensor");
-    auto plain_loss = loss_fn(m.forward(b.idx), b.targets);
-    auto ag1 = pg->collective_count("all_gather_into_tensor");
-    plain_loss.backward();
-    api.unshard(/*async_op=*/true).wait();
-    auto ag2 = pg->collective_count("all_gather_into_tensor");
-    auto loss = loss_fn(m.forward(b.idx), b.targets);
-    auto ag3 = pg->collective_count("all_gather_into_tensor");
-    loss.backward();
-    EXPECT_EQ(ag1 - ag0, 3u);
-    EXPECT_EQ(ag3 - ag2, 2u) << "block 0 was unsharded explicitly";
-    EXPECT_TRUE(torch::equal(loss, plain_loss));
+    auto counts = [&](const Model& model, FSDPModuleAPI block0) {
+      std::vector<uint64_t> n;
+      std::vector<torch::Tensor> losses;
+      for (int it = 0; it < 3; ++it) {
+        if (it == 2) block0.unshard(/*async_op=*/true).wait();
+        auto ag0 = pg->collective_count("all_gather_into_tensor");
+        auto loss = loss_fn(model.forward(b.idx), b.targets);
+        n.push_back(pg->collective_count("all_gather_into_tensor") - ag0);
+        loss.backward();
+        losses.push_back(loss.detach());
+      }
+      EXPECT_TRUE(torch::equal(losses[2], losses[1])) << "the explicit unshard changed the loss";
+      return n;
+    };
+    auto plain_counts = counts(m, api);
     EXPECT_EQ(group.sharded_state(), detail::ShardedState::SHARDED);
+    Net hnet{nullptr};
+    Model h = sharded_holder(pg, {}, &hnet);
+    EXPECT_EQ(plain_counts, counts(h, fsdp_api(hnet->blocks[0]))) << "forward all-gathers per iteration";
   });
 }
 
@@ -418,3 +431,4 @@ TEST(UnchangedErrors, CheckpointWrapperOnImplicitModuleRefusedAtFullyShard) {
 
 }  // namespace
 }  // namespace fsdp::testing
+

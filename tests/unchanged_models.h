@@ -13,7 +13,6 @@
 #include <set>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -306,6 +305,10 @@ inline void expect_parity(const Trace& t, const Reference& ref, const std::strin
           << ", reference max |g| " << g.abs().max().item<double>();
     }
   }
+  // Elements whose reference gradient is pure round-off at every step (e.g. MultiheadAttention's key
+  // bias: softmax is invariant to it, measured |g| ~1e-13): AdamW normalises that noise into an update,
+  // so they are compared with kRoundOffAtol (still far below one lost or doubled step, lr = 1e-2).
+  constexpr double kRoundOffGrad = 1e-10, kRoundOffAtol = 1e-4;
   EXPECT_EQ(t.final_params.size(), ref.final_params.size()) << what;
   for (const auto& [k, p] : ref.final_params) {
     auto it = t.final_params.find(k);
@@ -313,8 +316,13 @@ inline void expect_parity(const Trace& t, const Reference& ref, const std::strin
       ADD_FAILURE() << what << ": " << k << " missing from the full state dict";
       continue;
     }
-    EXPECT_TRUE(torch::allclose(it->second, p, kRtol, kAtol))
-        << what << ": final " << k << ": max |diff| " << max_abs_diff(it->second, p);
+    auto noise = torch::ones_like(p, torch::kBool);
+    for (const auto& g : ref.grads) noise &= g.at(k).abs() < kRoundOffGrad;
+    auto diff = (it->second.to(torch::kDouble) - p.to(torch::kDouble)).abs();
+    auto tol = torch::where(noise, torch::full_like(diff, kRoundOffAtol), kAtol + kRtol * p.to(torch::kDouble).abs());
+    EXPECT_TRUE((diff <= tol).all().item<bool>())
+        << what << ": final " << k << ": max |diff| " << max_abs_diff(it->second, p) << " ("
+        << noise.sum().item<int64_t>() << " elements with round-off gradients)";
   }
 }
 
@@ -341,19 +349,7 @@ inline std::string diff_traces(const Trace& a, const Trace& b) {
   return d.empty() ? "" : "final parameter " + d;
 }
 
-/// Whether a state is driven at tensor level (issue 13's "implicit" groups). Detected, so that these
-/// tests build (and fail) on a core without the member.
-template <typename S, typename = void>
-struct HasImplicit : std::false_type {};
-template <typename S>
-struct HasImplicit<S, std::void_t<decltype(std::declval<const S&>().implicit)>> : std::true_type {};
-template <typename S = detail::FSDPState>
-bool is_implicit(const FSDPModuleAPI& api) {
-  if constexpr (HasImplicit<S>::value) {
-    return static_cast<const S&>(detail::fsdp_state(api)).implicit;
-  } else {
-    return false;
-  }
-}
+/// Whether a state is driven at tensor level (issue 13's "implicit" groups).
+inline bool is_implicit(const FSDPModuleAPI& api) { return detail::fsdp_state(api).implicit; }
 
 }  // namespace fsdp::testing
