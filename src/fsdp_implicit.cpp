@@ -111,6 +111,13 @@ void FSDPState::enable_interception() {
   }
 }
 
+void FSDPState::disable_interception() {
+  if (ctx || (group && group->sharded_state() != ShardedState::SHARDED)) return;  // keep both: same numbers
+  implicit = false;
+  if (!group) return;
+  for (auto& p : group->params()) p.disable_interception();
+}
+
 void FSDPState::begin_root_forward() {
   if (on_root_forward) on_root_forward();
   if (!ctx) lazy_init();
@@ -217,7 +224,7 @@ void FSDPState::implicit_write() {
 }
 
 void FSDPState::on_grad_accumulated(size_t index) {
-  if (!ctx || !ctx->in_backward || index >= grad_accumulated.size()) return;
+  if (!implicit || !ctx || !ctx->in_backward || index >= grad_accumulated.size()) return;
   grad_accumulated[index] = 1;
   if (training_state != TrainingState::PRE_BACKWARD) return;
   const auto& ps = group->params();

@@ -153,6 +153,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void on_grad_accumulated(size_t index);
   /// Gives the parameters the interception key and registers them (fully_shard of an implicit group).
   void enable_interception();
+  /// Back to the holder path (an FSDPModule holder was made for every module after fully_shard): the
+  /// parameters' data lose the interception key.
+  void disable_interception();
   [[noreturn]] void raise_stale_alias(const FSDPParam& p, const std::string& op) const;
   /// Pushes this state on the forward stack (popping the states it is not nested in).
   void enter_forward_stack();

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "fully_shard_test_util.h"
+#include "trains_like_unsharded.h"
 
 namespace fsdp::testing {
 namespace {
@@ -107,29 +108,25 @@ TEST(BadInput, ScalarAndNonContiguousParametersNameTheParameter) {
 }
 
 // A parent that calls a sharded child through its plain holder bypasses FSDP.
-struct BypassImpl : torch::nn::Module {
-  Block inner{nullptr};  // NOT FSDPModule<Block>: its forward cannot be intercepted
-  BypassImpl() { inner = register_module("inner", Block()); }
+struct PlainMemberImpl : torch::nn::Module {
+  Block inner{nullptr};  // a plain holder member (no FSDPModule): an implicit group since issue 13
+  PlainMemberImpl() { inner = register_module("inner", Block()); }
   torch::Tensor forward(torch::Tensor x) { return inner(x); }
 };
-TORCH_MODULE(Bypass);
+TORCH_MODULE(PlainMember);
 
-TEST(BadInput, ForwardThatBypassesFSDPSaysSo) {
-  run_ranks(2, [](ProcessGroupPtr pg) {
-    auto mesh = init_device_mesh(torch::kCPU, {2});
-    FSDPModule<Bypass> m;
-    fully_shard(m->inner, FullyShardOptions().mesh(mesh));
-    fully_shard(m, FullyShardOptions().mesh(mesh));
-    try {
-      m(torch::randn({2, kDim}));
-      FAIL() << "expected an error";
-    } catch (const c10::Error& e) {
-      std::string msg = e.what();
-      EXPECT_NE(msg.find("did not go through FSDP"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("'inner'"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("fsdp::FSDPModule<Holder>"), std::string::npos) << msg;
-    }
-  });
+// Was BadInput.ForwardThatBypassesFSDPSaysSo: a plain member called as `inner(x)` now trains.
+TEST(BadInput, PlainMemberChildTrainsLikeOneProcess) {
+  const auto x = torch::randn({4, kDim}, at::make_generator<at::CPUGeneratorImpl>(5));
+  for (int ws : {2, 3}) {
+    expect_trains_like_unsharded<FSDPModule<PlainMember>>(
+        ws, [] { return FSDPModule<PlainMember>(); },
+        [](auto& m, const DeviceMeshPtr& mesh) {
+          fully_shard(m->inner, FullyShardOptions().mesh(mesh));
+          fully_shard(m, FullyShardOptions().mesh(mesh));
+        },
+        [](auto& m, const torch::Tensor& in) { return m(in).pow(2).sum(); }, x);
+  }
 }
 
 TEST(BadInput, ChildForwardBeforeRootIsAnError) {
