@@ -1,5 +1,6 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/detail/hooks.h"
+#include "fsdp_state.h"
 
 #include <mutex>
 #include <unordered_map>
@@ -127,6 +128,11 @@ std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector
 
 void checkpoint_wrapper(const std::shared_ptr<torch::nn::Module>& module) {
   TORCH_CHECK(module, "checkpoint_wrapper: got a null module");
+  auto s = detail::state_of(*module);
+  TORCH_CHECK(!s || !s->implicit, "checkpoint_wrapper: ", module->name(), " is sharded without an fsdp::FSDPModule ",
+              "holder, so nothing can re-run its forward in backward. Fix: wrap its call in the model's forward, ",
+              "`x = fsdp::checkpoint([m](torch::Tensor t) { return m->forward(t); }, x);`, or declare the module as ",
+              "fsdp::FSDPModule<Holder>");
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (auto it = r.modules.begin(); it != r.modules.end();) {

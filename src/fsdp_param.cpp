@@ -1,6 +1,8 @@
 // FSDPParam: sharding one parameter and moving its data between the shard and the unsharded tensor.
 #include "fsdp_param.h"
 
+#include "fsdp_interception.h"
+
 #include <utility>
 
 namespace fsdp::detail {
@@ -53,12 +55,22 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
   param.set_data(sharded_data);
 }
 
+void FSDPParam::enable_interception() {
+  intercept = true;
+  sharded_intercepted = intercepted(sharded_data);
+  param.set_data(sharded_intercepted);
+}
+
 void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device) {
   if (!unsharded_padded.defined()) {
     auto shape = orig_size;
     shape[0] = shard_size * padded_rows;
     unsharded_padded = torch::empty(shape, torch::TensorOptions().dtype(param_dtype).device(device));
     unsharded_data = unsharded_padded.narrow(0, 0, orig_size[0]);
+    if (intercept) {
+      unsharded_intercepted = intercepted(unsharded_data);
+      register_param_storage(param, unsharded_padded, /*is_shard=*/false);
+    }
   } else {
     resize_storage(unsharded_padded, unsharded_padded.numel() * unsharded_padded.element_size());
   }
@@ -74,7 +86,7 @@ void FSDPParam::to_unsharded(bool in_backward) {
   // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
   auto& g = param.mutable_grad();
   if (!in_backward) accumulate(stashed_grad, std::exchange(g, torch::Tensor()));
-  param.set_data(unsharded_data);
+  param.set_data(intercept ? unsharded_intercepted : unsharded_data);
 }
 
 void FSDPParam::to_sharded(bool in_backward, int rank) {
@@ -84,7 +96,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
     // the sharded one). The group is resharded before every use produced its gradient (e.g. a
     // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
     accumulate(pending_grad, std::exchange(g, torch::Tensor()));
-    param.set_data(sharded_data);
+    param.set_data(intercept ? sharded_intercepted : sharded_data);
     return;
   }
   // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
@@ -94,7 +106,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
               "shard is ", sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
               "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
               "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
-  param.set_data(sharded_data);
+  param.set_data(intercept ? sharded_intercepted : sharded_data);
   accumulate(g, std::exchange(stashed_grad, torch::Tensor()));
 }
 

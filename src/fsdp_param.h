@@ -67,10 +67,17 @@ class FSDPParam {
   torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
                                     // during a backward before the group's post-backward ran
   torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
+  // Implicit groups (see [Note: implicit groups], fsdp_implicit.cpp): the parameter's data are these
+  // aliases of sharded_data / unsharded_data, which carry the interception key.
+  bool intercept = false;
+  torch::Tensor sharded_intercepted;
+  torch::Tensor unsharded_intercepted;
 
   int64_t padded_numel() const { return padded_rows * row_numel; }
   bool requires_grad() const { return param.requires_grad(); }
 
+  /// The parameter's data become aliases carrying the interception key (it must be sharded).
+  void enable_interception();
   /// Allocates the unsharded padded tensor ([shard_size * padded_rows, *rest], param dtype, on `device`)
   /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]).
   void alloc_unsharded_param(int shard_size, torch::Device device);

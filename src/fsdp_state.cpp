@@ -158,8 +158,10 @@ void FSDPContext::reset_forward() {
     s->fwd_calls = 0;
     s->fwd_untracked = 0;
     s->post_forward_indices.clear();
+    std::fill(s->fwd_used.begin(), s->fwd_used.end(), 0);
   }
   post_forward_order.clear();
+  forward_stack.clear();
   reset_backward();
 }
 
@@ -171,6 +173,8 @@ void FSDPContext::reset_backward() {
     s->input_grads_ready = 0;
     s->backward_cursor = 0;
     s->post_backward_runs = 0;
+    std::fill(s->bwd_used.begin(), s->bwd_used.end(), 0);
+    std::fill(s->grad_accumulated.begin(), s->grad_accumulated.end(), 0);
   }
   in_backward = false;
 }
@@ -204,6 +208,16 @@ std::shared_ptr<FSDPState> state_by_id(int64_t id) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.by_id.find(id);
   return it == r.by_id.end() ? nullptr : it->second.lock();
+}
+
+std::vector<std::shared_ptr<FSDPState>> live_states() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::shared_ptr<FSDPState>> out;
+  for (auto& [id, w] : r.by_id) {
+    if (auto s = w.lock()) out.push_back(std::move(s));
+  }
+  return out;
 }
 
 std::unordered_map<const c10::TensorImpl*, std::shared_ptr<FSDPState>> param_owners() {
@@ -243,7 +257,7 @@ void FSDPState::init_params(const std::vector<std::pair<size_t, std::string>>& o
   for (size_t i = 0; i < ps.size(); ++i) {
     ps[i].module_index = origin[i].first;
     ps[i].name_in_module = origin[i].second;
-    if (!ps[i].param.requires_grad()) continue;
+    if (!ps[i].param.requires_grad() || implicit) continue;  // implicit: every use is intercepted
     // Every gradient that reaches the parameter must come from a use inside the group's FSDP
     // forward: a forward that bypassed FSDP computed on the shard (see check_grad_arrival). The hook
     // runs before AccumulateGrad, in every backward, for as long as the parameter lives.
@@ -282,6 +296,25 @@ void FSDPState::lazy_init() {
     // The path of each module of the state (several for fully_shard({a, b})).
     for (size_t i = 0; i < s->modules.size(); ++i) {
       if (!s->module_fqns[i] && s->modules[i].lock().get() == item.value().get()) s->module_fqns[i] = item.key();
+    }
+  }
+  // Each state's nearest sharded ancestor (the forward stack nests states by it).
+  std::unordered_map<std::string, FSDPState*> by_path;
+  for (FSDPState* s : ctx->states) {
+    for (const auto& f : s->module_fqns) {
+      if (f) by_path.emplace(*f, s);
+    }
+  }
+  for (FSDPState* s : ctx->states) {
+    s->parent = nullptr;
+    if (s == this || s->module_fqns.empty() || !s->module_fqns[0]) continue;
+    std::string path = *s->module_fqns[0];
+    while (!s->parent) {
+      auto dot = path.rfind('.');
+      path = dot == std::string::npos ? "" : path.substr(0, dot);
+      auto it = by_path.find(path);
+      if (it != by_path.end() && it->second != s) s->parent = it->second;
+      if (path.empty() && !s->parent) s->parent = this;
     }
   }
   for (FSDPState* s : ctx->states) {
@@ -343,6 +376,7 @@ void FSDPState::root_pre_forward() {
     }
   }
   ctx->reset_forward();
+  ctx->forward_open = true;
 }
 
 void FSDPState::abort_backward() noexcept {
@@ -372,8 +406,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   } else if (is_root() && training_state != TrainingState::FORWARD) {
     root_pre_forward();
   }
-  training_state = TrainingState::FORWARD;
-  ran_forward = true;
+  enter_forward_stack();
   input_node = nullptr;
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
   const auto& mp = options.mp_policy();
@@ -382,26 +415,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
       if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.param_dtype()) t = t.to(*mp.param_dtype());
     }
   }
-  if (group) {
-    group->unshard(/*async_op=*/true);  // no-op when a prefetch is in flight or already unsharded
-    group->wait_for_unshard();
-  }
-  // Prefetch: the explicit list, or the state that ran after this one in the first iteration.
-  if (forward_prefetch) {
-    for (auto& w : *forward_prefetch) prefetch(w.lock().get());
-  } else if (ctx->forward_order_recorded) {
-    auto& order = ctx->forward_order;
-    for (size_t i = 0; i + 1 < order.size(); ++i) {
-      if (order[i] == this) {
-        prefetch(order[i + 1]);
-        break;
-      }
-    }
-  }
-  if (!ctx->forward_order_recorded &&
-      std::find(ctx->forward_order.begin(), ctx->forward_order.end(), this) == ctx->forward_order.end()) {
-    ctx->forward_order.push_back(this);
-  }
+  begin_call();
   // Post-backward runs when the gradients of these inputs are computed (and every call of the group
   // is done: see all_calls_done).
   if (torch::GradMode::is_enabled()) {
@@ -426,8 +440,35 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   return inputs;
 }
 
+void FSDPState::begin_call() {
+  training_state = TrainingState::FORWARD;
+  ran_forward = true;
+  if (group) {
+    group->unshard(/*async_op=*/true);  // no-op when a prefetch is in flight or already unsharded
+    group->wait_for_unshard();
+  }
+  // Prefetch: the explicit list, or the state that ran after this one in the first iteration.
+  if (forward_prefetch) {
+    for (auto& w : *forward_prefetch) prefetch(w.lock().get());
+  } else if (ctx->forward_order_recorded) {
+    auto& order = ctx->forward_order;
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
+      if (order[i] == this) {
+        prefetch(order[i + 1]);
+        break;
+      }
+    }
+  }
+  if (!ctx->forward_order_recorded &&
+      std::find(ctx->forward_order.begin(), ctx->forward_order.end(), this) == ctx->forward_order.end()) {
+    ctx->forward_order.push_back(this);
+  }
+}
+
 std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
   if (training_state == TrainingState::PRE_BACKWARD) return outputs;  // recomputation: see pre_forward
+  // Implicit states still running inside this module's forward end with it.
+  ctx->pop_forward_stack(this, /*inclusive=*/true);
   if (group) {
     if (reshard_after_forward_k == 1) {
       group->reshard();
@@ -435,7 +476,10 @@ std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> ou
       group->reshard_post_forward(post_forward_group);  // see [Note: reshard_after_forward=k]
     }
   }
-  if (is_root() && !ctx->forward_order_recorded) ctx->forward_order_recorded = true;
+  if (is_root()) {
+    ctx->forward_order_recorded = true;
+    ctx->close_forward(nullptr);
+  }
   if (!ctx->in_backward) {
     post_forward_indices.push_back(ctx->post_forward_order.size());
     ctx->post_forward_order.push_back(this);
@@ -467,6 +511,7 @@ void FSDPState::pre_backward() {
     // First FSDP hook of this backward: queue the end-of-backward callback (with a guard that cleans
     // up if the backward throws) and move every group's sharded gradients out of autograd's way.
     ctx->in_backward = true;
+    if (ctx->forward_open) ctx->close_forward(this);  // an implicit root's forward ends here
     auto guard = std::make_shared<BackwardGuard>(ctx->root->id);
     torch::autograd::Engine::get_default_engine().queue_callback([guard] {
       if (auto r = state_by_id(guard->root_id)) r->root_post_backward_final();

@@ -46,6 +46,19 @@ struct FSDPContext {
   bool in_backward = false;
   /// The last backward threw: the next root forward completes and drops its in-flight collectives.
   bool backward_aborted = false;
+  /// A root forward began (root_pre_forward) and has not ended: the holder root's post-forward, or for
+  /// an implicit root the first pre-backward, ends it. See [Note: implicit groups] (fsdp_implicit.cpp).
+  bool forward_open = false;
+  /// The states whose forward is running, outermost first: a state stays while ops use it or states of
+  /// its submodules, and is popped (its post-forward runs) when an op uses a state outside its subtree.
+  std::vector<FSDPState*> forward_stack;
+
+  /// Pops the forward stack down to (and, with `inclusive`, including) `s`, running the post-forward of
+  /// each implicit state popped; with s == nullptr pops everything.
+  void pop_forward_stack(FSDPState* s, bool inclusive);
+  /// Ends the open forward: pops the whole stack; `keep` (the state whose pre-backward ends it) is not
+  /// resharded, since its backward needs it unsharded.
+  void close_forward(FSDPState* keep);
 
   /// Start of a root forward: forgets the previous forward's calls (a new graph).
   void reset_forward();
@@ -73,6 +86,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   TrainingState training_state = TrainingState::IDLE;
   std::shared_ptr<FSDPContext> ctx;  // set at lazy init
+  /// Driven by tensor interception (no module of the fully_shard call has an FSDPModule holder).
+  /// See [Note: implicit groups] (fsdp_implicit.cpp).
+  bool implicit = false;
+  FSDPState* parent = nullptr;  // nearest sharded ancestor (set at lazy init; null for the root)
   bool is_root() const { return ctx && ctx->root == this; }
 
   // FSDPModule settings.
@@ -98,6 +115,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // there (what lies beyond is the inputs' history, e.g. another forward).
   const torch::autograd::Node* input_node = nullptr;
 
+  // Implicit states, per parameter: used with grad enabled in this forward / in this backward (a
+  // recomputation), and whose gradient autograd accumulated in this backward. The post-backward runs
+  // once every used trainable parameter has its gradient.
+  std::vector<char> fwd_used, bwd_used, grad_accumulated;
+  const torch::autograd::Node* last_hooked_node = nullptr;  // the fallback hooks each node once
+
   // Per backward (reset at its end).
   int bwd_calls = 0;       // calls made during this backward (recomputation inside a checkpoint)
   int bwd_untracked = 0;
@@ -114,6 +137,29 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   }
 
   double divide_factor() const;
+
+  // Implicit states (fsdp_implicit.cpp), called by the interception fallback (fsdp_interception.cpp).
+  /// An op uses parameter `index` outside a backward, not in place: unshards for the forward (lazy init
+  /// and the root's pre-forward first when needed).
+  void implicit_forward_use(size_t index, bool grad_mode);
+  /// An op uses parameter `index` during a backward (a backward formula, or a recomputation).
+  void implicit_backward_use(size_t index, bool grad_mode);
+  /// An op writes a parameter in place outside a backward (optimizer step, init): the shard is written,
+  /// so an unsharded group (left by an evaluation forward) reshards first.
+  void implicit_write();
+  /// The first autograd node of an op that used the group runs (pre-backward).
+  void implicit_pre_backward();
+  /// Autograd accumulated parameter `index`'s gradient (post-accumulate-grad hook).
+  void on_grad_accumulated(size_t index);
+  /// Gives the parameters the interception key and registers them (fully_shard of an implicit group).
+  void enable_interception();
+  [[noreturn]] void raise_stale_alias(const FSDPParam& p, const std::string& op) const;
+  /// Pushes this state on the forward stack (popping the states it is not nested in).
+  void enter_forward_stack();
+  /// The post-forward of an implicit state: reshard per reshard_after_forward, record the order.
+  void implicit_post_forward();
+  /// Shared by the holder and implicit pre-forward: unshard, prefetch, record the forward order.
+  void begin_call();
   /// For messages: "'blocks.1' (BlockImpl)", "the root (NetImpl)", or before the first forward
   /// "the module passed to fully_shard (BlockImpl)".
   std::string name() const;
@@ -126,6 +172,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void init_params(const std::vector<std::pair<size_t, std::string>>& origin);
   void lazy_init();
   void root_pre_forward();
+  /// Join's announcement and the root's pre-forward, for a root whose forward is seen at tensor level.
+  void begin_root_forward();
   std::vector<torch::Tensor> pre_forward(std::vector<torch::Tensor> inputs);
   std::vector<torch::Tensor> post_forward(std::vector<torch::Tensor> outputs);
   void pre_backward();
@@ -165,6 +213,8 @@ using ManagedParamMap =
 /// (and so the states) of destroyed modules.
 ManagedParamMap managed_params(bool forget_destroyed = false);
 
+/// Every live state (one registry scan).
+std::vector<std::shared_ptr<FSDPState>> live_states();
 /// The state with registry key `id`, or null if it is gone.
 std::shared_ptr<FSDPState> state_by_id(int64_t id);
 

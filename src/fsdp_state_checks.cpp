@@ -103,7 +103,7 @@ void forward_failed(FSDPState& state, std::exception_ptr error) {
   for (FSDPState* s : state.ctx->states) {
     if (s == &state || !s->group || s->ran_forward || s->group->params().empty()) continue;
     auto m = s->modules[0].lock();
-    if (!m || is_marked(*m)) continue;
+    if (!m || s->implicit || is_marked(*m)) continue;
     const auto& p = s->group->params()[0];
     hint << (found++ ? "; " : "") << s->name() << " (e.g. '" << p.fqn << "' holds local shape "
          << shape_str(p.sharded_data.sizes()) << " of " << c10::IntArrayRef(p.orig_size) << " on rank "

@@ -4,6 +4,7 @@
 // Mirrors torch.distributed.fsdp._fully_shard._fully_shard (fully_shard, FSDPModule).
 #include "fsdp/fully_shard.h"
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "consistency.h"
@@ -139,6 +140,14 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
     TORCH_CHECK(m, "fully_shard: got a null module");
     TORCH_CHECK(!detail::state_of(*m), "fully_shard: module ", m->name(), " is already sharded");
   }
+  // Implicit: no module of the call has an FSDPModule holder (see [Note: implicit groups]).
+  const bool implicit = std::none_of(modules.begin(), modules.end(), [](const auto& m) { return detail::is_marked(*m); });
+  for (const auto& m : modules) {
+    TORCH_CHECK(!implicit || !detail::is_checkpointed(*m), "fully_shard: ", m->name(), " has checkpoint_wrapper applied, ",
+                "but its forward does not go through an fsdp::FSDPModule holder, so nothing can re-run it in backward. ",
+                "Fix: wrap its call in the model's forward, `x = fsdp::checkpoint([m](torch::Tensor t) { return ",
+                "m->forward(t); }, x);`, or declare the module as fsdp::FSDPModule<Holder>");
+  }
   auto mesh = detail::fully_shard_mesh(options);
   auto managed = detail::get_managed_params(modules, options, mesh->get_rank());
 
@@ -155,7 +164,9 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
     state->group = std::make_unique<detail::FSDPParamGroup>(std::move(managed.params), gopts, state->module_type);
   }
   detail::register_state(state, modules);
+  state->implicit = implicit;
   state->init_params(managed.origin);
+  if (state->implicit) state->enable_interception();
   return FSDPModuleAPI(state);
 }
 
@@ -167,22 +178,12 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
                                           const AutoWrapPolicy& policy, const FullyShardOptions& options) {
   TORCH_CHECK(root, "fully_shard_tree: got a null root");
   std::vector<std::string> wrapped;
-  std::vector<std::string> unreachable;
-  std::vector<std::string> skipped;  // selected by min_num_params, but their forward cannot go through FSDP
   auto type_selected = [&](const torch::nn::Module& m) {
     // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
     const std::string type = m.name();
     const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
     return policy.module_types().count(type) > 0 || policy.module_types().count(short_type) > 0;
   };
-  // Refuse before sharding anything: a failed call leaves the model untouched.
-  for (const auto& item : root->named_modules("", /*include_self=*/false)) {
-    if (type_selected(*item.value()) && !detail::state_of(*item.value()) && !detail::is_marked(*item.value())) {
-      unreachable.push_back("'" + item.key() + "' (" + item.value()->name() + ")");
-    }
-  }
-  TORCH_CHECK(unreachable.empty(), "fully_shard_tree: the policy selects ", c10::Join(", ", unreachable),
-              ", whose forward cannot go through FSDP. Fix: declare each as fsdp::FSDPModule<Holder> instead of Holder");
   // Post-order: children before parents, the root last. Returns the parameter elements of the
   // subtree not yet wrapped.
   std::function<int64_t(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
@@ -196,22 +197,11 @@ std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Modul
     bool by_type = type_selected(*m);
     bool by_size = policy.min_num_params() > 0 && unwrapped >= policy.min_num_params();
     if (!by_type && !by_size) return unwrapped;
-    if (!detail::is_marked(*m)) {
-      // Selected by size only (a type-selected one was refused above): it stays in its parent's group.
-      skipped.push_back("'" + path + "' (" + m->name() + ", " + std::to_string(unwrapped) + " parameter elements)");
-      return unwrapped;
-    }
-    fully_shard(m, options);
+    fully_shard(m, options);  // a holder's module, or an implicit group (see [Note: implicit groups])
     wrapped.push_back(path);
     return 0;
   };
   visit(root, "");
-  if (!skipped.empty()) {
-    TORCH_WARN("fully_shard_tree: min_num_params=", policy.min_num_params(), " selects ", c10::Join(", ", skipped),
-               ", whose forward cannot go through FSDP; their parameters stay in the group of the nearest wrapped ",
-               "ancestor (gathered with it, for its whole forward). Fix: declare each module to wrap as ",
-               "fsdp::FSDPModule<Holder> instead of Holder, or raise min_num_params");
-  }
   if (!detail::state_of(*root)) fully_shard(root, options);
   wrapped.push_back("");
   return wrapped;

@@ -198,7 +198,7 @@ StateDict optimizer_state_dict(const torch::nn::Module& model, const torch::opti
     for (const auto& name : state_names(k, hp)) {
       auto* field = state_field(state, k, name);
       // No state yet (before the first step): zeros, the state the first step would create.
-      torch::Tensor local = field && field->defined() ? *field : torch::zeros_like(op.param.detach());
+      torch::Tensor local = field && field->defined() ? *field : torch::zeros_like(op.layout ? op.layout->to_local() : op.param.detach());
       const std::string key = "state." + op.fqn + "." + name;
       if (!op.layout) {
         if (keep) sd.insert_or_assign(key, full && o.cpu_offload() ? local.cpu() : local);
@@ -317,7 +317,7 @@ void prepare_param_state(const OptParam& op, torch::optim::Optimizer& opt, OptKi
     const auto* entry = keys.take(key, op);
     if (!entry) continue;
     auto* field = state_field(state, k, name);
-    torch::Tensor like = field && field->defined() ? *field : op.param.detach();
+    torch::Tensor like = field && field->defined() ? *field : (op.layout ? op.layout->to_local() : op.param.detach());
     sources.emplace_back(name, resolve_tensor(*entry, key, like, op.layout, api, rank));
   }
   if (has_step(k)) {

@@ -21,17 +21,37 @@
 // the unsharded tensor, so `model->parameters()`, an optimizer and the autograd graph all keep
 // pointing at the same objects.
 //
-// The C++ frontend has no forward hooks: a sharded module's forward must go through fsdp::FSDPModule
-// (declare the module as fsdp::FSDPModule<Block> instead of Block, and call it as `block(x)`) or
-// through fsdp::fsdp_forward() for other entry points. A forward that bypasses FSDP (a root called
-// as `model->forward(x)`, a sharded child that a container such as torch::nn::Sequential calls
-// directly, a module reached through `as<>()`) computes on the local shards; it raises a c10::Error
-// naming the module (FQN and type) and the supported calls: at the end of the root's forward when the
-// use is in the root output's autograd graph (every rank sees the same graph, so every rank raises
-// there), else (the root itself called through ->forward, a use inside an activation-checkpointed
-// region, or on 1 rank a module that also ran through FSDP) when the gradient of the use reaches its
-// parameter in backward, before that gradient is reduced or seen by an optimizer. (A bypassed
-// forward may fail before either with a plain shape error from the module's own code.)
+// Any module can be sharded, as in Python: a torch::nn::Sequential element (`seq->ptr(i)`), a
+// ModuleList/ModuleDict entry however the model calls it (`m->as<Block>()->forward(x)`), a plain
+// torch::nn::Linear/Conv2d/Embedding/LSTM/MultiheadAttention member, the root. The model's code stays
+// as it is. Two ways FSDP follows a group's forward:
+// - implicit (no module of the fully_shard call has an fsdp::FSDPModule holder): the parameters are
+//   intercepted at tensor level (a dispatch key on their data). The first op that uses a group's
+//   parameter in forward all-gathers the group; it is resharded (reshard_after_forward) when an op uses a
+//   group outside its module's subtree, so nested groups behave as with module hooks; the first autograd
+//   node of an op that used it unshards it in backward; its gradients are reduce-scattered as soon as
+//   every parameter it used has its gradient. mp_policy's cast_forward_inputs casts the floating-point
+//   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype is
+//   not applied. Outside forward and backward a parameter behaves like FSDP2's DTensor parameter:
+//   sizes() is the local shard's, in-place updates (optimizers, torch::nn::init) write the local shard,
+//   and any other read (p.sum(), p.detach(), torch::save) all-gathers its group and sees the full tensor
+//   (the local shard: get_model_state_dict or FSDPModuleAPI::sharded_parameters()). An alias (a view,
+//   detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
+//   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
+//   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
+//   on an implicit module throws). Cost: ~0.3 us per op that takes a parameter; other ops pay nothing.
+//   torch::optim::LBFGS is not supported (it clones parameters outside forward).
+// - holder (zero overhead): declare the module as fsdp::FSDPModule<Block> instead of Block and call it
+//   as `block(x)` (or through fsdp::fsdp_forward() for other entry points). A forward that bypasses the
+//   holder (a root called as `model->forward(x)`, a child a container calls directly, a module reached
+//   through `as<>()`) computes on the local shards; it raises a c10::Error naming the module (FQN and
+//   type) and the supported calls: at the end of the root's forward when the use is in the root output's
+//   autograd graph (every rank sees the same graph, so every rank raises there), else (the root itself
+//   called through ->forward, a use inside an activation-checkpointed region, or on 1 rank a module that
+//   also ran through FSDP) when the gradient of the use reaches its parameter in backward, before that
+//   gradient is reduced or seen by an optimizer. (A bypassed forward may fail before either with a
+//   plain shape error from the module's own code.)
+// Both give identical numbers (the same collectives on the same data; tested bit for bit in fp32).
 //
 // Backward: a group's gradients are reduce-scattered once per backward, after every use of its
 // parameters in that backward produced its gradient: as soon as the gradients of every call's inputs
@@ -281,7 +301,9 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 }
 
 /// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
-/// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module.
+/// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module. Any module works
+/// (see the top of this file: implicit groups, or the holder path when the module has an
+/// fsdp::FSDPModule holder).
 /// Initial weights: every rank keeps its own rows of its own copy, so on a 1-D mesh every rank must
 /// start from the same weights (seed every rank identically, load the same checkpoint, or set
 /// FullyShardOptions::sync_module_states to broadcast rank 0's parameters and buffers). On a 2-D
@@ -306,7 +328,8 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 /// at the end of that backward, naming the parameter, on every rank, before any gradient is reduced.
 FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
 /// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
-/// holds the group's state; the forward of each must go through FSDP. The group's gradients are
+/// holds the group's state. The group is implicit unless one of the modules has an FSDPModule holder
+/// (then the forward of each must go through a holder). The group's gradients are
 /// reduced once per backward, after the last use of any of its modules (see the note at the top).
 /// Error messages name each parameter by its path from the root once a forward ran ("emb.weight"),
 /// before that by its name in its module and the module's type.
@@ -331,11 +354,7 @@ struct AutoWrapPolicy {
 };
 
 /// Applies fully_shard bottom-up to every module of `root`'s tree that `policy` selects, then to
-/// `root` — the same result as the manual calls. Only modules whose forward goes through FSDP
-/// (declared as fsdp::FSDPModule<...>) can be wrapped: a module selected by module_types that is not
-/// is an error naming its fully qualified name (thrown before anything is sharded); modules selected
-/// only by min_num_params that are not stay in the group of their nearest wrapped ancestor, and one
-/// warning (TORCH_WARN, on every rank) lists them with their FQN, type and size.
+/// `root` — the same result as the manual calls, for any modules (implicit groups or holders).
 /// Returns the FQNs wrapped, bottom-up ("" is the root).
 std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
                                           const AutoWrapPolicy& policy, const FullyShardOptions& options = {});
