@@ -337,12 +337,12 @@ void prepare_param_state(const OptParam& op, torch::optim::Optimizer& opt, OptKi
     if (it == st.end()) {
       // torch::optim creates state lazily at a parameter's first step: create it now, as that step would.
       auto s = new_state(k);
-      for (const auto& name : names) *state_field(s.get(), k, name) = torch::zeros_like(p.detach());
+      for (const auto& name : names) *state_field(s.get(), k, name) = torch::zeros_like(p);
       it = st.emplace(p.unsafeGetTensorImpl(), std::move(s)).first;
     }
     for (const auto& [name, src] : sources) {
       auto* field = state_field(it->second.get(), k, name);
-      if (!field->defined()) *field = torch::zeros_like(p.detach());
+      if (!field->defined()) *field = torch::zeros_like(p);
       copy_into(*field, src);
     }
     if (step) set_step(*it->second, k, *step);
