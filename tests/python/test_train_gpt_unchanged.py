@@ -41,7 +41,7 @@ def text_files():
 
 def train(impl, text_files, out, *extra, nproc=2):
     """Runs train_gpt --model-impl `impl` on `nproc` ranks; returns (per-step records, sample text)."""
-    metrics = out / f"{impl}.jsonl"
+    metrics = out / f"{impl}_{len(list(out.glob('*.jsonl')))}.jsonl"  # a fresh file per run (a resume appends)
     cmd = [str(FSDPRUN), "--standalone", "--nproc-per-node", str(nproc), "--", str(TRAIN_GPT),
            "--model-impl", impl, "--model", "tiny", "--data", *text_files, "--batch-size", "4", "--seed", "7",
            "--threads", "1", "--steps", str(STEPS), "--log-every", "1", "--eval-every", "3", "--eval-batches", "2",
