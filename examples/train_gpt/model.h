@@ -5,7 +5,8 @@
 //
 // The only FSDP-specific line is the type of `GPTImpl::blocks`: fsdp::FSDPModule<Block> instead of
 // Block, so that each block's forward goes through fully_shard's hooks once the block is sharded.
-// Sharding itself is applied outside the model, in parallelize() (parallelize.cpp).
+// Sharding itself is applied outside the model, in parallelize() (parallelize.cpp). model_plain.h is
+// the same model without even that line (--model-impl plain).
 #pragma once
 
 #include <cstdint>
