@@ -111,6 +111,13 @@ void FSDPState::enable_interception() {
   }
 }
 
+void FSDPState::disable_interception() {
+  if (ctx || (group && group->sharded_state() != ShardedState::SHARDED)) return;  // keep both: same numbers
+  implicit = false;
+  if (!group) return;
+  for (auto& p : group->params()) p.disable_interception();
+}
+
 void FSDPState::begin_root_forward() {
   if (on_root_forward) on_root_forward();
   if (!ctx) lazy_init();
@@ -125,20 +132,21 @@ void FSDPState::implicit_forward_use(size_t index, bool grad_mode) {
     TORCH_INTERNAL_ASSERT(ctx, "fully_shard: ", name(), " is not under the root ", r->name());
   }
   if (ctx->forward_stack.empty() || ctx->forward_stack.back() != this) {
-    enter_forward_stack();
-    begin_call();
+    // A new call (pushed), or back in an enclosing call after a nested one's (no new pre-forward).
+    if (enter_forward_stack()) begin_call();
   } else if (group && group->sharded_state() != ShardedState::UNSHARDED) {
     group->unshard(/*async_op=*/false);  // resharded by hand (reshard()) inside its forward
   }
   if (grad_mode && index < fwd_used.size()) fwd_used[index] = 1;
 }
 
-void FSDPState::enter_forward_stack() {
+bool FSDPState::enter_forward_stack() {
   auto& st = ctx->forward_stack;
   auto on_stack = std::find(st.begin(), st.end(), this);
   if (on_stack != st.end()) {
     ctx->pop_forward_stack(this, /*inclusive=*/false);  // back in its forward after a nested state's
-    return;
+    if (group && group->sharded_state() != ShardedState::UNSHARDED) group->unshard(/*async_op=*/false);
+    return false;
   }
   auto is_ancestor = [this](const FSDPState* a) {
     for (const FSDPState* p = parent; p; p = p->parent) {
@@ -148,6 +156,7 @@ void FSDPState::enter_forward_stack() {
   };
   while (!st.empty() && !is_ancestor(st.back())) ctx->pop_forward_stack(st.back(), /*inclusive=*/true);
   st.push_back(this);
+  return true;
 }
 
 void FSDPContext::pop_forward_stack(FSDPState* s, bool inclusive) {
@@ -217,7 +226,7 @@ void FSDPState::implicit_write() {
 }
 
 void FSDPState::on_grad_accumulated(size_t index) {
-  if (!ctx || !ctx->in_backward || index >= grad_accumulated.size()) return;
+  if (!implicit || !ctx || !ctx->in_backward || index >= grad_accumulated.size()) return;
   grad_accumulated[index] = 1;
   if (training_state != TrainingState::PRE_BACKWARD) return;
   const auto& ps = group->params();

@@ -61,6 +61,12 @@ void FSDPParam::enable_interception() {
   param.set_data(sharded_intercepted);
 }
 
+void FSDPParam::disable_interception() {
+  intercept = false;
+  param.set_data(sharded_data);
+  sharded_intercepted = unsharded_intercepted = torch::Tensor();
+}
+
 void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device) {
   if (!unsharded_padded.defined()) {
     auto shape = orig_size;

@@ -78,6 +78,8 @@ class FSDPParam {
 
   /// The parameter's data become aliases carrying the interception key (it must be sharded).
   void enable_interception();
+  /// The parameter's data become the plain shard again (it must be sharded).
+  void disable_interception();
   /// Allocates the unsharded padded tensor ([shard_size * padded_rows, *rest], param dtype, on `device`)
   /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]).
   void alloc_unsharded_param(int shard_size, torch::Device device);

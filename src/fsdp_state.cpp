@@ -3,6 +3,7 @@
 // (The checks for forwards that bypassed FSDP are in fsdp_state_checks.cpp.)
 #include "fsdp_state.h"
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -63,7 +64,12 @@ struct Registry {
   };
   std::unordered_map<const Module*, Entry> by_module;
   std::unordered_map<int64_t, std::weak_ptr<FSDPState>> by_id;
-  std::unordered_map<const Module*, std::weak_ptr<Module>> fsdp_forward;  // marked by FSDPModule holders
+  std::unordered_map<const Module*, std::weak_ptr<Module>> fsdp_forward;  // mark_fsdp_forward (custom holders)
+  struct Held {
+    std::weak_ptr<Module> module;
+    int holders = 0;  // live FSDPModule holders (copies share one)
+  };
+  std::unordered_map<const Module*, Held> held;
   int64_t next_id = 1;
 
   void purge_locked() {
@@ -74,6 +80,7 @@ struct Registry {
     for (auto it = fsdp_forward.begin(); it != fsdp_forward.end();) {
       it = it->second.expired() ? fsdp_forward.erase(it) : std::next(it);
     }
+    for (auto it = held.begin(); it != held.end();) it = it->second.module.expired() ? held.erase(it) : std::next(it);
   }
 };
 
@@ -109,7 +116,47 @@ bool is_marked(const Module& m) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.fsdp_forward.find(&m);
-  return it != r.fsdp_forward.end() && !it->second.expired();
+  if (it != r.fsdp_forward.end() && !it->second.expired()) return true;
+  auto h = r.held.find(&m);
+  return h != r.held.end() && h->second.holders > 0 && !h->second.module.expired();
+}
+
+namespace {
+// A holder made after fully_shard: the group takes the holder path once every module has one (and
+// before its first forward; afterwards both mechanisms run, which gives the same numbers).
+void maybe_leave_implicit(const Module& module) {
+  auto s = state_of(module);
+  if (s && s->implicit && std::all_of(s->modules.begin(), s->modules.end(), [](const auto& w) {
+        auto m = w.lock();
+        return m && is_marked(*m);
+      })) {
+    s->disable_interception();
+  }
+}
+}  // namespace
+
+std::shared_ptr<void> hold_fsdp_forward(const Module& module) {
+  auto& r = registry();
+  std::weak_ptr<Module> weak;
+  try {
+    weak = const_cast<Module&>(module).shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return nullptr;  // not owned by a shared_ptr: cannot be tracked
+  }
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto& h = r.held[&module];
+    if (h.module.expired() || h.module.lock().get() != &module) h = Registry::Held{weak, 0};
+    ++h.holders;
+  }
+  maybe_leave_implicit(module);
+  const Module* key = &module;
+  return std::shared_ptr<void>(nullptr, [key, weak](void*) {
+    auto& reg = registry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.held.find(key);
+    if (it != reg.held.end() && it->second.module.lock() == weak.lock() && it->second.holders > 0) --it->second.holders;
+  });
 }
 
 void mark_module(const Module& module) {
@@ -120,8 +167,11 @@ void mark_module(const Module& module) {
   } catch (const std::bad_weak_ptr&) {
     return;  // not owned by a shared_ptr: cannot be tracked
   }
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.fsdp_forward[&module] = weak;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.fsdp_forward[&module] = weak;
+  }
+  maybe_leave_implicit(module);
 }
 
 void register_state(const std::shared_ptr<FSDPState>& state, const std::vector<std::shared_ptr<Module>>& modules) {
@@ -257,7 +307,7 @@ void FSDPState::init_params(const std::vector<std::pair<size_t, std::string>>& o
   for (size_t i = 0; i < ps.size(); ++i) {
     ps[i].module_index = origin[i].first;
     ps[i].name_in_module = origin[i].second;
-    if (!ps[i].param.requires_grad() || implicit) continue;  // implicit: every use is intercepted
+    if (!ps[i].param.requires_grad()) continue;
     // Every gradient that reaches the parameter must come from a use inside the group's FSDP
     // forward: a forward that bypassed FSDP computed on the shard (see check_grad_arrival). The hook
     // runs before AccumulateGrad, in every backward, for as long as the parameter lives.

@@ -153,9 +153,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void on_grad_accumulated(size_t index);
   /// Gives the parameters the interception key and registers them (fully_shard of an implicit group).
   void enable_interception();
+  /// Back to the holder path (an FSDPModule holder was made for every module after fully_shard): the
+  /// parameters' data lose the interception key.
+  void disable_interception();
   [[noreturn]] void raise_stale_alias(const FSDPParam& p, const std::string& op) const;
-  /// Pushes this state on the forward stack (popping the states it is not nested in).
-  void enter_forward_stack();
+  /// Pushes this state on the forward stack (popping the states it is not nested in) and returns true;
+  /// returns false when it is on the stack already (popping the states nested in it).
+  bool enter_forward_stack();
   /// The post-forward of an implicit state: reshard per reshard_after_forward, record the order.
   void implicit_post_forward();
   /// Shared by the holder and implicit pre-forward: unshard, prefetch, record the forward order.

@@ -15,6 +15,8 @@ void FSDPState::check_grad_arrival(const FSDPParam& p, const torch::Tensor& grad
   // A use inside one of the group's FSDP calls gets its gradient after that call's pre-backward
   // unsharded the group (the output's hook runs before any node of the call), and before its
   // post-backward (which waits for every call). Anything else used the parameter on its shard.
+  // (An implicit group intercepts every use: see [Note: implicit groups].)
+  if (implicit) return;
   if (ctx && ctx->in_backward && training_state == TrainingState::PRE_BACKWARD &&
       group->sharded_state() == ShardedState::UNSHARDED) {
     return;

@@ -331,18 +331,20 @@ void prepare_param_state(const OptParam& op, torch::optim::Optimizer& opt, OptKi
     }
   }
   if (sources.empty() && !step) return;
-  keys.prep.apply.push_back([&opt, k, p = op.param, sources, step, names] {
+  // The local shard's shape (an implicit group's parameter reads as the full tensor outside forward).
+  torch::Tensor like = op.layout ? op.layout->to_local() : op.param.detach();
+  keys.prep.apply.push_back([&opt, k, p = op.param, like, sources, step, names] {
     auto& st = opt.state();
     auto it = st.find(p.unsafeGetTensorImpl());
     if (it == st.end()) {
       // torch::optim creates state lazily at a parameter's first step: create it now, as that step would.
       auto s = new_state(k);
-      for (const auto& name : names) *state_field(s.get(), k, name) = torch::zeros_like(p);
+      for (const auto& name : names) *state_field(s.get(), k, name) = torch::zeros_like(like);
       it = st.emplace(p.unsafeGetTensorImpl(), std::move(s)).first;
     }
     for (const auto& [name, src] : sources) {
       auto* field = state_field(it->second.get(), k, name);
-      if (!field->defined()) *field = torch::zeros_like(p);
+      if (!field->defined()) *field = torch::zeros_like(like);
       copy_into(*field, src);
     }
     if (step) set_step(*it->second, k, *step);

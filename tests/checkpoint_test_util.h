@@ -44,12 +44,14 @@ struct Trainer {
   ProcessGroupPtr pg;
   DeviceMeshPtr mesh;
   Net net{nullptr};
+  FSDPModule<Net> model{nullptr};  // the root's holder, for the trainer's life: the holder path
   std::unique_ptr<torch::optim::Optimizer> opt;
 
   explicit Trainer(ProcessGroupPtr group, uint64_t seed = 7, OptimKind kind = OptimKind::ADAMW,
                    std::vector<int64_t> mesh_shape = {})
       : pg(std::move(group)) {
     net = Net();
+    model = FSDPModule<Net>(net);
     load_full(*net, seeded_weights(seed));
     if (mesh_shape.empty()) mesh_shape = {pg->size()};
     std::vector<std::string> names = mesh_shape.size() == 2 ? std::vector<std::string>{"replicate", "shard"}
@@ -79,7 +81,6 @@ struct Trainer {
     const int64_t local = kCkptBatch / pg->size();
     auto b = global.slice(pg->rank() * local, local);
     opt->zero_grad();
-    FSDPModule<Net> model(net);
     auto loss = loss_fn(model(b.idx), b.targets);
     loss.backward();
     opt->step();

@@ -86,11 +86,12 @@ TEST_P(ImplicitWorldSizes, SameNumbersAsTheHolderPath) {
   run_ranks(ws, [&](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {ws}, {}, pg);
     auto plain = build_plain(mesh);
-    Net holder;
+    FSDPModule<Net> holder;  // the holder path: every sharded module has an FSDPModule holder
     load_full(*holder, initial_weights());
     for (auto& b : holder->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
     fully_shard(holder, FullyShardOptions().mesh(mesh));
     EXPECT_FALSE(state(holder.ptr()).implicit);
+    EXPECT_FALSE(state(holder->blocks[0].ptr()).implicit);
     auto o1 = make_optimizer(plain->parameters(), Opt::ADAMW);
     auto o2 = make_optimizer(holder->parameters(), Opt::ADAMW);
     const int64_t per = kBatch / ws;
@@ -99,7 +100,7 @@ TEST_P(ImplicitWorldSizes, SameNumbersAsTheHolderPath) {
       o1->zero_grad();
       o2->zero_grad();
       auto l1 = loss_fn(plain->forward(b.idx), b.targets);
-      auto l2 = loss_fn(holder->forward(b.idx), b.targets);
+      auto l2 = loss_fn(holder(b.idx), b.targets);
       EXPECT_EQ(l1.item<float>(), l2.item<float>());
       l1.backward();
       l2.backward();

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "fully_shard_test_util.h"
+#include "trains_like_unsharded.h"
 
 namespace fsdp::testing {
 namespace {
@@ -48,16 +49,19 @@ TEST(Layout, ShardsFollowTorchChunkWithEmptyShards) {
     Net net = build_sharded({}, pg);
     auto full = initial_weights();
     auto mesh = init_device_mesh(torch::kCPU, {4});
-    for (const auto& p : net->named_parameters()) {
-      auto chunks = full.at(p.key()).chunk(4, 0);
-      auto expect = pg->rank() < static_cast<int>(chunks.size()) ? chunks[pg->rank()] : full.at(p.key()).narrow(0, 0, 0);
-      EXPECT_TRUE(torch::equal(p.value(), expect)) << p.key() << " on rank " << pg->rank();
-    }
     // fc1.weight [5, 6] on 4 ranks: 2, 2, 1, 0 rows; head.weight [2, 6]: 1, 1, 0, 0.
     std::vector<int64_t> fc1_rows{2, 2, 1, 0}, head_rows{1, 1, 0, 0};
     EXPECT_EQ(net->blocks[0]->fc1->weight.size(0), fc1_rows[pg->rank()]);
     EXPECT_EQ(net->head->weight.size(0), head_rows[pg->rank()]);
     EXPECT_EQ(net->head->weight.size(1), kDim);
+    // The local shards (the root here has no FSDPModule holder: its parameters read as full tensors
+    // outside forward, as FSDP2's DTensor parameters, so the shards come from the state dict).
+    for (const auto& [key, value] : get_model_state_dict(*net)) {
+      const auto& local = std::get<DTensor>(value).to_local();
+      auto chunks = full.at(key).chunk(4, 0);
+      auto expect = pg->rank() < static_cast<int>(chunks.size()) ? chunks[pg->rank()] : full.at(key).narrow(0, 0, 0);
+      EXPECT_TRUE(torch::equal(local, expect)) << key << " on rank " << pg->rank();
+    }
     // Full tensors gather back exactly.
     for (const auto& [name, dt] : fsdp_api(*net).sharded_parameters()) {
       EXPECT_TRUE(torch::equal(dt.full_tensor(), full.at(name))) << name;
@@ -107,29 +111,25 @@ TEST(BadInput, ScalarAndNonContiguousParametersNameTheParameter) {
 }
 
 // A parent that calls a sharded child through its plain holder bypasses FSDP.
-struct BypassImpl : torch::nn::Module {
-  Block inner{nullptr};  // NOT FSDPModule<Block>: its forward cannot be intercepted
-  BypassImpl() { inner = register_module("inner", Block()); }
+struct PlainMemberImpl : torch::nn::Module {
+  Block inner{nullptr};  // a plain holder member (no FSDPModule): an implicit group since issue 13
+  PlainMemberImpl() { inner = register_module("inner", Block()); }
   torch::Tensor forward(torch::Tensor x) { return inner(x); }
 };
-TORCH_MODULE(Bypass);
+TORCH_MODULE(PlainMember);
 
-TEST(BadInput, ForwardThatBypassesFSDPSaysSo) {
-  run_ranks(2, [](ProcessGroupPtr pg) {
-    auto mesh = init_device_mesh(torch::kCPU, {2});
-    FSDPModule<Bypass> m;
-    fully_shard(m->inner, FullyShardOptions().mesh(mesh));
-    fully_shard(m, FullyShardOptions().mesh(mesh));
-    try {
-      m(torch::randn({2, kDim}));
-      FAIL() << "expected an error";
-    } catch (const c10::Error& e) {
-      std::string msg = e.what();
-      EXPECT_NE(msg.find("did not go through FSDP"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("'inner'"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("fsdp::FSDPModule<Holder>"), std::string::npos) << msg;
-    }
-  });
+// Was BadInput.ForwardThatBypassesFSDPSaysSo: a plain member called as `inner(x)` now trains.
+TEST(BadInput, PlainMemberChildTrainsLikeOneProcess) {
+  const auto x = torch::randn({4, kDim}, at::make_generator<at::CPUGeneratorImpl>(5));
+  for (int ws : {2, 3}) {
+    expect_trains_like_unsharded<FSDPModule<PlainMember>>(
+        ws, [] { return FSDPModule<PlainMember>(); },
+        [](auto& m, const DeviceMeshPtr& mesh) {
+          fully_shard(m->inner, FullyShardOptions().mesh(mesh));
+          fully_shard(m, FullyShardOptions().mesh(mesh));
+        },
+        [](auto& m, const torch::Tensor& in) { return m(in).pow(2).sum(); }, x);
+  }
 }
 
 TEST(BadInput, ChildForwardBeforeRootIsAnError) {

@@ -17,6 +17,7 @@
 
 #include "fsdp_state.h"
 #include "fsdp_test_model.h"
+#include "trains_like_unsharded.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -370,31 +371,19 @@ void expect_bypass_error(const std::vector<std::string>& errors, const std::stri
   }
 }
 
-// Issue 17 item 7 as filed: a sharded child of torch::nn::Sequential, which calls it directly.
+// Issue 17 item 7 as filed: a sharded child of torch::nn::Sequential, which calls it directly. Since
+// issue 13 the child is an implicit group (see [Note: implicit groups]) and trains like one process.
 TEST(RegressionsBypass, SequentialChildCalledByTheContainer) {
-  for (int ws : {1, 2}) {
-    auto errors = run_ranks_collect(ws, [&](ProcessGroupPtr pg) {
-      torch::manual_seed(3);
-      FSDPModule<torch::nn::Sequential> m(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
-      auto mesh = init_device_mesh(torch::kCPU, {ws});
-      fully_shard(m->ptr(2), FullyShardOptions().mesh(mesh));
-      fully_shard(m, FullyShardOptions().mesh(mesh));
-      torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-2));
-      auto before = m->ptr(2)->parameters()[0].detach().clone();
-      for (int step = 0; step < 3; ++step) {
-        opt.zero_grad();
-        auto loss = m(torch::randn({4, 8})).pow(2).sum();
-        try {
-          loss.backward();
-        } catch (...) {
-          // Nothing reached the optimizer: the bypassed module's shard is unchanged.
-          EXPECT_TRUE(torch::equal(m->ptr(2)->parameters()[0], before));
-          throw;
-        }
-        opt.step();
-      }
-    });
-    expect_bypass_error(errors, "'2' (torch::nn::LinearImpl)", "2.");
+  const auto x = torch::randn({4, 8}, at::make_generator<at::CPUGeneratorImpl>(3));
+  for (int ws : {1, 2, 3}) {
+    expect_trains_like_unsharded<FSDPModule<torch::nn::Sequential>>(
+        ws, [] { return FSDPModule<torch::nn::Sequential>(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4)); },
+        [](auto& m, const DeviceMeshPtr& mesh) {
+          fully_shard(m->ptr(2), FullyShardOptions().mesh(mesh));
+          fully_shard(m, FullyShardOptions().mesh(mesh));
+          EXPECT_TRUE(detail::state_of(*m->ptr(2))->implicit);
+        },
+        [](auto& m, const torch::Tensor& in) { return m(in).pow(2).sum(); }, x);
   }
 }
 
@@ -431,15 +420,15 @@ struct AsImpl : torch::nn::Module {
 TORCH_MODULE(As);
 
 TEST(RegressionsBypass, ModuleReachedThroughAs) {
-  for (int ws : {1, 2}) {
-    auto errors = run_ranks_collect(ws, [&](ProcessGroupPtr pg) {
-      FSDPModule<As> m;
-      auto mesh = init_device_mesh(torch::kCPU, {ws});
-      fully_shard(m->list[1], FullyShardOptions().mesh(mesh));
-      fully_shard(m, FullyShardOptions().mesh(mesh));
-      m(torch::randn({4, 8})).pow(2).sum().backward();
-    });
-    expect_bypass_error(errors, "'list.1' (torch::nn::LinearImpl)", "list.1.");
+  const auto x = torch::randn({4, 8}, at::make_generator<at::CPUGeneratorImpl>(3));
+  for (int ws : {1, 2, 3}) {
+    expect_trains_like_unsharded<FSDPModule<As>>(
+        ws, [] { return FSDPModule<As>(); },
+        [](auto& m, const DeviceMeshPtr& mesh) {
+          fully_shard(m->list[1], FullyShardOptions().mesh(mesh));
+          fully_shard(m, FullyShardOptions().mesh(mesh));
+        },
+        [](auto& m, const torch::Tensor& in) { return m(in).pow(2).sum(); }, x);
   }
 }
 

@@ -213,9 +213,9 @@ FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
   return fsdp_api(*holder.ptr());
 }
 
-/// Marks a module's forward as going through FSDP (fully_shard_tree wraps only such modules, and a
-/// failed forward names sharded modules without it). FSDPModule<T> holders do it when constructed;
-/// custom holders may call it.
+/// Marks a module's forward as going through FSDP for good (the holder path: see the top of this
+/// file). FSDPModule<T> holders register themselves while they live; custom holders that run
+/// fsdp::fsdp_forward may call this.
 void mark_fsdp_forward(const torch::nn::Module& module);
 
 /// A module holder that routes the forward through FSDP. Declare `fsdp::FSDPModule<Block>` where you
@@ -287,8 +287,9 @@ class FSDPModule : public Holder {
 
  private:
   void mark() {
-    if (!this->is_empty()) mark_fsdp_forward(*this->get());
+    if (!this->is_empty()) holder_token_ = detail::hold_fsdp_forward(*this->get());
   }
+  std::shared_ptr<void> holder_token_;  // shared by copies; see detail::hold_fsdp_forward
 };
 
 /// Runs another entry point of a sharded module (e.g. `generate`) through FSDP's forward hooks:

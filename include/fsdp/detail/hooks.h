@@ -34,6 +34,10 @@ struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
 std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module);
 /// The state behind an FSDPModuleAPI (for the library and its tests).
 FSDPState& fsdp_state(const FSDPModuleAPI& api);
+/// Registers a live FSDPModule holder of `module` until the returned token (shared by the holder's
+/// copies) is destroyed: a module sharded while it has one takes the holder path, otherwise (e.g. a
+/// holder passed into a torch::nn::Sequential, which keeps only the module) the implicit one.
+std::shared_ptr<void> hold_fsdp_forward(const torch::nn::Module& module);
 /// Whether checkpoint_wrapper was applied to `module`.
 bool is_checkpointed(const torch::nn::Module& module);
 
