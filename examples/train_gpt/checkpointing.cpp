@@ -186,7 +186,7 @@ void set_rng_state(const torch::Tensor& state) {
 /// sampler, the global generator and the loss scaler. Collective. Returns the step it was saved after;
 /// `run_info` gets its train.run, `first_eval` its train.first_eval (null when the checkpoint predates
 /// that key, or the run had not evaluated yet).
-int64_t load_checkpoint(const std::string& path, GPTImpl& model, torch::optim::Optimizer& optimizer,
+int64_t load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                         DistributedSampler& sampler, std::optional<fsdp::ShardedGradScaler>& scaler,
                         const fsdp::ProcessGroupPtr& pg, nlohmann::json& run_info, nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // the destinations, in this run's layout
@@ -290,7 +290,7 @@ bool checkpoint_due(const Options& o, int64_t step, int64_t last_step) {
   return !o.ckpt_dir.empty() && (step == last_step || (o.ckpt_every > 0 && step % o.ckpt_every == 0));
 }
 
-std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const GPTImpl& model,
+std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const torch::nn::Module& model,
                             const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
                             const std::optional<fsdp::ShardedGradScaler>& scaler, const nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // DTensors aliasing this rank's shards: no copy
@@ -309,7 +309,7 @@ std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, in
   return path;
 }
 
-Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, int64_t last_step, GPTImpl& model,
+Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, int64_t last_step, torch::nn::Module& model,
                torch::optim::Optimizer& optimizer, DistributedSampler& sampler,
                std::optional<fsdp::ShardedGradScaler>& scaler, const fsdp::ProcessGroupPtr& pg) {
   const auto t_load = Clock::now();

@@ -15,6 +15,8 @@
 // Tied weights: named_parameters() lists the tied tensor as wte.weight and as lm_head.weight, so the
 // model part holds it under both names (two views of one shard, loaded twice with the same bytes); the
 // optimizer part keys its state once, by the first name (wte.weight).
+// Both --model-impl variants (GPT, PlainGPT) have the same parameter names: a checkpoint saved by one
+// resumes in the other.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +64,7 @@ nlohmann::json checkpoint_run_info(const Options& o, const GPTConfig& cfg, int64
 bool checkpoint_due(const Options& o, int64_t step, int64_t last_step);
 
 /// Saves DIR/step-N (collective: every rank writes its shards). Returns the folder.
-std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const GPTImpl& model,
+std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const torch::nn::Module& model,
                             const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
                             const std::optional<fsdp::ShardedGradScaler>& scaler, const nlohmann::json& first_eval);
 
@@ -75,7 +77,7 @@ struct Resumed {
 
 /// --resume: loads the newest checkpoint of --ckpt-dir into the model and the optimizer (resharded to
 /// this run's ranks), the sampler, the global generator and the loss scaler. Collective.
-Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, int64_t last_step, GPTImpl& model,
+Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, int64_t last_step, torch::nn::Module& model,
                torch::optim::Optimizer& optimizer, DistributedSampler& sampler,
                std::optional<fsdp::ShardedGradScaler>& scaler, const fsdp::ProcessGroupPtr& pg);
 

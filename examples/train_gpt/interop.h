@@ -32,13 +32,12 @@ namespace train_gpt {
 
 /// --save-init: the full weights under their named_parameters() names, a tied weight once (as wte.weight),
 /// the model shape in the metadata. Call before parallelize(): afterwards each rank holds a shard only.
-inline void save_initial_weights(const GPTImpl& model, const std::string& path) {
+inline void save_initial_weights(const torch::nn::Module& model, const GPTConfig& c, const std::string& path) {
   std::map<std::string, torch::Tensor> tensors;
   std::unordered_set<const void*> seen;
   for (const auto& p : model.named_parameters()) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace(p.key(), p.value());
   }
-  const auto& c = model.cfg;
   try {
     fsdp::dcp::save_file(
         tensors, path,

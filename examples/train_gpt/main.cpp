@@ -17,6 +17,8 @@
 //   reporting.h/.cpp      banner, log lines, progress bar, --metrics, memory, MFU, summary
 //   interop.h             --save-init, --dump-batches and --no-shard, for bench/compare_fsdp2.py
 //   data.h, model.h       the corpus and sampler, the model: plain LibTorch
+//   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
+//                         takes unchanged, as PyTorch's does
 
 #include <algorithm>
 #include <chrono>
@@ -36,6 +38,7 @@
 #include "fsdp/fsdp.h"
 #include "interop.h"
 #include "model.h"
+#include "model_plain.h"
 #include "optimizer.h"
 #include "options.h"
 #include "parallelize.h"
@@ -50,9 +53,13 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
                                               targets.reshape({-1}));
 }
 
+// `Model`, here and below: the model holder of --model-impl, fsdp::FSDPModule<GPT> (holder) or PlainGPT
+// (plain). Both are called as `model(x)` and have the same members (cfg, num_params(), unique_parameters()).
+
 /// Mean loss over the fixed evaluation batches of the validation split, averaged over ranks.
 /// Every rank runs the same number of forwards (the blocks all-gather their parameters in each).
-double evaluate(fsdp::FSDPModule<GPT>& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+template <typename Model>
+double evaluate(Model& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
                 fsdp::ProcessGroup& pg) {
   model->eval();
   torch::NoGradGuard no_grad;
@@ -69,7 +76,8 @@ double evaluate(fsdp::FSDPModule<GPT>& model, const TokenWindows& val, int64_t n
 /// Continues `prompt` by `num_tokens` bytes. Every rank runs every forward in lockstep (each forward
 /// all-gathers the blocks' parameters); rank 0 draws each byte and broadcasts it, so all ranks extend
 /// the same text even if their logits differed in the last bit. Deterministic given `seed`.
-std::string generate(fsdp::FSDPModule<GPT>& model, const std::string& prompt, int64_t num_tokens,
+template <typename Model>
+std::string generate(Model& model, const std::string& prompt, int64_t num_tokens,
                      double temperature, int64_t top_k, uint64_t seed, fsdp::ProcessGroup& pg) {
   model->eval();
   torch::NoGradGuard no_grad;
@@ -105,10 +113,11 @@ std::string generate(fsdp::FSDPModule<GPT>& model, const std::string& prompt, in
 }
 
 /// What train_step() works on: built once by train().
+template <typename Model>
 struct Training {
   const RunSetup& s;
   fsdp::ProcessGroup& pg;
-  fsdp::FSDPModule<GPT>& model;
+  Model& model;
   torch::optim::AdamW& optimizer;
   std::optional<fsdp::ShardedGradScaler>& scaler;  // fp16 only
   DistributedSampler& sampler;
@@ -123,7 +132,8 @@ struct StepResult {
 };
 
 /// One optimizer step at learning rate `lr` over --grad-accum-steps microbatches of this rank.
-StepResult train_step(Training& t, double lr) {
+template <typename Model>
+StepResult train_step(Training<Model>& t, double lr) {
   const Options& o = t.s.opts;
   const torch::Device device = t.pg.device();
   for (auto& group : t.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -135,7 +145,7 @@ StepResult train_step(Training& t, double lr) {
     if (t.recorder) t.recorder->add(x, y);
     x = x.to(device, /*non_blocking=*/false);
     y = y.to(device, /*non_blocking=*/false);
-    if (!o.no_shard) t.model.set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
+    if (!o.no_shard) fsdp::fsdp_api(t.model).set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
     torch::Tensor logits;
     if (!o.no_shard || t.s.parallel.param_dtype == torch::kFloat32) {
       logits = t.model(x);
@@ -153,7 +163,7 @@ StepResult train_step(Training& t, double lr) {
   // logged is then inf) and the scale backs off.
   const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
   if (t.scaler) t.scaler->unscale_(t.optimizer);
-  const double norm = fsdp::clip_grad_norm_(t.params, max_norm).item<double>();
+  const double norm = fsdp::clip_grad_norm_(t.params, max_norm).template item<double>();
   if (t.scaler) {
     t.scaler->step(t.optimizer);
     t.scaler->update();
@@ -168,6 +178,7 @@ StepResult train_step(Training& t, double lr) {
   return {loss_sum.item<double>() / t.pg.size(), norm};
 }
 
+template <typename Model>
 int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr& pg) {
   const Options& o = s.opts;
   const int rank = pg->rank(), world = pg->size();
@@ -177,10 +188,10 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
 
   // Identical initial weights on every rank (and for every world size): one seed, full model, then shard.
   torch::manual_seed(o.seed);
-  fsdp::FSDPModule<GPT> model(GPT(s.cfg));
+  Model model(s.cfg);  // GPT(s.cfg) or PlainGPT(s.cfg): the same weights
   const DecayGroups groups = decay_groups(*model);  // on the full shapes, before sharding
   Reporter report(s, model->num_params(), pg);
-  if (!o.save_init.empty() && rank == 0) save_initial_weights(*model, o.save_init);
+  if (!o.save_init.empty() && rank == 0) save_initial_weights(*model, s.cfg, o.save_init);
   // Built on the CPU from the seed (identical weights on every device), then moved to this rank's device
   // (with --cpu-offload the shards stay on the CPU: fully_shard puts them in pinned host memory).
   if (device.is_cuda() && !o.cpu_offload) model->to(device);
@@ -194,7 +205,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
   DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
   // fp16's scaler steps torch::optim::AdamW itself.
-  Training t{s, *pg, model, optimizer, scaler, sampler, recorder, model->unique_parameters(),
+  Training<Model> t{s, *pg, model, optimizer, scaler, sampler, recorder, model->unique_parameters(),
              !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda()))};
   const auto kill_at = kill_after_checkpoint(plan.restart);
   report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
@@ -282,7 +293,8 @@ int run(int argc, char** argv) {
   const ResumePlan plan = check_checkpoint_options(o, s.cfg, s.train.size(), env.restart_count);  // [checkpoints]
   const bool cuda = use_cuda(o, env);
   auto pg = make_process_group(launched, cuda);
-  const int rc = train(s, plan, pg);
+  // --model-impl: the same run with either model code (model.h or model_plain.h).
+  const int rc = o.model_impl == "plain" ? train<PlainGPT>(s, plan, pg) : train<fsdp::FSDPModule<GPT>>(s, plan, pg);
   // Before exit: a NCCL group left to static destruction can crash the exit (after CUDA's teardown).
   fsdp::destroy_process_group(pg);
   return rc;

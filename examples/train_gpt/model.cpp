@@ -82,6 +82,44 @@ std::string describe(const GPTConfig& cfg) {
   return os.str();
 }
 
+int64_t init_gpt2_weights(torch::nn::Module& model, const GPTConfig& cfg) {
+  // GPT-2 initialisation: every weight ~ N(0, 0.02), biases 0, LayerNorm (1, 0); the projections that
+  // write into the residual stream (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 * n_layer), since each
+  // block adds two of them to it. Parameters are visited in registration order, so a seed fixes them.
+  torch::NoGradGuard no_grad;
+  const double std_proj = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
+  std::unordered_set<const void*> seen;
+  int64_t num_params = 0;
+  for (auto& p : model.named_parameters()) {
+    const auto& name = p.key();
+    auto& t = p.value();
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;  // tied: initialised once, as wte
+    auto ends_with = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (name.find(".ln_") != std::string::npos || name.rfind("ln_f.", 0) == 0) {
+      ends_with("weight") ? t.fill_(1.0) : t.zero_();
+    } else if (ends_with("bias")) {
+      t.zero_();
+    } else if (ends_with("c_proj.weight")) {
+      t.normal_(0.0, std_proj);
+    } else {
+      t.normal_(0.0, 0.02);
+    }
+    num_params += t.numel();
+  }
+  return num_params;
+}
+
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
 // ---- Modules -----------------------------------------------------------------------------------------
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head(cfg.n_head), dropout(cfg.dropout) {
@@ -140,30 +178,7 @@ GPTImpl::GPTImpl(const GPTConfig& config) : cfg(config) {
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
   lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? wte->weight : torch::Tensor()));
 
-  // GPT-2 initialisation: every weight ~ N(0, 0.02), biases 0, LayerNorm (1, 0); the projections that
-  // write into the residual stream (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 * n_layer), since each
-  // block adds two of them to it. Parameters are visited in registration order, so a seed fixes them.
-  torch::NoGradGuard no_grad;
-  const double std_proj = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
-  std::unordered_set<const void*> seen;
-  for (auto& p : named_parameters()) {
-    const auto& name = p.key();
-    auto& t = p.value();
-    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;  // tied: initialised once, as wte
-    auto ends_with = [&](const std::string& s) {
-      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-    };
-    if (name.find(".ln_") != std::string::npos || name.rfind("ln_f.", 0) == 0) {
-      ends_with("weight") ? t.fill_(1.0) : t.zero_();
-    } else if (ends_with("bias")) {
-      t.zero_();
-    } else if (ends_with("c_proj.weight")) {
-      t.normal_(0.0, std_proj);
-    } else {
-      t.normal_(0.0, 0.02);
-    }
-    num_params_ += t.numel();
-  }
+  num_params_ = init_gpt2_weights(*this, cfg);
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
@@ -173,15 +188,6 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
   for (auto& b : blocks) x = b(x);     // through FSDP: unshard before, reshard after each block
   return lm_head(ln_f(x));             // [B, T, vocab]
-}
-
-std::vector<torch::Tensor> GPTImpl::unique_parameters() const {
-  std::vector<torch::Tensor> out;
-  std::unordered_set<const void*> seen;
-  for (const auto& p : parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
-  return out;
 }
 
 }  // namespace train_gpt

@@ -5,7 +5,8 @@
 //
 // The only FSDP-specific line is the type of `GPTImpl::blocks`: fsdp::FSDPModule<Block> instead of
 // Block, so that each block's forward goes through fully_shard's hooks once the block is sharded.
-// Sharding itself is applied outside the model, in parallelize() (parallelize.cpp).
+// Sharding itself is applied outside the model, in parallelize() (parallelize.cpp). model_plain.h is
+// the same model without even that line (--model-impl plain).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,15 @@ GPTConfig preset(const std::string& name);
 void validate(const GPTConfig& cfg);
 /// "4 layers, 4 heads, 128 dims, context 128, vocab 256, tied".
 std::string describe(const GPTConfig& cfg);
+
+/// GPT-2's initialisation of `model`'s parameters, by name (both variants, GPT and PlainGPT, share their
+/// parameter names): weights ~ N(0, 0.02), the residual projections (*.c_proj.weight) ~ N(0, 0.02 /
+/// sqrt(2 * n_layer)), biases 0, LayerNorms (1, 0). Visits the parameters in registration order (a tied
+/// weight once), so a seeded global generator fixes them. Returns the number of distinct elements.
+int64_t init_gpt2_weights(torch::nn::Module& model, const GPTConfig& cfg);
+/// `model`'s parameters without duplicates (a tied weight once): what the optimizer and gradient clipping
+/// must see. Module::parameters() lists a tied weight under both of its names.
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model);
 
 /// Causal multi-head self-attention: one fused qkv projection (c_attn), SDPA with is_causal, c_proj.
 struct CausalSelfAttentionImpl : torch::nn::Module {
@@ -90,9 +100,8 @@ struct GPTImpl : torch::nn::Module {
   /// Logits [B, T, vocab] of the tokens `idx` [B, T] (int64, T <= block_size).
   torch::Tensor forward(const torch::Tensor& idx);
 
-  /// Parameters without duplicates (a tied weight appears once): what the optimizer and gradient
-  /// clipping must see. Module::parameters() lists a tied weight under both of its names.
-  std::vector<torch::Tensor> unique_parameters() const;
+  /// Parameters without duplicates (a tied weight appears once): see train_gpt::unique_parameters.
+  std::vector<torch::Tensor> unique_parameters() const { return train_gpt::unique_parameters(*this); }
   /// Number of distinct parameter elements (the full model, whether or not it is sharded).
   int64_t num_params() const { return num_params_; }
 

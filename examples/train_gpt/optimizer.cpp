@@ -5,9 +5,9 @@
 
 namespace train_gpt {
 
-DecayGroups decay_groups(const GPTImpl& model) {
+DecayGroups decay_groups(const torch::nn::Module& model) {
   DecayGroups g;
-  for (const auto& p : model.unique_parameters()) (p.dim() >= 2 ? g.decay : g.no_decay).push_back(p);
+  for (const auto& p : unique_parameters(model)) (p.dim() >= 2 ? g.decay : g.no_decay).push_back(p);
   return g;
 }
 

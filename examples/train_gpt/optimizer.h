@@ -16,7 +16,8 @@ namespace train_gpt {
 struct DecayGroups {
   std::vector<torch::Tensor> decay, no_decay;
 };
-DecayGroups decay_groups(const GPTImpl& model);
+/// `model` is either variant (GPT or PlainGPT).
+DecayGroups decay_groups(const torch::nn::Module& model);
 
 /// AdamW over `groups` with betas (0.9, 0.95) (those --dump-batches' run.json records).
 torch::optim::AdamW make_adamw(const DecayGroups& groups, const Options& o);

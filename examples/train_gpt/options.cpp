@@ -122,6 +122,12 @@ void add_flags(CLI::App& app, Options& o) {
       ->check(integer_at_least<int64_t>(1));
   g->add_option("--dropout", o.dropout, "Dropout probability (Default: 0)")->check(number_in(0, false, 1, true));
   g->add_option("--tie-weights", o.tie_weights, "Share the embedding and head weights")->capture_default_str();
+  g->add_option("--model-impl", o.model_impl,
+                "How the model's code meets FSDP (the same GPT, parameter names, weights and losses either way): "
+                "holder (model.h: blocks declared as fsdp::FSDPModule<Block>, FSDP runs around each call) or "
+                "plain (model_plain.h: unchanged LibTorch, a ModuleList of blocks and a Sequential MLP, no "
+                "libfsdp type; FSDP works at tensor level)")
+      ->capture_default_str()->check(CLI::IsMember({"holder", "plain"}));
 
   g = app.add_option_group("Data");
   g->add_option("--data", o.data, std::string("Text files to train on (Default: the fortunes in ") +

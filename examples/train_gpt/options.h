@@ -35,6 +35,7 @@ struct Options {
   std::optional<int64_t> n_layer, n_head, n_embd, block_size;
   std::optional<double> dropout;
   bool tie_weights = true;
+  std::string model_impl = "holder";  // holder: GPT (model.h); plain: PlainGPT, the unchanged model (model_plain.h)
   // Data.
   std::vector<std::string> data;  // empty: the default corpus
   double val_fraction = 0.1;

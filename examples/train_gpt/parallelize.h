@@ -5,6 +5,7 @@
 
 #include "fsdp/fsdp.h"
 #include "model.h"
+#include "model_plain.h"
 
 namespace train_gpt {
 
@@ -34,5 +35,11 @@ void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model);
 
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
+/// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same
+/// collectives as for GPT. Activation checkpointing: the model's own flag (its forward wraps each block
+/// call in fsdp::checkpoint), since checkpoint_wrapper needs a module called through fsdp::FSDPModule.
+void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 }  // namespace train_gpt

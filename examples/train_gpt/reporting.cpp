@@ -167,7 +167,8 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (" << pg_->backend()->getBackendName()
      << " on " << device_.str() << ")\n"
      << "model: " << o_.model << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
-     << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "") << "\n"
+     << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "")
+     << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"
      << "data: " << s_.data_name << ", " << s_.data_bytes << " bytes: train " << s_.train.size()
      << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " bytes; "
      << steps_per_epoch << " steps per epoch\n"

@@ -1,13 +1,17 @@
 // fully_shard: FSDP2 parameter sharding for LibTorch modules.
 //
+//   GPT model(cfg);                                               // any LibTorch model, unchanged
+//   for (auto& b : *model->blocks) fsdp::fully_shard(b, opts);    // bottom-up (blocks: a ModuleList)
+//   fsdp::fully_shard(model, opts);                               // root last
+//   torch::optim::AdamW opt(model->parameters(), ...);           // sees local shards
+//
+//   // The alternative without per-op overhead: declare the modules as FSDP holders.
 //   struct GPTImpl : torch::nn::Module {
-//     std::vector<fsdp::FSDPModule<Block>> blocks;   // the one-line change: was std::vector<Block>
+//     std::vector<fsdp::FSDPModule<Block>> blocks;   // was std::vector<Block>
 //     ...
 //   };
-//   auto model = fsdp::FSDPModule<GPT>(GPT(cfg));
-//   for (auto& b : model->blocks) fsdp::fully_shard(b, opts);   // bottom-up
-//   fsdp::fully_shard(model, opts);                              // root last
-//   torch::optim::AdamW opt(model->parameters(), ...);          // sees local shards
+//   fsdp::FSDPModule<GPT> model(GPT(cfg));
+//   for (auto& b : model->blocks) fsdp::fully_shard(b, opts);     // then as above
 //
 // Every parameter of a fully_shard call (minus those of already-sharded submodules) forms one group:
 // sharded on dim 0 over the mesh (torch.chunk layout, zero padding, empty shards allowed), all-gathered

@@ -1,0 +1,53 @@
+#include "model_plain.h"
+
+#include "fsdp/activation_checkpoint.h"
+
+namespace train_gpt {
+
+PlainBlockImpl::PlainBlockImpl(const GPTConfig& cfg) {
+  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  attn = register_module("attn", CausalSelfAttention(cfg));
+  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  mlp = register_module("mlp", torch::nn::Sequential({
+                                   {"c_fc", torch::nn::Linear(cfg.n_embd, 4 * cfg.n_embd)},
+                                   {"gelu", torch::nn::GELU(torch::nn::GELUOptions().approximate("tanh"))},
+                                   {"c_proj", torch::nn::Linear(4 * cfg.n_embd, cfg.n_embd)},
+                                   {"dropout", torch::nn::Dropout(cfg.dropout)},
+                               }));
+}
+
+torch::Tensor PlainBlockImpl::forward(torch::Tensor x) {
+  x = x + attn(ln_1(x));
+  // The MLP on [B*T, C]: torch::nn::Linear fuses its bias into the matmul (addmm, one rounding, as
+  // at::linear and PyTorch's nn.Linear do for any input) only for 2-D inputs. So both variants compute
+  // the same bits, in bf16 too.
+  const auto h = ln_2(x);
+  return x + mlp->forward(h.flatten(0, 1)).view_as(h);
+}
+
+PlainGPTImpl::PlainGPTImpl(const GPTConfig& config) : cfg(config) {
+  validate(cfg);
+  wte = register_module("wte", torch::nn::Embedding(cfg.vocab_size, cfg.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(cfg.block_size, cfg.n_embd));
+  drop = register_module("drop", torch::nn::Dropout(cfg.dropout));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) h->push_back(PlainBlock(cfg));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? wte->weight : torch::Tensor()));
+  num_params_ = init_gpt2_weights(*this, cfg);
+}
+
+torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
+  auto pos = torch::arange(T, idx.options());
+  auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
+  for (const auto& m : *h) {
+    auto* block = m->as<PlainBlock>();
+    x = activation_checkpointing ? fsdp::checkpoint([block](torch::Tensor t) { return block->forward(t); }, x)
+                                 : block->forward(x);
+  }
+  return lm_head(ln_f(x));  // [B, T, vocab]
+}
+
+}  // namespace train_gpt
