@@ -86,12 +86,11 @@ void FSDPParam::free_unsharded_param() {
   if (unsharded_padded.defined()) resize_storage(unsharded_padded, 0);
 }
 
-void FSDPParam::to_unsharded(bool in_backward) {
-  // Move a sharded gradient aside: autograd must accumulate an unsharded gradient of the unsharded
-  // shape; the stash is restored (and added to) when the data is sharded again.
-  // (During a backward .grad holds only this backward's unsharded gradient: it stays.)
-  auto& g = param.mutable_grad();
-  if (!in_backward) accumulate(stashed_grad, std::exchange(g, torch::Tensor()));
+void FSDPParam::to_unsharded(bool /*in_backward*/) {
+  // .grad stays: outside a backward it is the sharded gradient, which the user's zero_grad() must reach
+  // even while the data is unsharded (an evaluation forward, a read); the first pre-backward moves it
+  // to the stash before autograd accumulates an unsharded gradient (FSDPParamGroup::begin_backward).
+  // During a backward .grad holds only this backward's unsharded gradient: it stays too.
   param.set_data(intercept ? unsharded_intercepted : unsharded_data);
 }
 

@@ -62,8 +62,8 @@ class FSDPParam {
   torch::Tensor unsharded_padded;   // [ws * padded_rows, *rest], param dtype; storage freed when sharded
   torch::Tensor unsharded_data;     // unsharded_padded.narrow(0, 0, d0)
   torch::Tensor post_forward_shard; // [(ws/k) * padded_rows, *rest] (SHARDED_POST_FORWARD only)
-  torch::Tensor stashed_grad;       // the sharded grad, moved aside while the data is unsharded or a
-                                    // backward runs (autograd accumulates unsharded grads into .grad)
+  torch::Tensor stashed_grad;       // the sharded grad, moved aside while a backward runs (autograd
+                                    // accumulates unsharded grads into .grad)
   torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
                                     // during a backward before the group's post-backward ran
   torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
@@ -85,11 +85,11 @@ class FSDPParam {
   void alloc_unsharded_param(int shard_size, torch::Device device);
   /// Frees the unsharded padded tensor's storage (0 bytes); the tensor object and its views stay.
   void free_unsharded_param();
-  /// The parameter's data becomes the unsharded data. Outside a backward a sharded gradient moves to
-  /// the stash (autograd must accumulate a gradient of the unsharded shape).
+  /// The parameter's data becomes the unsharded data. .grad stays (outside a backward: the sharded
+  /// gradient, so that zero_grad() reaches it; FSDPParamGroup::begin_backward stashes it).
   void to_unsharded(bool in_backward);
   /// The parameter's data becomes the sharded data. In a backward the unsharded gradient of this
-  /// backward moves to the pending slot; outside one the stash goes back to .grad. Throws c10::Error
+  /// backward moves to the pending slot; outside one a leftover stash goes back to .grad. Throws c10::Error
   /// (naming the parameter and `rank`) for an unsharded gradient outside a backward.
   void to_sharded(bool in_backward, int rank);
   /// Keeps position `j` of `k` of the unsharded padded rows as the post-forward shard (a copy).

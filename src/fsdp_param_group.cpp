@@ -153,7 +153,7 @@ void FSDPParamGroup::begin_backward() {
 
 void FSDPParamGroup::end_backward() {
   in_backward_ = false;
-  if (state_ == ShardedState::UNSHARDED) return;  // the stash goes back at the next reshard
+  // Outside a backward .grad is the sharded gradient, whatever the data (see FSDPParam::to_unsharded).
   for (auto& p : params_) accumulate(p.param.mutable_grad(), std::exchange(p.stashed_grad, torch::Tensor()));
 }
 
@@ -165,15 +165,13 @@ void FSDPParamGroup::abort_backward() noexcept {
         p.pending_grad = torch::Tensor();
       }
     }
-    in_backward_ = false;
+    end_backward();  // the sharded gradients back in .grad
     // Local reshard (no collective: other ranks may be elsewhere). An all-gather in flight keeps the
     // data as it is; the next root forward waits for it and reshards.
     if (!pending_ag_ && state_ == ShardedState::UNSHARDED) {
-      to_sharded_data();  // also puts the stashed sharded gradients back
+      to_sharded_data();
       free_unsharded();
       state_ = ShardedState::SHARDED;
-    } else if (state_ != ShardedState::UNSHARDED) {
-      end_backward();
     }
   } catch (...) {
     // cleanup after a failure must not throw; the next forward reshards again
@@ -189,7 +187,7 @@ bool FSDPParamGroup::has_unsharded_grads() const {
 }
 
 torch::Tensor FSDPParamGroup::sharded_grad(const FSDPParam& p) const {
-  if (in_backward_ || state_ == ShardedState::UNSHARDED) return p.stashed_grad;
+  if (in_backward_) return p.stashed_grad;
   return p.param.grad();
 }
 
@@ -284,10 +282,8 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
   comm_->release_all_gather_output();
   foreach_reduce_scatter_copy_out(rs, params_, [this](size_t i, torch::Tensor shard) {
     auto& p = params_[i];
-    // While the data is unsharded (reshard_after_backward=false) or a backward runs (autograd owns
-    // .grad) the sharded grad waits in the stash.
-    accumulate((in_backward_ || state_ == ShardedState::UNSHARDED) ? p.stashed_grad : p.param.mutable_grad(),
-               std::move(shard));
+    // While a backward runs (autograd owns .grad) the sharded grad waits in the stash.
+    accumulate(in_backward_ ? p.stashed_grad : p.param.mutable_grad(), std::move(shard));
   });
 }
 

@@ -85,7 +85,7 @@ class FSDPParamGroup {
   bool in_backward() const { return in_backward_; }
   /// Whether unsharded gradients of this backward wait for a post-backward.
   bool has_unsharded_grads() const;
-  /// The sharded gradient of `p` (in .grad, or in the stash while the data is unsharded), or undefined.
+  /// The sharded gradient of `p` (in .grad, or in the stash while a backward runs), or undefined.
   torch::Tensor sharded_grad(const FSDPParam& p) const;
 
   /// The sharded parameter as a DTensor (aliases the local shard), or `local` (a tensor of the local

@@ -207,7 +207,7 @@ void register_state(const std::shared_ptr<FSDPState>& state,
                     const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
 /// Marks a module whose forward goes through FSDP (fsdp::mark_fsdp_forward).
 void mark_module(const torch::nn::Module& module);
-/// Whether `module` was marked by mark_module (an FSDPModule holder exists for it).
+/// Whether `module` takes the holder path: marked by mark_module, or a live FSDPModule holder of it.
 bool is_marked(const torch::nn::Module& module);
 
 /// Every parameter managed by a live state -> its state and its FSDPParam.

@@ -5,8 +5,8 @@
 // decay, Adam with weight decay stepping the shards). Each on the plain-LibTorch PlainNet
 // (unchanged_models.h) against the single-process reference and, where the holder path runs the same
 // collectives, bit-identically against the same model declared with holders (fsdp_test_model.h's Net).
-// UnchangedMoreBug.DISABLED_*: a core bug found here (zero_grad after a read / evaluation forward),
-// kept disabled until src/ is fixed; run it with --gtest_also_run_disabled_tests.
+// RegressionsZeroGrad: zero_grad() after a read or an evaluation forward clears the gradient (a bug of
+// both paths found here, fixed with issue 13).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -536,11 +536,12 @@ TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesFullParameterAndTrainingCon
   for (int r = 0; r < ws; ++r) expect_parity(traces[r], ref.ref, "reads between steps, rank " + std::to_string(r));
 }
 
-// CORE BUG (disabled until fixed in src/): a forward use outside training -- a read under NoGradGuard
-// on an implicit group, or an evaluation forward of the root on either path -- unshards the group and
-// moves its sharded gradients aside (p.grad() is then undefined); opt.zero_grad() afterwards clears
-// nothing, and the next backward adds the old gradient to the new one (measured: exactly g0 + g1).
-TEST(UnchangedMoreBug, DISABLED_ZeroGradAfterReadOrEvaluationForwardClearsTheGradient) {
+// Was a bug of both paths: a forward use outside training -- a read under NoGradGuard on an implicit
+// group, or an evaluation forward of the root on either path -- unsharded the group and moved its
+// sharded gradients aside (p.grad() was then undefined); opt.zero_grad() afterwards cleared nothing,
+// and the next backward added the old gradient to the new one (measured: exactly g0 + g1). The sharded
+// gradient now stays in .grad outside a backward, whatever the data.
+TEST(RegressionsZeroGrad, ZeroGradAfterReadOrEvaluationForwardClearsTheGradient) {
   for (int variant = 0; variant < 3; ++variant) {  // 0: read (implicit); 1: eval forward (implicit); 2: holder
     run_ranks(2, [&](ProcessGroupPtr pg) {
       torch::nn::Linear lin(4, 4);
