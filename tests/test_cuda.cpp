@@ -476,6 +476,7 @@ void checkpoint_round_trip(torch::Device dev) {
   // Two CPU ranks load it (resharded), then save it again.
   run_ranks(2, [&](ProcessGroupPtr pg) {
     Net net(3);
+    FSDPModule<Net> holder(net);  // the holder path: the parameters read as this rank's shards
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {2}, {}, pg));
     for (auto& b : net->blocks) fully_shard(b, opts);
     fully_shard(net, opts);
