@@ -33,9 +33,11 @@
 //   every parameter it used has its gradient. mp_policy's cast_forward_inputs casts the floating-point
 //   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype is
 //   not applied. Outside forward and backward a parameter behaves like FSDP2's DTensor parameter:
-//   sizes() is the local shard's, in-place updates (optimizers, torch::nn::init) write the local shard,
-//   and any other read (p.sum(), p.detach(), torch::save) all-gathers its group and sees the full tensor
-//   (the local shard: get_model_state_dict or FSDPModuleAPI::sharded_parameters()). An alias (a view,
+//   sizes() is the local shard's between steps (a group left unsharded by a forward or a read shows the
+//   full shape until its next update or backward), in-place updates (optimizers, torch::nn::init) write
+//   the local shard, and any other read (p.sum(), p.detach(), torch::save) all-gathers its group and
+//   sees the full tensor: a collective, which every rank must make (the local shard:
+//   get_model_state_dict or FSDPModuleAPI::sharded_parameters()). An alias (a view,
 //   detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
 //   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
 //   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
