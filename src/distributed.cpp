@@ -40,6 +40,27 @@ std::optional<long> getenv_int(const char* name) {
   return v;
 }
 
+// [Note: math kernels warmed up once]
+// LibTorch's CPU build computes sqrt, exp, tanh, erf... with MKL's vector math (VML, ATen/cpu/vml.h).
+// When several threads make the first call of such a function in a process at the same time, one of
+// them can get results off by ~2.6e-4 relative (measured with plain LibTorch 2.13, no libfsdp: three
+// threads, first sqrt of 18 floats, 2 runs in 400; none after one call on a single thread first). That
+// changed AdamW's denominator and clip_grad_norm_'s norm on one rank in ~1 run in 20 of the in-process
+// tests, where ranks are threads, and it can hit any process whose intra-op threads split the first
+// large sqrt. So every VML-backed op runs once, on one thread, before the first process group exists.
+void warm_up_math_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    torch::NoGradGuard no_grad;
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto x = torch::full({16}, 0.5, torch::TensorOptions().dtype(dtype));
+      const std::vector<torch::Tensor> outs{x.acos(), x.asin(), x.atan(), x.cos(),  x.erf(),   x.erfc(),  x.erfinv(),
+                                            x.exp(),  x.log(),  x.log10(), x.log2(), x.sin(),   x.sqrt(),  x.tan(),
+                                            x.tanh(), x.trunc(), x.rsqrt(), x.sigmoid(), x.expm1(), x.log1p(), x.lgamma()};
+    }
+  });
+}
+
 std::mutex g_default_mutex;
 std::optional<bool> g_debug_override;
 // Never destroyed unless destroy_process_group() resets it: destroying an NCCL group during static
@@ -135,6 +156,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, torch::Dev
       timeout_(timeout),
       name_(std::move(name)) {
   TORCH_CHECK(backend_, "ProcessGroup: expected a c10d backend, got null");
+  warm_up_math_kernels();
   rank_ = backend_->getRank();
   size_ = backend_->getSize();
   if (global_ranks_.empty()) {

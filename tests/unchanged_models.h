@@ -326,14 +326,14 @@ inline void expect_parity(const Trace& t, const Reference& ref, const std::strin
   }
 }
 
-/// "" when both traces agree, else the first difference. The two paths issue the same collectives on the
-/// same data and are bit-identical in almost every run; about 1 run in 15 on a loaded machine differs in
-/// the last bits from step 1 on (e.g. loss 0.905677795 vs 0.905677855, also with OMP_NUM_THREADS=1;
-/// cause not found yet), so agreement is checked to 1e-6 relative (losses) and kAtol + kRtol (tensors).
+/// "" when both traces are bit-identical, else the first difference. The two paths issue the same
+/// collectives and the same ops on the same data, so any difference is a bug. (A rare last-bit
+/// difference seen before came from LibTorch's first-use race in MKL's vector math, worked around in
+/// the library: [Note: math kernels warmed up once], src/distributed.cpp.)
 inline std::string diff_traces(const Trace& a, const Trace& b) {
   if (a.losses.size() != b.losses.size()) return "loss counts differ";
   for (size_t i = 0; i < a.losses.size(); ++i) {
-    if (std::abs(a.losses[i] - b.losses[i]) > 1e-6 * std::abs(b.losses[i])) {
+    if (a.losses[i] != b.losses[i]) {
       char buf[160];
       std::snprintf(buf, sizeof(buf), "losses differ at step %zu: %.9g vs %.9g", i, a.losses[i], b.losses[i]);
       return buf;
@@ -345,7 +345,7 @@ inline std::string diff_traces(const Trace& a, const Trace& b) {
     for (const auto& [k, v] : x) {
       auto it = y.find(k);
       if (it == y.end()) return "'" + k + "' missing";
-      if (v.sizes() != it->second.sizes() || !torch::allclose(v, it->second, kRtol, kAtol)) {
+      if (v.sizes() != it->second.sizes() || !torch::equal(v, it->second)) {
         return "'" + k + "' differs: max |diff| " + std::to_string(max_abs_diff(v, it->second));
       }
     }
