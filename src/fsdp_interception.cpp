@@ -10,6 +10,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "deferred_init_internal.h"
 #include "fsdp_state.h"
 
 namespace fsdp::detail {
@@ -147,6 +148,7 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
 }
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (deferred_init_active()) return deferred_init_fallback(op, ks, stack);
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   const OpInfo& info = op_info(op);
   if (info.meta) return op.redispatchBoxed(ks & after, stack);

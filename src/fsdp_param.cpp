@@ -50,8 +50,16 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
   padded_shape[0] = padded_rows;
   padded_shard = torch::zeros(padded_shape, tensor.options().device(shard_device));
   if (pin_memory && torch::cuda::is_available()) padded_shard = padded_shard.pin_memory();
-  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
   sharded_data = padded_shard.narrow(0, 0, local_rows);
+  if (tensor.is_meta()) {
+    // Built by deferred_init: the shard is filled by materialize_module. set_data refuses to turn a meta
+    // tensor into a CPU one, so the parameter takes the shard's metadata directly (what set_data does
+    // after its check); it stays the same object for the module, optimizers and state dicts.
+    pending_init = true;
+    param.unsafeGetTensorImpl()->shallow_copy_from(sharded_data.getIntrusivePtr());
+    return;
+  }
+  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
   param.set_data(sharded_data);
 }
 

@@ -3,6 +3,8 @@
 // (The checks for forwards that bypassed FSDP are in fsdp_state_checks.cpp.)
 #include "fsdp_state.h"
 
+#include "fsdp/deferred_init.h"
+
 #include <algorithm>
 #include <mutex>
 #include <unordered_map>
@@ -161,6 +163,16 @@ void FSDPState::lazy_init() {
   // This state runs forward first: it becomes the root of every state in its modules' trees.
   auto root_module = modules[0].lock();
   TORCH_INTERNAL_ASSERT(root_module, "lazy_init: module is gone");
+  for (const auto& p : root_module->named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(p.value()), "fully_shard: parameter '", p.key(), "' of ", module_type, " on rank ",
+                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+                "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
+  }
+  for (const auto& b : root_module->named_buffers(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(b.value()), "fully_shard: buffer '", b.key(), "' of ", module_type, " on rank ",
+                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+                "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
+  }
   ctx = std::make_shared<FSDPContext>();
   ctx->root = this;
   fqn = "";

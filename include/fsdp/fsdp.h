@@ -6,6 +6,7 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/clip_grad.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/collectives.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/distributed.h"

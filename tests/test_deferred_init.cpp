@@ -1,0 +1,220 @@
+// deferred_init + fully_shard + materialize_module: the shards hold exactly the rows an eagerly
+// constructed model has (same seed, any number of ranks), no rank ever holds the full model, and the
+// misuses give clear errors. (CTest label large_model.)
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include "fsdp/fsdp.h"
+#include "fully_shard_test_util.h"
+
+namespace fsdp::testing {
+namespace {
+
+// The test model's blocks plus what initialisation has to get right: an Embedding with a padding row
+// (a write through a view), a weight tied under a second name, a frozen parameter, a buffer, a
+// parameter made by torch::randn (a factory that draws), and a head whose rows do not divide by 2 or 3.
+struct DeferNetImpl : torch::nn::Module {
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear head{nullptr};
+  torch::Tensor tied, frozen, noise, buf;
+  DeferNetImpl() {
+    wte = register_module("wte", torch::nn::Embedding(torch::nn::EmbeddingOptions(kVocab, kDim).padding_idx(1)));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(Block());
+    head = register_module("head", torch::nn::Linear(kDim, kClasses + 3));
+    tied = register_parameter("tied", wte->weight);
+    frozen = register_parameter("frozen", torch::randn({7, 3}), /*requires_grad=*/false);
+    noise = register_parameter("noise", torch::randn({5}) * 0.5 + 1.0);
+    buf = register_buffer("buf", torch::rand({4}));
+  }
+  torch::Tensor forward(torch::Tensor idx) {
+    auto x = wte(idx);
+    for (const auto& b : *blocks) x = b->as<BlockImpl>()->forward(x);
+    return head(x).narrow(-1, 0, kClasses) * noise.narrow(0, 0, 1) + x.matmul(tied.t()).narrow(-1, 0, kClasses);
+  }
+};
+TORCH_MODULE(DeferNet);
+
+std::map<std::string, torch::Tensor> eager_tensors(const torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value().detach().clone();
+  for (const auto& b : m.named_buffers()) out[b.key()] = b.value().detach().clone();
+  return out;
+}
+
+void shard(DeferNet& m, const DeviceMeshPtr& mesh) {
+  for (const auto& b : *m->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+  fully_shard(m.ptr(), FullyShardOptions().mesh(mesh));
+}
+
+class DeferredInitWorldSizes : public ::testing::TestWithParam<int> {};
+
+TEST_P(DeferredInitWorldSizes, ShardsEqualEagerRowsAndTrainTheSame) {
+  const int ws = GetParam();
+  torch::manual_seed(3);
+  DeferNet eager;
+  const auto expect = eager_tensors(*eager);
+  const auto eager_next = torch::rand({3});  // what the default generator gives after construction
+  const auto batch = make_batches(1, kBatch, kSeq)[0];
+  const auto eager_loss = loss_fn(eager->forward(batch.idx), batch.targets).item<float>();
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {ws}, {}, pg);
+    torch::manual_seed(3);
+    auto m = deferred_init([] { return DeferNet(); });
+    for (const auto& p : m->parameters()) EXPECT_TRUE(p.is_meta());
+    EXPECT_TRUE(is_deferred(m->wte->weight));
+    barrier(*pg);  // every rank has read the seed before any rank's materialize_module moves it on
+    shard(m, mesh);
+    materialize_module(m);
+    EXPECT_FALSE(is_deferred(m->wte->weight));
+    for (const auto& [k, v] : get_model_state_dict(*m)) {
+      if (const auto* d = std::get_if<DTensor>(&v)) {
+        auto rows = distribute_tensor(expect.at(k), mesh, {Shard(0)}).to_local();
+        EXPECT_TRUE(torch::equal(d->to_local(), rows)) << k << " on rank " << pg->rank();
+      } else if (const auto* t = std::get_if<torch::Tensor>(&v)) {
+        EXPECT_TRUE(torch::equal(*t, expect.at(k))) << k << " on rank " << pg->rank();
+      }
+    }
+    EXPECT_FALSE(m->frozen.requires_grad());
+    EXPECT_TRUE(m->noise.requires_grad());
+    // The whole batch on every rank: the same loss as the eager model, bit for bit.
+    auto loss = loss_fn(m->forward(batch.idx), batch.targets);
+    EXPECT_EQ(loss.item<float>(), eager_loss) << "rank " << pg->rank();
+    loss.backward();
+    barrier(*pg);
+  });
+  if (ws == 1) EXPECT_TRUE(torch::equal(torch::rand({3}), eager_next)) << "the default generator after materialize";
+}
+INSTANTIATE_TEST_SUITE_P(LargeModel, DeferredInitWorldSizes, ::testing::Values(1, 2, 3));
+
+// Counts the CPU bytes each thread allocates (frees credited to the allocating thread): per-rank peak
+// memory when ranks are threads.
+struct CountingAllocator final : c10::Allocator {
+  struct Counter {
+    std::atomic<int64_t> now{0}, peak{0};
+  };
+  static Counter*& current() {
+    thread_local Counter* c = nullptr;
+    return c;
+  }
+  struct Ctx {
+    void* ptr;
+    size_t n;
+    Counter* counter;
+  };
+  static void free_ctx(void* p) {
+    auto* ctx = static_cast<Ctx*>(p);
+    if (ctx->counter) ctx->counter->now -= static_cast<int64_t>(ctx->n);
+    c10::free_cpu(ctx->ptr);
+    delete ctx;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    auto* ctx = new Ctx{p, n, current()};
+    if (ctx->counter) {
+      int64_t v = ctx->counter->now += static_cast<int64_t>(n);
+      int64_t old = ctx->counter->peak.load();
+      while (v > old && !ctx->counter->peak.compare_exchange_weak(old, v)) {
+      }
+    }
+    return {p, ctx, &free_ctx, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+};
+
+// Four 2048x2048 fp32 Linear weights (16 MiB each, 64 MiB in all) on 2 ranks: eager construction
+// would hold 64 MiB per rank; sharded init must stay under (64/2 + 16) * 1.1 MiB.
+struct BigImpl : torch::nn::Module {
+  torch::nn::ModuleList layers;
+  BigImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int i = 0; i < 4; ++i) layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(2048, 2048).bias(false)));
+  }
+};
+TORCH_MODULE(Big);
+
+TEST(LargeModelDeferredInit, PeakPerRankIsShardsPlusLargestParameter) {
+  static CountingAllocator counting;
+  auto* previous = c10::GetCPUAllocator();
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  const int ws = 2;
+  const double param_bytes = 2048.0 * 2048 * 4, total = 4 * param_bytes;
+  std::vector<int64_t> peaks(ws);
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {ws}, {}, pg);
+    static CountingAllocator::Counter counters[2];  // never destroyed: shards may be freed after this lambda
+    auto& counter = counters[pg->rank()];
+    CountingAllocator::current() = &counter;
+    {
+      auto m = deferred_init([] { return Big(); });
+      for (const auto& l : *m->layers) fully_shard(l, FullyShardOptions().mesh(mesh));
+      fully_shard(m.ptr(), FullyShardOptions().mesh(mesh));
+      materialize_module(m);
+      peaks[pg->rank()] = counter.peak.load();
+      CountingAllocator::current() = nullptr;
+    }
+  });
+  c10::SetCPUAllocator(previous, /*priority=*/101);
+  for (int r = 0; r < ws; ++r) {
+    std::printf("[memory] rank %d: peak %.1f MiB during deferred_init + fully_shard + materialize_module "
+                "(bound %.1f MiB, eager construction alone %.1f MiB)\n",
+                r, peaks[r] / 1048576.0, (total / ws + param_bytes) * 1.1 / 1048576.0, total / 1048576.0);
+    EXPECT_LE(peaks[r], (total / ws + param_bytes) * 1.1) << "rank " << r;
+    EXPECT_GE(peaks[r], total / ws) << "rank " << r << ": the shards alone are that big";
+  }
+}
+
+TEST(LargeModelDeferredInit, ForwardBeforeMaterializeNamesTheParameter) {
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2}, {}, pg);
+    auto m = deferred_init([] { return DeferNet(); });
+    shard(m, mesh);
+    try {
+      (void)m->forward(make_batches(1, 4, kSeq)[0].idx);
+      ADD_FAILURE() << "forward on unmaterialised parameters did not throw";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("deferred_init"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("materialize_module"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("parameter 'tied'"), std::string::npos) << msg;  // the first in named_parameters order
+    }
+  });
+}
+
+struct ReadsValueImpl : torch::nn::Module {
+  torch::Tensor w;
+  ReadsValueImpl() {
+    w = register_parameter("w", torch::randn({4}));
+    if (w.sum().item<float>() > 100) w.mul_(2);  // reads a value: impossible on meta
+  }
+};
+TORCH_MODULE(ReadsValue);
+
+TEST(LargeModelDeferredInit, ConstructorThatReadsValuesIsRefused) {
+  try {
+    (void)deferred_init([] { return ReadsValue(); });
+    ADD_FAILURE() << "no error for .item() in a deferred constructor";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("deferred_init: the constructor reads a tensor's value"), std::string::npos)
+        << e.what();
+  }
+  // The thread is usable again: a plain tensor is real.
+  EXPECT_FALSE(torch::ones({2}).is_meta());
+  try {
+    materialize_module(std::make_shared<torch::nn::LinearImpl>(2, 2));
+    ADD_FAILURE() << "no error for a module without deferred tensors";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no parameter or buffer waiting"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::testing
