@@ -43,9 +43,10 @@ struct TRef {
   c10::Storage storage;  // keeps the address unique until the replay
   std::vector<int64_t> sizes, strides;
   int64_t offset = 0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
 };
 TRef ref_of(const torch::Tensor& t) {
-  return {t.storage(), t.sizes().vec(), t.strides().vec(), t.storage_offset()};
+  return {t.storage(), t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.scalar_type()};
 }
 const c10::StorageImpl* sid(const torch::Tensor& t) {
   return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
@@ -186,17 +187,54 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
   m.impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
 }
 
+// In-place ops that overwrite all of their first argument without reading it: the values it had before
+// are dead, so the storage can be freed after its previous use and made afresh here. Without this, a
+// constructor that initialises every parameter twice (LibTorch's modules in their constructors, then a
+// GPT-2 style init loop over the whole model) would keep the whole model alive between the two.
+bool overwrites_self(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> names = {
+      "aten::uniform_", "aten::normal_",  "aten::fill_",   "aten::zero_",       "aten::random_",
+      "aten::exponential_", "aten::geometric_", "aten::log_normal_", "aten::cauchy_", "aten::bernoulli_",
+      "aten::copy_"};
+  return names.count(op.schema().name()) > 0;
+}
+
 void replay(Log& log) {
-  // The last op that touches each recorded storage.
-  std::unordered_map<const c10::StorageImpl*, size_t> last;
+  // Each storage's uses in order, cut into segments at the ops that overwrite it whole: a segment's
+  // values live from its first op to its last; the last segment's end is where the parameter is placed.
+  std::unordered_map<const c10::StorageImpl*, TRef> whole;  // the tensor that created each storage
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<size_t, bool>>> uses;  // (op, overwrites)
   for (size_t i = 0; i < log.ops.size(); ++i) {
-    for (const auto* side : {&log.ops[i].targs, &log.ops[i].touts}) {
-      for (const auto& v : *side) {
-        for (const auto& t : v) {
-          if (t) last[t->storage.unsafeGetStorageImpl()] = i;
-        }
+    const auto& r = log.ops[i];
+    std::unordered_map<const c10::StorageImpl*, bool> here;  // storage -> overwritten whole (and not read) here
+    for (size_t a = 0; a < r.targs.size(); ++a) {
+      for (const auto& t : r.targs[a]) {
+        if (!t) continue;
+        const auto* st = t->storage.unsafeGetStorageImpl();
+        const auto w = whole.find(st);
+        const bool all = a == 0 && overwrites_self(r.op) && w != whole.end() && t->offset == w->second.offset &&
+                         t->sizes == w->second.sizes && t->strides == w->second.strides;
+        auto [it, fresh] = here.emplace(st, all);
+        if (!fresh) it->second = false;  // also read by another argument
       }
     }
+    for (const auto& v : r.touts) {
+      for (const auto& t : v) {
+        if (!t) continue;
+        whole.emplace(t->storage.unsafeGetStorageImpl(), *t);
+        here.emplace(t->storage.unsafeGetStorageImpl(), false);
+      }
+    }
+    for (const auto& [st, all] : here) uses[st].emplace_back(i, all);
+  }
+  // (op, storage) pairs after which the storage's current values are dead; `placed`: its final use.
+  std::unordered_map<size_t, std::vector<const c10::StorageImpl*>> free_after;
+  std::unordered_map<const c10::StorageImpl*, size_t> final_use;
+  for (const auto& [st, us] : uses) {
+    for (size_t k = 0; k < us.size(); ++k) {
+      if (k + 1 == us.size() || us[k + 1].second) free_after[us[k].first].push_back(st);
+    }
+    final_use[st] = us.back().first;
   }
   std::unordered_map<const c10::StorageImpl*, std::vector<const Member*>> members_of;
   for (const auto& m : log.members) members_of[m.ref.storage.unsafeGetStorageImpl()].push_back(&m);
@@ -212,7 +250,11 @@ void replay(Log& log) {
   std::unordered_map<const c10::StorageImpl*, torch::Tensor> real;  // recorded storage -> a real tensor on it
   auto view = [&](const TRef& t) {
     auto it = real.find(t.storage.unsafeGetStorageImpl());
-    TORCH_INTERNAL_ASSERT(it != real.end(), "materialize_module: a recorded tensor is used before it is made");
+    if (it == real.end()) {  // overwritten whole by this op: a fresh tensor, as its creator made it
+      const auto& w = whole.at(t.storage.unsafeGetStorageImpl());
+      it = real.emplace(t.storage.unsafeGetStorageImpl(), at::empty_strided(w.sizes, w.strides, at::TensorOptions().dtype(w.dtype)))
+               .first;
+    }
     return it->second.as_strided(t.sizes, t.strides, t.offset);
   };
   auto map_value = [&](const c10::IValue& v, const std::vector<std::optional<TRef>>& trefs) -> c10::IValue {
@@ -252,18 +294,17 @@ void replay(Log& log) {
         if (ref && !real.count(ref->storage.unsafeGetStorageImpl())) real[ref->storage.unsafeGetStorageImpl()] = out;
       });
     }
-    // Storages used for the last time: place their parameters and buffers, free the rest.
-    for (auto it = real.begin(); it != real.end();) {
-      auto l = last.find(it->first);
-      if (l != last.end() && l->second > i) {
-        ++it;
-        continue;
+    // Storages whose values die here: placed first if this is their final use.
+    auto f = free_after.find(i);
+    if (f == free_after.end()) continue;
+    for (const auto* st : f->second) {
+      if (final_use.at(st) == i) {
+        auto ms = members_of.find(st);
+        if (ms != members_of.end()) {
+          for (const Member* m : ms->second) place(*m, view(m->ref), managed);
+        }
       }
-      auto ms = members_of.find(it->first);
-      if (ms != members_of.end()) {
-        for (const Member* m : ms->second) place(*m, view(m->ref), managed);
-      }
-      it = real.erase(it);
+      real.erase(st);
     }
   }
   // The default generator continues where eager construction would have left it.

@@ -130,13 +130,17 @@ struct CountingAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 
-// Four 2048x2048 fp32 Linear weights (16 MiB each, 64 MiB in all) on 2 ranks: eager construction
-// would hold 64 MiB per rank; sharded init must stay under (64/2 + 16) * 1.1 MiB.
+// Four 2048x2048 fp32 Linear weights (16 MiB each, 64 MiB in all), initialised twice, on 2 ranks: eager
+// construction would hold 64 MiB per rank; sharded init must stay under (64/2 + 16) * 1.1 MiB.
 struct BigImpl : torch::nn::Module {
   torch::nn::ModuleList layers;
   BigImpl() {
     layers = register_module("layers", torch::nn::ModuleList());
     for (int i = 0; i < 4; ++i) layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(2048, 2048).bias(false)));
+    // A second initialisation of every weight after all are made (as GPT-2's init loop): the first
+    // values are dead, so the replay must not keep every parameter alive until this loop.
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) p.normal_(0.0, 0.02);
   }
 };
 TORCH_MODULE(Big);

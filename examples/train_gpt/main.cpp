@@ -186,16 +186,29 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   const torch::Device device = pg->device();
   auto mesh = fsdp::init_device_mesh(device.type(), {world});
 
-  // Identical initial weights on every rank (and for every world size): one seed, full model, then shard.
+  // Identical initial weights on every rank (and for every world size): one seed. Sharded runs build the
+  // model with fsdp::deferred_init (no rank ever holds the full model: each fills only its rows, with the
+  // values eager construction gives); --no-shard and --save-init (which writes the full weights) build it
+  // in full, on the CPU, and move it to the device.
+  const double rss_before = current_rss_mb();
   torch::manual_seed(o.seed);
-  Model model(s.cfg);  // GPT(s.cfg) or PlainGPT(s.cfg): the same weights
+  const bool sharded_init = !o.no_shard && o.save_init.empty();
+  Model model = sharded_init ? fsdp::deferred_init([&] { return Model(s.cfg); }) : Model(s.cfg);
   const DecayGroups groups = decay_groups(*model);  // on the full shapes, before sharding
   Reporter report(s, model->num_params(), pg);
   if (!o.save_init.empty() && rank == 0) save_initial_weights(*model, s.cfg, o.save_init);
-  // Built on the CPU from the seed (identical weights on every device), then moved to this rank's device
   // (with --cpu-offload the shards stay on the CPU: fully_shard puts them in pinned host memory).
-  if (device.is_cuda() && !o.cpu_offload) model->to(device);
+  if (!sharded_init && device.is_cuda() && !o.cpu_offload) model->to(device);
   if (!o.no_shard) parallelize(model, mesh, s.parallel);
+  if (sharded_init) {
+    fsdp::materialize_module(model);
+    for (auto& b : model->buffers()) {
+      if (b.device() != device && !o.cpu_offload) b.set_data(b.to(device));
+    }
+  }
+  report.say("model built" + std::string(sharded_init ? " sharded (deferred_init)" : " in full") + ": peak RSS +" +
+             std::to_string(std::lround(peak_rss_mb() - rss_before)) + " MiB over the " +
+             std::to_string(std::lround(rss_before)) + " MiB before construction (rank " + std::to_string(rank) + ")");
   std::optional<BatchRecorder> recorder;
   if (!o.dump_batches.empty()) recorder.emplace(o.dump_batches);
   torch::optim::AdamW optimizer = make_adamw(groups, o);

@@ -24,6 +24,10 @@ const std::map<std::string, GPTConfig>& presets() {
     // GPT-2 small's shape (12 layers, 768 wide, 12 heads, context 1024) over bytes: for GPU runs (issue 12).
     c.n_layer = 12, c.n_head = 12, c.n_embd = 768, c.block_size = 1024;
     m["gpt2-small"] = c;
+    // ~302M parameters (24 x 1024, as GPT-2 medium's blocks): 1.2 GB of fp32 weights, 4.8 GB with AdamW's
+    // state and gradients - built sharded (fsdp::deferred_init), each rank holds 1/N (issue 14).
+    c.n_layer = 24, c.n_head = 16, c.n_embd = 1024, c.block_size = 256;
+    m["large"] = c;
     return m;
   }();
   return p;
@@ -40,7 +44,7 @@ torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
-  static const std::vector<std::string> names = {"tiny", "small", "medium", "gpt2-small"};
+  static const std::vector<std::string> names = {"tiny", "small", "medium", "gpt2-small", "large"};
   return names;
 }
 

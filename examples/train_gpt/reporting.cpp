@@ -16,14 +16,20 @@
 
 namespace train_gpt {
 
-double peak_rss_mb() {
+namespace {
+double status_mb(const char* field) {
   std::ifstream in("/proc/self/status");
   std::string line;
+  const std::string key = std::string(field) + ":";
   while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // "VmHWM:  123456 kB"
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;  // "VmHWM:  123456 kB"
   }
   return 0.0;
 }
+}  // namespace
+
+double peak_rss_mb() { return status_mb("VmHWM"); }
+double current_rss_mb() { return status_mb("VmRSS"); }
 
 double peak_gpu_mem_mb(const torch::Device& device) {
 #if FSDP_WITH_CUDA

@@ -18,6 +18,8 @@ namespace train_gpt {
 
 /// Peak resident memory of this process (VmHWM), MiB.
 double peak_rss_mb();
+/// Resident memory of this process now (VmRSS), MiB.
+double current_rss_mb();
 /// Peak GPU memory of this process on `device` so far (MiB): the CUDA caching allocator's peak of allocated
 /// bytes (torch.cuda.max_memory_allocated); 0 on a CPU device.
 double peak_gpu_mem_mb(const torch::Device& device);
