@@ -139,9 +139,15 @@ void sync_before_sharding(const std::vector<std::pair<std::string, torch::Tensor
     // FSDP1's sync_module_states: rank 0's parameters and buffers everywhere, before sharding.
     ProcessGroup& world = *mesh->world();
     if (world.size() == 1) return;
+    // Meta tensors (fsdp::deferred_init) have no values to send; materialize_module gives every rank the
+    // same ones.
     std::vector<torch::Tensor> ts;
-    for (const auto& [name, t] : params) ts.push_back(t);
-    for (const auto& [name, t] : own_buffers(modules)) ts.push_back(t);
+    for (const auto& [name, t] : params) {
+      if (!t.is_meta()) ts.push_back(t);
+    }
+    for (const auto& [name, t] : own_buffers(modules)) {
+      if (!t.is_meta()) ts.push_back(t);
+    }
     broadcast_flat(ts, world);
     return;
   }
@@ -151,7 +157,7 @@ void sync_before_sharding(const std::vector<std::pair<std::string, torch::Tensor
   ProcessGroup& shard = *mesh->get_group(mesh->ndim() - 1);
   if (shard.size() == 1 || params.empty()) return;
   std::vector<int64_t> row;
-  for (const auto& [name, t] : params) row.push_back(checksum(t));
+  for (const auto& [name, t] : params) row.push_back(t.is_meta() ? -1 : checksum(t));  // meta: deferred_init
   auto table = exchange_rows(shard, row);
   auto acc = table.accessor<int64_t, 2>();
   for (size_t i = 0; i < params.size(); ++i) {
