@@ -122,6 +122,7 @@ struct FileInfo {
   std::string name;
   int rank = -1;          ///< saving rank (from the metadata, else the shard-{r+1} name), -1 if unknown
   int64_t bytes = 0;      ///< size on disk
+  int64_t header_bytes = 0;  ///< bytes of its safetensors header (the 8-byte length and the JSON)
   bool checksummed = false;  ///< the metadata holds CRC-32Cs of its header and data
 };
 
