@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/safetensors.h"
 #include "checkpoint_test_util.h"
 #include "multi_rank.h"
 
@@ -158,6 +159,8 @@ TEST(ConsolidatedLoad, GeneralBoxesShard1ScalarsAndNonContiguousPieces) {
   dcp::save_file(full, dir + "/model.safetensors");
   const int64_t headers = header_bytes(dir + "/model.safetensors");
   for (int world : {2, 3}) {
+    // On 3 ranks, staging buffers of 16 bytes: the staged boxes are read in slabs of one row.
+    dcp::detail::set_load_stage_bytes(world == 3 ? 16 : 0);
     run_ranks(world, [&](ProcessGroupPtr pg) {
       const int r = pg->rank();
       auto mesh = init_device_mesh(torch::kCPU, {world}, {"shard"}, pg);
@@ -177,6 +180,38 @@ TEST(ConsolidatedLoad, GeneralBoxesShard1ScalarsAndNonContiguousPieces) {
       EXPECT_EQ(res.bytes_read, headers + pieces) << "rank " << r << " of " << world;
     });
   }
+  dcp::detail::set_load_stage_bytes(0);
+}
+
+TEST(ConsolidatedLoad, LargeTensorEachRankReadsOnlyItsRows) {
+  // 12 MiB in fp32 (and 6 MiB in bf16): the headers are negligible, each rank reads about 1/N.
+  const auto dir32 = temp_dir("consolidated_large_fp32"), dir16 = temp_dir("consolidated_large_bf16");
+  torch::manual_seed(4);
+  const auto w = torch::randn({3001, 1024});
+  dcp::save_file({{"w", w}}, dir32 + "/model.safetensors");
+  dcp::save_file({{"w", w.to(torch::kBFloat16)}}, dir16 + "/model.safetensors");
+  const int world = 2;
+  dcp::detail::set_load_stage_bytes(1 << 20);  // bf16 -> fp32 staged in slabs of 512 rows
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    const int r = pg->rank();
+    auto mesh = init_device_mesh(torch::kCPU, {world}, {"shard"}, pg);
+    auto rows = chunk_range(3001, world, r);
+    for (const auto& [dir, es] : {std::pair<std::string, int64_t>{dir32, 4}, {dir16, 2}}) {
+      StateDict sd;
+      sd.insert_or_assign("w", DTensor(torch::zeros({rows.length, 1024}), mesh, {Shard(0)}, {3001, 1024}));
+      auto res = dcp::load(sd, dir);
+      const auto& local = std::get<DTensor>(sd.at("w")).to_local();
+      auto want = (es == 4 ? w : w.to(torch::kBFloat16).to(torch::kFloat32)).narrow(0, rows.offset, rows.length);
+      EXPECT_TRUE(torch::equal(local, want)) << "rank " << r << ", " << dir;
+      const int64_t expect = header_bytes(dir + "/model.safetensors") + rows.length * 1024 * es;
+      EXPECT_EQ(res.bytes_read, expect) << "rank " << r << ", " << dir;
+      std::printf("[bytes read] %s, rank %d of %d: %lld of the file's %lld bytes (rows [%lld, %lld))\n",
+                  dir.c_str(), r, world, static_cast<long long>(res.bytes_read),
+                  static_cast<long long>(fs::file_size(dir + "/model.safetensors")),
+                  static_cast<long long>(rows.offset), static_cast<long long>(rows.offset + rows.length));
+    }
+  });
+  dcp::detail::set_load_stage_bytes(0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 //   shards): there is nothing to verify, so phase 1 checks only the headers (shapes, dtypes, sizes,
 //   coverage) and phase 3 streams the data: one destination box at a time, pread straight into the
 //   local tensor when it is contiguous CPU memory of the file's dtype, else through a staging buffer of
-//   at most kStageBytes (or one row of the box). A consolidated checkpoint can be larger than a rank's
+//   at most kStageBytes (64 MiB, or one row of the box). A consolidated checkpoint can be larger than a rank's
 //   memory: each rank touches only its rows and holds no more than one staging buffer.
 //
 // Resharding: a destination is a box of the global tensor (a DTensor's local piece, or a whole tensor).
@@ -25,6 +25,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -219,6 +220,7 @@ std::string coverage_problem(const TensorInfo& t, const std::vector<int64_t>& bo
 /// Largest staging buffer of a streamed read (a box is staged in slabs of rows of at most this size,
 /// or one row when a row is larger): bounds the extra memory of a load whatever the tensor's size.
 constexpr int64_t kStageBytes = int64_t(64) << 20;
+std::atomic<int64_t> stage_bytes{kStageBytes};  // tests lower it (detail::set_load_stage_bytes)
 
 /// Reads the box [lo, lo + len) (global coordinates) of chunk `c` from `file`, in C order, into `out`
 /// (contiguous, the file's dtype of `es` bytes per element). The trailing dims the box spans in full
@@ -350,7 +352,7 @@ class LoadPlan {
     }
     // Through a staging buffer (another dtype, device or a non-contiguous destination), in slabs of rows.
     const int64_t row_bytes = es * numel_of(std::vector<int64_t>(r.ov.len.begin() + 1, r.ov.len.end()));
-    const int64_t rows = std::max<int64_t>(1, kStageBytes / std::max<int64_t>(row_bytes, 1));
+    const int64_t rows = std::max<int64_t>(1, stage_bytes.load() / std::max<int64_t>(row_bytes, 1));
     for (int64_t r0 = 0; r0 < r.ov.len[0]; r0 += rows) {
       const int64_t n = std::min(rows, r.ov.len[0] - r0);
       auto lo = r.ov.lo, len = r.ov.len;
@@ -462,6 +464,8 @@ class LoadPlan {
 };
 
 }  // namespace
+
+void detail::set_load_stage_bytes(int64_t bytes) { stage_bytes = bytes > 0 ? bytes : kStageBytes; }
 
 LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
   const char* api = "dcp::load";
