@@ -14,7 +14,9 @@
 //                                                   checksums (CRC-32C), non-tensor Values
 // exactly what PyTorch's HuggingFaceStorageWriter(save_distributed=True) writes, so that
 // `dcp.load(sd, storage_reader=HuggingFaceStorageReader(dir))` reads it; and `load` reads folders
-// that writer produced (no JSON file: everything comes from the safetensors headers).
+// that writer produced (no JSON file: everything comes from the safetensors headers), as well as
+// consolidated Hugging Face checkpoints (model.safetensors, or an index and its shards) straight into a
+// sharded model, each rank reading only its own rows (see load).
 //
 // Saves are atomic: the folder is written as DIR.tmp-<nonce>, fsynced, renamed to DIR, and only then
 // does the `latest` file next to it (holding DIR's name) move, by an atomic rename. A crash at any
@@ -96,6 +98,29 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
 /// size) is checked on every rank before anything is written, so a failed load leaves the state
 /// dict's tensors (and the model and optimizer they alias) unchanged on every rank. Throws c10::Error
 /// naming the file, the FQN and the rank.
+///
+/// Consolidated checkpoints (no libfsdp_checkpoint.json): `dir` may also hold a checkpoint as Hugging
+/// Face, Python's `safetensors` or consolidate() write it: model.safetensors.index.json and exactly the
+/// files its weight_map names (each must exist and hold the tensors the index places in it), or else
+/// every *.safetensors file of the folder (model.safetensors; PyTorch's HuggingFaceStorageWriter shards).
+/// This loads a full checkpoint straight into a sharded model: each rank reads the headers, then for
+/// each entry of `state_dict`, one at a time, only the byte ranges of its local piece (Shard(0) rows
+/// are one range, read with one pread; any other box one pread per contiguous run), straight into the
+/// local tensor when it is contiguous CPU memory of the file's dtype, else through a CPU staging
+/// buffer of at most 64 MiB (or one row of the piece) that is then copied (converting the dtype,
+/// moving to the device). Plain tensors (unsharded entries, buffers) are read in full. Extra memory:
+/// that one staging buffer; nothing is memory-mapped, the file never enters memory whole. Floating-
+/// point data converts to the state dict's dtype (Tensor.copy_, round to nearest even: a bf16 file
+/// into an fp32 model is exact); integer and bool data must match. `bytes_read` of the result is then
+/// exactly the files' header bytes plus the bytes of this rank's pieces (in the file's dtype).
+/// Everything but the data (keys under `strict`, shapes, dtypes, file sizes, the index) is checked on
+/// every rank before anything is written, as above; as there are no checksums to verify, the data is
+/// read after the ranks agreed, so only an I/O error during that read (a file changed or failing
+/// meanwhile) can leave part of this rank's state dict loaded: that rank throws, saying so.
+/// Throws c10::Error for a folder holding none of these layouts (naming what was looked for), a file
+/// the index names that is missing, a truncated file (naming the tensor cut off), a shape mismatch
+/// (FQN, both shapes, the file, the rank), missing or unexpected keys when strict.
+/// Mirrors torch.distributed.checkpoint.load(state_dict, storage_reader=HuggingFaceStorageReader(dir)).
 LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions& options = {});
 
 /// The checkpoint folder `parent/latest` names, or nullopt when there is no `latest` file.
@@ -122,6 +147,7 @@ struct FileInfo {
   std::string name;
   int rank = -1;          ///< saving rank (from the metadata, else the shard-{r+1} name), -1 if unknown
   int64_t bytes = 0;      ///< size on disk
+  int64_t header_bytes = 0;  ///< bytes of its safetensors header (the 8-byte length and the JSON)
   bool checksummed = false;  ///< the metadata holds CRC-32Cs of its header and data
 };
 

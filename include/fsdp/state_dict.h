@@ -131,6 +131,9 @@ struct LoadResult {
   std::vector<std::string> missing_keys;
   /// Present in the source but not expected: ignored.
   std::vector<std::string> unexpected_keys;
+  /// dcp::load only: bytes of checkpoint files this rank read (safetensors headers, our metadata file,
+  /// and the tensor data it needed); 0 for the in-memory loads.
+  int64_t bytes_read = 0;
 };
 
 /// Prefixes of the combined dict of get_state_dict.

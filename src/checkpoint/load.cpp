@@ -1,6 +1,17 @@
 // Reading checkpoints: load with resharding, verify, read_tensor and consolidate. The checkpoint's
 // description (inspect) is read by metadata.cpp.
 //
+// Two ways to read, by the checkpoint's kind:
+// - Ours (a metadata file with CRC-32Cs): every byte read is verified before anything is written, so
+//   the data is read in phase 1 (validate) and staged in the page cache, as below.
+// - Folders of plain safetensors files (a consolidated checkpoint: model.safetensors, or an index and
+//   its shards, as consolidate() and Hugging Face write them; or PyTorch's HuggingFaceStorageWriter
+//   shards): there is nothing to verify, so phase 1 checks only the headers (shapes, dtypes, sizes,
+//   coverage) and phase 3 streams the data: one destination box at a time, pread straight into the
+//   local tensor when it is contiguous CPU memory of the file's dtype, else through a staging buffer of
+//   at most kStageBytes (64 MiB, or one row of the box). A consolidated checkpoint can be larger than a rank's
+//   memory: each rank touches only its rows and holds no more than one staging buffer.
+//
 // Resharding: a destination is a box of the global tensor (a DTensor's local piece, or a whole tensor).
 // For each chunk of the checkpoint that overlaps it, the overlap is one run of the chunk's C-order
 // elements from its first to its last element (exactly the overlap when it spans the trailing dims, as
@@ -14,6 +25,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -113,8 +125,10 @@ std::optional<Overlap> overlap_of(const ChunkInfo& c, const std::vector<int64_t>
 /// file. Only the chunk's bytes from the overlap's first element to its last are touched (widened to
 /// checksum blocks when `verify` and the checkpoint has checksums); they are read from the disk here
 /// (MADV_POPULATE_READ, so that an I/O error is an exception, not a SIGBUS later) and verified.
+/// Adds the bytes it reads from the file to `*bytes_read` when given.
 torch::Tensor chunk_view(const CheckpointInfo& info, const ChunkInfo& c, const std::string& fqn, torch::ScalarType dtype,
-                         const Overlap& ov, bool verify, FileCache& files, const char* api) {
+                         const Overlap& ov, bool verify, FileCache& files, const char* api,
+                         int64_t* bytes_read = nullptr) {
   const size_t nd = c.sizes.size();
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   std::vector<int64_t> strides(nd, 1);  // the chunk's C-order strides
@@ -138,6 +152,7 @@ torch::Tensor chunk_view(const CheckpointInfo& info, const ChunkInfo& c, const s
               " is truncated: reading '", fqn, "' needs bytes up to ", c.file_offset + c.nbytes, " but the file has ",
               m->len);
   const char* data = m->base + c.file_offset;  // the chunk's first byte
+  if (bytes_read) *bytes_read += end - begin;
   {
     static const int64_t page = ::sysconf(_SC_PAGESIZE);
     int64_t a = (c.file_offset + begin) / page * page;
@@ -202,13 +217,55 @@ std::string coverage_problem(const TensorInfo& t, const std::vector<int64_t>& bo
          " (e.g. in " + hits[0]->file + "): the checkpoint is inconsistent";
 }
 
+/// Largest staging buffer of a streamed read (a box is staged in slabs of rows of at most this size,
+/// or one row when a row is larger): bounds the extra memory of a load whatever the tensor's size.
+constexpr int64_t kStageBytes = int64_t(64) << 20;
+std::atomic<int64_t> stage_bytes{kStageBytes};  // tests lower it (detail::set_load_stage_bytes)
+
+/// Reads the box [lo, lo + len) (global coordinates) of chunk `c` from `file`, in C order, into `out`
+/// (contiguous, the file's dtype of `es` bytes per element). The trailing dims the box spans in full
+/// make each run contiguous in the file: one pread for a box of whole rows (Shard(0)), one per run
+/// otherwise (e.g. a row of a Shard(1) box). Returns the bytes read.
+int64_t read_box(const detail::File& file, const ChunkInfo& c, const std::vector<int64_t>& lo,
+                 const std::vector<int64_t>& len, int64_t es, char* out, const std::string& what) {
+  const size_t nd = c.sizes.size();
+  if (nd == 0) {
+    file.pread_exact(out, static_cast<size_t>(es), c.file_offset, what);
+    return es;
+  }
+  std::vector<int64_t> strides(nd, 1);  // the chunk's C-order strides
+  for (int64_t d = static_cast<int64_t>(nd) - 2; d >= 0; --d) strides[d] = strides[d + 1] * c.sizes[d + 1];
+  size_t j = nd - 1;  // runs span dims j.. (all dims after j in full)
+  while (j > 0 && len[j] == c.sizes[j]) --j;
+  const int64_t run = len[j] * strides[j] * es;
+  std::vector<int64_t> idx(j, 0);  // odometer over the dims before j
+  int64_t done = 0;
+  while (true) {
+    int64_t elem = (lo[j] - c.offsets[j]) * strides[j];
+    for (size_t d = 0; d < j; ++d) elem += (lo[d] - c.offsets[d] + idx[d]) * strides[d];
+    file.pread_exact(out + done, static_cast<size_t>(run), c.file_offset + elem * es, what);
+    done += run;
+    size_t d = j;
+    while (d > 0 && ++idx[d - 1] == len[d - 1]) idx[--d] = 0;
+    if (d == 0) break;
+  }
+  return done;
+}
+
 /// Phase 1 of dcp::load on one rank: validates the state dict against the checkpoint and stages every
 /// copy (views of verified file bytes) and Value, changing nothing.
 class LoadPlan {
  public:
   LoadPlan(const std::string& dir, const LoadOptions& options, int rank, int world, const char* api)
-      : info_(read_info(dir, api, nullptr)), files_(info_.dir, api), options_(options), rank_(rank), world_(world),
-        api_(api) {}
+      : info_(read_info_of_rank(dir, api, rank)), files_(info_.dir, api), options_(options), rank_(rank),
+        world_(world), api_(api), stream_(!info_.metadata.is_object()) {
+    for (const auto& f : info_.files) result_.bytes_read += f.header_bytes;
+    if (!stream_) {
+      std::error_code ec;
+      auto n = fs::file_size(fs::path(info_.dir) / kMetadataFileName, ec);
+      if (!ec) result_.bytes_read += static_cast<int64_t>(n);
+    }
+  }
 
   /// Stages every entry of `sd`, then checks the keys (strict). Throws on the first problem.
   void stage(const StateDict& sd) {
@@ -227,11 +284,22 @@ class LoadPlan {
     if (options_.strict()) check_strict();
   }
 
-  /// Phase 3: copies what was staged into `sd`'s destinations.
+  /// Phase 3: copies what was staged into `sd`'s destinations, and streams the reads of a checkpoint
+  /// without checksums.
   void apply(StateDict& sd) {
     {
       torch::NoGradGuard no_grad;
       for (auto& c : copies_) c.dst.copy_(c.src);
+      for (size_t i = 0; i < reads_.size(); ++i) {
+        try {
+          stream(reads_[i]);
+        } catch (const c10::Error& e) {
+          // Only an I/O error gets here (the headers, sizes and shapes were checked in phase 1).
+          TORCH_CHECK(false, fsdp::detail::message_of(e), " (rank ", rank_, "; ", i, " of the ", reads_.size(),
+                      " tensor pieces of this rank were loaded before it: the state dict is partly loaded. Fix: ",
+                      "restore the file and load again)");
+        }
+      }
     }
     for (auto& [k, v] : values_) std::get<Value>(sd.at(k)).json = std::move(v);
   }
@@ -243,6 +311,58 @@ class LoadPlan {
     torch::Tensor dst;  // a box of a destination (aliases the model's shard, an optimizer tensor, ...)
     torch::Tensor src;  // its verified bytes, a view of a mapped file
   };
+  /// A streamed read (checkpoints without checksums): box `ov` of chunk `chunk`, into `dst`.
+  struct Read {
+    torch::Tensor dst;  // the box of the destination
+    std::string fqn;
+    const ChunkInfo* chunk;
+    Overlap ov;
+    torch::ScalarType dtype;  // the file's
+  };
+
+  static CheckpointInfo read_info_of_rank(const std::string& dir, const char* api, int rank) {
+    try {
+      return read_info(dir, api, nullptr);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, fsdp::detail::message_of(e), " (rank ", rank, ")");
+    }
+  }
+
+  /// Reads `r` into its destination (see the top of this file).
+  void stream(const Read& r) {
+    const ChunkInfo& c = *r.chunk;
+    auto it = open_.find(c.file);
+    if (it == open_.end()) {
+      it = open_.emplace(c.file, detail::File::open_read((fs::path(info_.dir) / c.file).string(), api_)).first;
+    }
+    const detail::File& file = it->second;
+    const std::string what = "'" + r.fqn + "' (rank " + std::to_string(rank_) + ")";
+    const int64_t es = static_cast<int64_t>(c10::elementSize(r.dtype));
+    if (r.dst.device().is_cpu() && r.dst.scalar_type() == r.dtype && r.dst.is_contiguous()) {
+      // Straight into the destination: no extra memory.
+      result_.bytes_read += read_box(file, c, r.ov.lo, r.ov.len, es, static_cast<char*>(r.dst.data_ptr()), what);
+      r.dst.unsafeGetTensorImpl()->bump_version();  // as copy_ would: autograd sees the change
+      return;
+    }
+    if (r.ov.lo.empty()) {  // a scalar
+      auto buf = torch::empty({}, torch::TensorOptions().dtype(r.dtype));
+      result_.bytes_read += read_box(file, c, r.ov.lo, r.ov.len, es, static_cast<char*>(buf.data_ptr()), what);
+      r.dst.copy_(buf);
+      return;
+    }
+    // Through a staging buffer (another dtype, device or a non-contiguous destination), in slabs of rows.
+    const int64_t row_bytes = es * numel_of(std::vector<int64_t>(r.ov.len.begin() + 1, r.ov.len.end()));
+    const int64_t rows = std::max<int64_t>(1, stage_bytes.load() / std::max<int64_t>(row_bytes, 1));
+    for (int64_t r0 = 0; r0 < r.ov.len[0]; r0 += rows) {
+      const int64_t n = std::min(rows, r.ov.len[0] - r0);
+      auto lo = r.ov.lo, len = r.ov.len;
+      lo[0] += r0;
+      len[0] = n;
+      auto buf = torch::empty(len, torch::TensorOptions().dtype(r.dtype));
+      result_.bytes_read += read_box(file, c, lo, len, es, static_cast<char*>(buf.data_ptr()), what);
+      r.dst.narrow(0, r0, n).copy_(buf);  // converts the dtype (as PyTorch's Tensor.copy_) and the device
+    }
+  }
 
   void stage_value(const std::string& key) {
     const char* api = api_;
@@ -287,9 +407,20 @@ class LoadPlan {
     TORCH_CHECK(t.sizes == global, api, ": '", key, "' has shape ", shape_str(t.sizes), " in ", info_.dir, " (e.g. ",
                 t.chunks[0].file, ") but ", shape_str(global), " in the state dict (rank ", rank_,
                 "). Fix: load into a model of the configuration that was saved");
-    TORCH_CHECK(t.dtype == dst.scalar_type(), api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, " (e.g. ",
-                t.chunks[0].file, ") but ", dst.scalar_type(), " in the state dict (rank ", rank_,
-                "). Fix: build the model with dtype ", t.dtype, " to load it, then convert");
+    if (stream_) {
+      // Plain safetensors files (a Hugging Face checkpoint in bf16, a model in fp32): floating-point
+      // data converts on load, as Tensor.copy_ does in PyTorch's HuggingFaceStorageReader (round to
+      // nearest even when narrowing). Integer and bool data must match: converting them is a bug.
+      TORCH_CHECK(t.dtype == dst.scalar_type() ||
+                      (c10::isFloatingType(t.dtype) && c10::isFloatingType(dst.scalar_type())),
+                  api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, "/", t.chunks[0].file, " but ",
+                  dst.scalar_type(), " in the state dict (rank ", rank_, "): only floating-point data converts on ",
+                  "load. Fix: give the state dict's tensor dtype ", t.dtype);
+    } else {
+      TORCH_CHECK(t.dtype == dst.scalar_type(), api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, " (e.g. ",
+                  t.chunks[0].file, ") but ", dst.scalar_type(), " in the state dict (rank ", rank_,
+                  "). Fix: build the model with dtype ", t.dtype, " to load it, then convert");
+    }
     auto problem = coverage_problem(t, offsets, dst.sizes().vec());
     TORCH_CHECK(problem.empty(), api, ": '", key, "' cannot be read from ", info_.dir, " (rank ", rank_, "): ", problem);
     if (dst.numel() == 0) return;
@@ -297,8 +428,13 @@ class LoadPlan {
     for (const auto& c : t.chunks) {
       auto ov = overlap_of(c, offsets, box);
       if (!ov) continue;
-      copies_.push_back(
-          {narrow_to(dst, offsets, *ov), chunk_view(info_, c, key, t.dtype, *ov, options_.verify_checksums(), files_, api)});
+      if (stream_) {
+        reads_.push_back({narrow_to(dst, offsets, *ov), key, &c, *ov, t.dtype});
+      } else {
+        copies_.push_back({narrow_to(dst, offsets, *ov), chunk_view(info_, c, key, t.dtype, *ov,
+                                                                     options_.verify_checksums(), files_, api,
+                                                                     &result_.bytes_read)});
+      }
     }
   }
 
@@ -319,12 +455,17 @@ class LoadPlan {
   const LoadOptions& options_;
   int rank_, world_;
   const char* api_;
+  bool stream_;  // no metadata file: no checksums, the data is read in phase 3
   std::vector<Copy> copies_;
+  std::vector<Read> reads_;
+  std::map<std::string, detail::File> open_;  // files of the streamed reads, by name
   std::vector<std::pair<std::string, nlohmann::json>> values_;
   LoadResult result_;
 };
 
 }  // namespace
+
+void detail::set_load_stage_bytes(int64_t bytes) { stage_bytes = bytes > 0 ? bytes : kStageBytes; }
 
 LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
   const char* api = "dcp::load";

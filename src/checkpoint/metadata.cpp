@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <optional>
 #include <regex>
+#include <set>
 
 #include "checkpoint/safetensors.h"
 #include "util.h"
@@ -98,17 +99,58 @@ std::vector<std::string> read_metadata(CheckpointInfo& info, const fs::path& met
   return names;
 }
 
-/// The *.safetensors files of a folder without our metadata (sorted): the checkpoint is those.
-std::vector<std::string> list_safetensors(const fs::path& dir, const char* api) {
+/// The index file of a split Hugging Face checkpoint (consolidate() writes it too).
+constexpr const char* kIndexFileName = "model.safetensors.index.json";
+
+/// The weight_map of `dir`/model.safetensors.index.json: tensor name -> file name.
+std::map<std::string, std::string> read_index(const fs::path& path, const char* api) {
+  const std::string text = read_small_file(path.string(), api);
+  std::map<std::string, std::string> map;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    for (const auto& [k, v] : j.at("weight_map").items()) map[k] = v.get<std::string>();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, api, ": ", path.string(), " is not a valid safetensors index (expected a JSON object with a ",
+                "\"weight_map\" of tensor name to file name): ", e.what());
+  }
+  for (const auto& [k, f] : map) {
+    TORCH_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..", api, ": ", path.string(),
+                " maps '", k, "' to '", f, "', which is not a file name in the folder");
+  }
+  return map;
+}
+
+/// The safetensors files of a folder without our metadata (sorted). With a
+/// model.safetensors.index.json (a split Hugging Face checkpoint), exactly the files it names (into
+/// `index`); otherwise every *.safetensors file (model.safetensors, or the shards PyTorch's
+/// HuggingFaceStorageWriter writes), as PyTorch's HuggingFaceStorageReader reads them.
+std::vector<std::string> list_safetensors(const fs::path& dir, const char* api,
+                                          std::map<std::string, std::string>& index) {
   std::vector<std::string> names;
+  const fs::path index_path = dir / kIndexFileName;
+  if (fs::exists(index_path)) {
+    index = read_index(index_path, api);
+    std::set<std::string> files;
+    for (const auto& [_, f] : index) files.insert(f);
+    TORCH_CHECK(!files.empty(), api, ": ", index_path.string(), " maps no tensor to a file: an empty checkpoint");
+    for (const auto& f : files) {
+      TORCH_CHECK(fs::is_regular_file(dir / f), api, ": ", (dir / f).string(), " is missing: ", index_path.string(),
+                  " names it (e.g. for '",
+                  std::find_if(index.begin(), index.end(), [&](const auto& e) { return e.second == f; })->first,
+                  "'). The checkpoint is incomplete; restore the file or use another checkpoint");
+    }
+    return {files.begin(), files.end()};
+  }
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     auto n = e.path().filename().string();
     if (e.is_regular_file() && n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) names.push_back(n);
   }
   std::sort(names.begin(), names.end());
-  TORCH_CHECK(!names.empty(), api, ": ", dir.string(), " holds neither ", kMetadataFileName,
-              " nor any *.safetensors file: not a checkpoint");
+  TORCH_CHECK(!names.empty(), api, ": ", dir.string(), " holds no checkpoint: looked for ", kMetadataFileName,
+              " (a libfsdp checkpoint), ", kIndexFileName, " with the files it names (a split Hugging Face ",
+              "checkpoint, as consolidate() writes), model.safetensors, or any other *.safetensors file (e.g. PyTorch's ",
+              "HuggingFaceStorageWriter shards), and found none. Fix: pass the folder that holds the checkpoint's files");
   return names;
 }
 
@@ -200,7 +242,8 @@ CheckpointInfo read_info(const std::string& dir_arg, const char* api, std::vecto
   info.dir = resolve_dir(dir_arg, api);
   const fs::path dir = info.dir;
   const fs::path meta_path = dir / kMetadataFileName;
-  const auto names = fs::exists(meta_path) ? read_metadata(info, meta_path, api) : list_safetensors(dir, api);
+  std::map<std::string, std::string> index;  // weight_map of a split Hugging Face checkpoint
+  const auto names = fs::exists(meta_path) ? read_metadata(info, meta_path, api) : list_safetensors(dir, api, index);
   if (!info.metadata.is_object()) info.format = "safetensors";
   for (const auto& name : names) {
     const std::string path = (dir / name).string();
@@ -211,8 +254,22 @@ CheckpointInfo read_info(const std::string& dir_arg, const char* api, std::vecto
     fi.checksummed = fmeta.is_object() && fmeta.contains("header_crc32c");
     auto h = checked_header(fi, path, fmeta, problems, api);
     if (!h) continue;
+    fi.header_bytes = static_cast<int64_t>(h->raw.size());
     info.files.push_back(fi);
     add_chunks(info, name, path, *h, problems, api);
+  }
+  // The index and the headers must agree: a tensor the index places in a file that does not hold it
+  // means the files come from different checkpoints.
+  for (const auto& [k, f] : index) {
+    auto it = info.tensors.find(k);
+    const bool found = it != info.tensors.end() &&
+                       std::any_of(it->second.chunks.begin(), it->second.chunks.end(),
+                                   [&](const ChunkInfo& c) { return c.file == f; });
+    if (!found && std::any_of(info.files.begin(), info.files.end(), [&](const FileInfo& fi) { return fi.name == f; })) {
+      problems.report(std::string(api) + ": " + (dir / kIndexFileName).string() + " places '" + k + "' in " +
+                      (dir / f).string() + ", whose header does not hold it: the index and the files do not belong " +
+                      "together. Fix: restore the files the index was written with");
+    }
   }
   check_summary(info, meta_path, problems, api);
   return info;

@@ -160,4 +160,8 @@ void set_fault_hook(FaultHook hook);
 /// Calls the hook, if any.
 void fault_point(const FaultPoint& point);
 
+/// Sets the largest staging buffer of dcp::load's streamed reads (see load.cpp; tests make it tiny to
+/// read a box in many slabs). 0 restores the default (64 MiB).
+void set_load_stage_bytes(int64_t bytes);
+
 }  // namespace fsdp::dcp::detail
