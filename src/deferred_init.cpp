@@ -354,26 +354,57 @@ void end_deferred_init(const std::shared_ptr<torch::nn::Module>& module) {
 
 }  // namespace detail
 
+namespace detail {
+namespace {
+// The records that `module`'s parameters and buffers wait on.
+std::vector<std::shared_ptr<Log>> logs_of(const torch::nn::Module& module) {
+  std::vector<std::shared_ptr<Log>> logs;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto visit = [&](const torch::Tensor& t) {
+    auto it = pending().find(t.unsafeGetTensorImpl());
+    if (it == pending().end()) return;
+    if (std::find(logs.begin(), logs.end(), it->second) == logs.end()) logs.push_back(it->second);
+  };
+  for (const auto& p : module.parameters(/*recurse=*/true)) visit(p);
+  for (const auto& b : module.buffers(/*recurse=*/true)) visit(b);
+  return logs;
+}
+
+void forget(const Log& log) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const auto& m : log.members) pending().erase(m.impl);
+}
+}  // namespace
+}  // namespace detail
+
+void to_empty(const std::shared_ptr<torch::nn::Module>& module) {
+  TORCH_CHECK(module, "to_empty: module is null");
+  const auto logs = detail::logs_of(*module);
+  TORCH_CHECK(!logs.empty(), "to_empty: ", module->name(), " has no parameter or buffer waiting for ",
+              "materialisation. Fix: construct it with fsdp::deferred_init([&] { return Model(...); })");
+  const auto managed = detail::managed_params();
+  for (const auto& log : logs) {
+    for (const auto& m : log->members) {
+      auto it = managed.find(m.impl);
+      if (it != managed.end()) {
+        const_cast<detail::FSDPParam*>(it->second.second)->pending_init = false;  // the shard is zero-filled
+      } else {
+        m.impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
+      }
+    }
+    detail::forget(*log);
+  }
+}
+
 void materialize_module(const std::shared_ptr<torch::nn::Module>& module) {
   TORCH_CHECK(module, "materialize_module: module is null");
-  std::vector<std::shared_ptr<detail::Log>> logs;
-  {
-    std::lock_guard<std::mutex> lock(detail::g_mu);
-    auto visit = [&](const torch::Tensor& t) {
-      auto it = detail::pending().find(t.unsafeGetTensorImpl());
-      if (it == detail::pending().end()) return;
-      if (std::find(logs.begin(), logs.end(), it->second) == logs.end()) logs.push_back(it->second);
-    };
-    for (const auto& p : module->parameters(/*recurse=*/true)) visit(p);
-    for (const auto& b : module->buffers(/*recurse=*/true)) visit(b);
-  }
+  const auto logs = detail::logs_of(*module);
   TORCH_CHECK(!logs.empty(), "materialize_module: ", module->name(), " has no parameter or buffer waiting for ",
               "materialisation. Fix: construct it with fsdp::deferred_init([&] { return Model(...); }), and ",
               "call materialize_module once");
   for (const auto& log : logs) {
     detail::replay(*log);
-    std::lock_guard<std::mutex> lock(detail::g_mu);
-    for (const auto& m : log->members) detail::pending().erase(m.impl);
+    detail::forget(*log);
   }
 }
 

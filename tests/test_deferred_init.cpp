@@ -5,6 +5,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
+
+#include <unistd.h>
 #include <map>
 
 #include <c10/core/CPUAllocator.h>
@@ -93,6 +96,40 @@ TEST_P(DeferredInitWorldSizes, ShardsEqualEagerRowsAndTrainTheSame) {
   if (ws == 1) EXPECT_TRUE(torch::equal(torch::rand({3}), eager_next)) << "the default generator after materialize";
 }
 INSTANTIATE_TEST_SUITE_P(LargeModel, DeferredInitWorldSizes, ::testing::Values(1, 2, 3));
+
+// to_empty + dcp::load of a consolidated safetensors file: the model's values come from the checkpoint,
+// each rank reading its rows into its shards; no initial values are drawn.
+TEST_P(DeferredInitWorldSizes, ToEmptyThenLoadingAFullCheckpointGivesTheCheckpointsValues) {
+  const int ws = GetParam();
+  torch::manual_seed(5);
+  DeferNet eager;
+  const auto full = eager_tensors(*eager);
+  const auto dir = std::filesystem::temp_directory_path() / ("deferred_load_" + std::to_string(::getpid()) + "_" +
+                                                             std::to_string(ws));
+  std::filesystem::create_directories(dir);
+  dcp::save_file(full, (dir / "model.safetensors").string());
+  const auto batch = make_batches(1, kBatch, kSeq)[0];
+  const auto eager_loss = loss_fn(eager->forward(batch.idx), batch.targets).item<float>();
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {ws}, {}, pg);
+    auto m = deferred_init([] { return DeferNet(); });
+    shard(m, mesh);
+    to_empty(m);
+    EXPECT_FALSE(is_deferred(m->wte->weight));
+    auto sd = get_model_state_dict(*m);
+    dcp::load(sd, dir.string(), dcp::LoadOptions().group(pg));
+    for (const auto& [k, v] : get_model_state_dict(*m)) {
+      if (const auto* d = std::get_if<DTensor>(&v)) {
+        EXPECT_TRUE(torch::equal(d->to_local(), distribute_tensor(full.at(k), mesh, {Shard(0)}).to_local()))
+            << k << " on rank " << pg->rank();
+      } else if (const auto* t = std::get_if<torch::Tensor>(&v)) {
+        EXPECT_TRUE(torch::equal(*t, full.at(k))) << k << " on rank " << pg->rank();
+      }
+    }
+    EXPECT_EQ(loss_fn(m->forward(batch.idx), batch.targets).item<float>(), eager_loss) << "rank " << pg->rank();
+  });
+  std::filesystem::remove_all(dir);
+}
 
 // Counts the CPU bytes each thread allocates (frees credited to the allocating thread): per-rank peak
 // memory when ranks are threads.

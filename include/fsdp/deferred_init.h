@@ -89,6 +89,19 @@ void materialize_module(const torch::nn::ModuleHolder<T>& module) {
   materialize_module(std::static_pointer_cast<torch::nn::Module>(module.ptr()));
 }
 
+/// Gives every parameter and buffer of `module` recorded by deferred_init memory without running the
+/// recorded initialisation: sharded parameters keep their zero-filled shards, other parameters and
+/// buffers become zero-filled CPU tensors of their shapes. For a model whose values come from a
+/// checkpoint next (`fsdp::dcp::load` reads each rank's rows straight into its shards), so that no
+/// rank spends the time to draw initial values or ever holds a full parameter. The default generator
+/// is not advanced. Throws c10::Error "to_empty: ..." when nothing of `module` waits for
+/// materialisation. Mirrors torch.nn.Module.to_empty(device=...) after construction on the meta device.
+void to_empty(const std::shared_ptr<torch::nn::Module>& module);
+template <typename T>
+void to_empty(const torch::nn::ModuleHolder<T>& module) {
+  to_empty(std::static_pointer_cast<torch::nn::Module>(module.ptr()));
+}
+
 /// Whether `t` is still waiting for materialize_module (a meta tensor recorded by deferred_init, or a
 /// sharded parameter whose shard is not filled yet).
 bool is_deferred(const torch::Tensor& t);
