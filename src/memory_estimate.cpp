@@ -128,7 +128,7 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // Per group: unsharded size (all-gather buffer = unsharded padded params, param_dtype), full-size
   // gradient (compute dtype, unpadded), reduce-scatter input [N, M + P] and output [M + P].
   struct G {
-    int64_t unsharded = 0, grad = 0, rs = 0;
+    int64_t unsharded = 0, grad = 0, rs = 0, shard_grad = 0;
     bool reshard = true;
   };
   std::vector<G> gs;
@@ -145,6 +145,7 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
       x.unsharded += N * padded_shard * elem(compute_dtype(p));
       if (p.requires_grad) {
         x.grad += numel_of(p.shape) * elem(compute_dtype(p));
+        x.shard_grad += padded_shard * elem(p.dtype);
         m += padded_shard;
         ++np;
         if (!any_trainable) reduce = o.reduce_dtype.value_or(compute_dtype(p));
@@ -189,12 +190,44 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   e.activations = o.activation_bytes;
   e.runtime_overhead = o.runtime_overhead_bytes;
 
-  const int64_t states_on_device_params = (o.cpu_offload && !o.device_is_cpu) ? 0 : e.sharded_params;
-  const int64_t states_on_device_grads = (o.cpu_offload && !o.device_is_cpu) ? 0 : e.grads;
-  const int64_t states_on_device_opt = (o.cpu_offload && !o.device_is_cpu) ? 0 : e.optimizer_state;
+  const bool host_states = o.cpu_offload && !o.device_is_cpu;
+  const int64_t states_on_device_params = host_states ? 0 : e.sharded_params;
+  const int64_t states_on_device_grads = host_states ? 0 : e.grads;
+  const int64_t states_on_device_opt = host_states ? 0 : e.optimizer_state;
   if (o.cpu_offload) e.offloaded_host = e.sharded_params + e.grads + e.optimizer_state;
-  e.peak_backward = states_on_device_params + states_on_device_opt + (o.grads_set_to_none ? 0 : states_on_device_grads) +
-                    e.activations + e.unsharded_params + e.unsharded_grads + e.reduce_scatter;
+  // The backward, group by group (reverse forward order): at group k's backward the activations of the
+  // groups before it are still saved (the caller's total, spread evenly over the groups), the sharded
+  // gradients of the groups after it are back (zero_grad set them to none), the groups that kept their
+  // parameters are unsharded, k is gathered (its copy-out, or k beside the prefetched k - 1), the root's
+  // and k's full-size gradients and k's reduce-scatter are alive. At the first group all activations and
+  // no gradients; at the last (the root) gradients of everything and few activations: which one peaks
+  // depends on the model (activation- or parameter-dominated).
+  int64_t grouped_grads = 0;
+  for (const auto& g : gs) grouped_grads += g.shard_grad;
+  const int64_t ungrouped_grads = e.grads - grouped_grads;  // replicated parameters: present all along
+  int64_t kept_all = 0;
+  for (const auto& g : gs) kept_all += g.reshard ? 0 : g.unsharded;
+  int64_t grads_done = 0, kept_b = kept_all;
+  e.peak_backward = 0;
+  for (size_t k = n; k-- > 0;) {
+    int64_t unsharded = kept_b;
+    if (gs[k].reshard) {
+      unsharded = std::max(kept_b + 2 * gs[k].unsharded,
+                           kept_b + gs[k].unsharded + ((k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0));
+    }
+    const int64_t acts = n > 0 ? e.activations * static_cast<int64_t>(k + 1) / static_cast<int64_t>(n) : e.activations;
+    const int64_t grads_now = o.grads_set_to_none ? grads_done + ungrouped_grads : e.grads;
+    const int64_t full_grads = gs[0].grad + (k > 0 ? gs[k].grad : 0);
+    const int64_t at_k = states_on_device_params + states_on_device_opt + (host_states ? 0 : grads_now) + acts +
+                         unsharded + full_grads + gs[k].rs;
+    e.peak_backward = std::max(e.peak_backward, at_k);
+    grads_done += gs[k].shard_grad;
+    if (!gs[k].reshard) kept_b -= gs[k].unsharded;
+  }
+  if (n == 0) {
+    e.peak_backward = states_on_device_params + states_on_device_opt +
+                      (o.grads_set_to_none ? 0 : states_on_device_grads) + e.activations;
+  }
   // AdamW's step: a few shard-sized fp32 temporaries of the parameter being updated.
   e.peak_optimizer_step = states_on_device_params + states_on_device_grads + states_on_device_opt +
                           (states_on_device_opt > 0 ? 3 * largest_trainable_shard * 4 : 0);

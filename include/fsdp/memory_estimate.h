@@ -26,19 +26,23 @@
 // - Optimizer state is `optimizer_bytes_per_element` per shard element of each trainable parameter
 //   (AdamW with fp32 state: exp_avg + exp_avg_sq = 8). It exists from the first optimizer step on; the
 //   estimate is for a steady-state step (state present). Gradients are set to none by zero_grad and
-//   regrow during the backward: the estimate counts all of them (an upper bound reached at the end of
-//   the backward, where most activations are freed; see total_peak).
+//   regrow during the backward (see the backward moment below).
 // - The peak is the larger of two moments, plus runtime_overhead:
-//   backward: sharded params + optimizer state + activations + the unsharded parameters alive at once +
-//     the full-size gradients alive at once + the reduce-scatter buffers (maxima that occur close to each
-//     other: the start of the backward, when all activations are alive, the root is unsharded and the last
-//     groups are gathered again; the sharded gradients are none there, as zero_grad sets them to none -
-//     unless grads_set_to_none is false);
+//   backward: the largest, over the groups in backward order, of sharded params + optimizer state + the
+//     sharded gradients already reduced (zero_grad set them to none; all of them unless
+//     grads_set_to_none is false) + the activations still saved (the caller's total spread evenly over the
+//     groups in forward order: all at the first group of the backward) + the unsharded parameters then
+//     (kept groups, the current one's copy-out or the current + the prefetched one) + the root's and the
+//     current group's full-size gradients + the current reduce-scatter. Activation-dominated models peak
+//     at the start of the backward, parameter-dominated ones near its end;
 //   optimizer step: sharded params + grads + optimizer state + the optimizer's temporaries (about
 //     3 x the largest fp32 shard: LibTorch's AdamW computes a few shard-sized tensors per parameter).
-//   It does not model the allocator: CUDA's caching allocator rounds and caches blocks; glibc
-//   keeps freed small chunks. On the CPU, predict RSS growth over the process baseline by passing the
-//   LibTorch runtime's own first-use memory (thread pools, kernels' scratch) as runtime_overhead_bytes.
+//   It predicts the bytes alive, not the allocator's retention: CUDA's caching allocator rounds and caches
+//   blocks; glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so freed
+//   blocks then stay in its heap and RSS exceeds the live bytes by 10-70% on train_gpt
+//   (MALLOC_MMAP_THRESHOLD_=131072 turns this off; docs/BENCHMARKS.md, "Memory estimator"). On the CPU,
+//   predict RSS growth over the process baseline by passing the LibTorch runtime's own first-use memory
+//   (thread pools, kernels' scratch) as runtime_overhead_bytes.
 // - cpu_offload: the sharded parameters, gradients and optimizer state live in host memory. They are
 //   reported as usual, and counted in total_peak only when `device_is_cpu` (on a CPU-only run host and
 //   device memory are the same); otherwise offloaded_host_bytes says what the host must hold.
@@ -95,7 +99,7 @@ struct MemoryEstimate {
   int64_t activations = 0;       ///< as given (MemoryEstimateOptions::activation_bytes)
   int64_t runtime_overhead = 0;  ///< as given (MemoryEstimateOptions::runtime_overhead_bytes)
   int64_t offloaded_host = 0;    ///< with cpu_offload: params + grads + optimizer state held on the host
-  int64_t peak_backward = 0;     ///< the backward moment (file comment), without runtime_overhead
+  int64_t peak_backward = 0;     ///< the backward's largest moment (file comment), without runtime_overhead
   int64_t peak_optimizer_step = 0;  ///< the optimizer-step moment, without runtime_overhead
   int64_t total_peak = 0;        ///< max(peak_backward, peak_optimizer_step) + runtime_overhead
   int64_t padding = 0;           ///< of sharded_params: bytes of padding rows (ceil(dim0/N) x N - dim0)
