@@ -66,6 +66,20 @@ TEST(MemoryEstimate, ReshardFalseKeepsEveryGroupUnsharded) {
   EXPECT_EQ(estimate_memory(params, groups, o).unsharded_params, 48 + 192 + 192 + 192);
 }
 
+TEST(MemoryEstimate, BackwardPeaksWhereGradientsAndActivationsMeet) {
+  // One rank, three [10, 4] fp32 groups (root kept, a and b resharded): 160 bytes each unsharded, 480 of
+  // params, 960 of AdamW state; a reduce-scatter is [2 x 41] x 4 = 328 bytes.
+  std::vector<ParamInfo> params = {P("r", {10, 4}), P("a", {10, 4}), P("b", {10, 4})};
+  std::vector<ShardGroupInfo> groups = {{"", {"r"}, false}, {"a", {"a"}, std::nullopt}, {"b", {"b"}, std::nullopt}};
+  MemoryEstimateOptions o;
+  // No activations: the peak is at a's backward, where b's sharded gradient is back (160) beside the
+  // root (160, kept), a's copy-out (2 x 160), the root's and a's full gradients (320) and a's reduce-scatter.
+  EXPECT_EQ(estimate_memory(params, groups, o).peak_backward, 480 + 960 + 160 + 480 + 320 + 328);
+  // Activations spread over the 3 groups: all 3000 at b's backward (no gradient back yet), 2000 at a's.
+  o.activation_bytes = 3000;
+  EXPECT_EQ(estimate_memory(params, groups, o).peak_backward, 480 + 960 + 3000 + 480 + 320 + 328);
+}
+
 TEST(MemoryEstimate, CpuOffloadOnAnAcceleratorMovesModelStatesToTheHost) {
   MemoryEstimateOptions o;
   o.world_size = 3;
