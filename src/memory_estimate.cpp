@@ -251,7 +251,7 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
   row("activations", e.activations, "caller's estimate");
   row("runtime overhead", e.runtime_overhead, "caller's estimate");
   if (e.offloaded_host > 0) row("offloaded (host)", e.offloaded_host, "params + grads + optimizer on the host");
-  row("peak (backward)", e.peak_backward, "params + optimizer + activations + unsharded + reduce-scatter");
+  row("peak (backward)", e.peak_backward, "its largest moment, group by group (see memory_estimate.h)");
   row("peak (optim step)", e.peak_optimizer_step, "params + grads + optimizer + temporaries");
   row("total peak", e.total_peak, "max of the two + runtime overhead");
   row("(padding)", e.padding, "of sharded params");
