@@ -156,6 +156,9 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
+  g->add_flag("--estimate-memory", o.estimate_memory,
+              "Print the predicted per-rank peak memory (fsdp::estimate_memory, one row per component) for "
+              "this model, world size and options, and exit without training");
   g->add_option("--device", o.device, "cuda (each rank on cuda:LOCAL_RANK, NCCL) or cpu (Gloo) (Default: cuda "
                                       "when a CUDA device is usable, else cpu)")
       ->check(CLI::IsMember({"cuda", "cpu"}));

@@ -52,6 +52,7 @@ struct Options {
   std::string reshard_after_forward = "true";
   bool activation_checkpointing = false;
   bool cpu_offload = false;
+  bool estimate_memory = false;  // print fsdp::estimate_memory's per-rank breakdown and exit (issue 14)
   int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
   // Output.
   int64_t log_every = 10;

@@ -15,5 +15,6 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/join.h"
+#include "fsdp/memory_estimate.h"
 #include "fsdp/policies.h"
 #include "fsdp/state_dict.h"
