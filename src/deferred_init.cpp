@@ -177,11 +177,10 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
   NoInterception no_interception;
   auto it = managed.find(m.impl);
   if (it != managed.end()) {
-    FSDPParam& p = *const_cast<FSDPParam*>(it->second.second);
+    const FSDPParam& p = *it->second.second;
     if (p.local_rows > 0) {
       p.padded_shard.narrow(0, 0, p.local_rows).copy_(real.narrow(0, p.local_offset, p.local_rows));
     }
-    p.pending_init = false;
     return;
   }
   m.impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
@@ -386,9 +385,8 @@ void to_empty(const std::shared_ptr<torch::nn::Module>& module) {
   for (const auto& log : logs) {
     for (const auto& m : log->members) {
       auto it = managed.find(m.impl);
-      if (it != managed.end()) {
-        const_cast<detail::FSDPParam*>(it->second.second)->pending_init = false;  // the shard is zero-filled
-      } else {
+      // A managed parameter already is its zero-filled shard (FSDPParam's constructor).
+      if (it == managed.end()) {
         m.impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
       }
     }

@@ -55,7 +55,6 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
     // Built by deferred_init: the shard is filled by materialize_module. set_data refuses to turn a meta
     // tensor into a CPU one, so the parameter takes the shard's metadata directly (what set_data does
     // after its check); it stays the same object for the module, optimizers and state dicts.
-    pending_init = true;
     param.unsafeGetTensorImpl()->shallow_copy_from(sharded_data.getIntrusivePtr());
     return;
   }

@@ -56,7 +56,6 @@ class FSDPParam {
   int64_t row_numel = 1;            // elements per dim-0 row
   int64_t padded_rows = 0;          // ceil(d0 / ws)
   int64_t local_rows = 0;           // rows this rank holds (0 for an empty shard)
-  bool pending_init = false;        // made from a deferred_init (meta) tensor: materialize_module fills it
   int64_t local_offset = 0;         // first global row this rank holds
   torch::Tensor padded_shard;       // [padded_rows, *rest], orig dtype
   torch::Tensor sharded_data;       // padded_shard.narrow(0, 0, local_rows)
