@@ -31,7 +31,9 @@ weights are moved there, bf16 --no-shard autocasts on CUDA.
 
 Metrics (rank 0, JSON lines, one per step): step, loss, lr, grad_norm, step_ms, peak_rss_mb (max over ranks
 of VmHWM), peak_gpu_mem_mb (torch.cuda.max_memory_allocated, max over ranks; 0 on CPU), as train_gpt's
---metrics with --log-every 1.
+--metrics with --log-every 1; for memory comparisons also baseline_rss_mb (rank 0's VmRSS after import and
+init_process_group, before the model), peak_rss_over_baseline_mb and model_state_mb (max over ranks), and
+rank 0's params_mb / grads_mb / optimizer_mb (after optimizer.step, before zero_grad).
 """
 
 import argparse
@@ -247,12 +249,31 @@ class LibTorchAdamW:
                 p.grad = None
 
 
-def peak_rss_mb():
+def status_mb(key):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024.0
     return 0.0
+
+
+def peak_rss_mb():
+    return status_mb("VmHWM")
+
+
+def model_state_mb(params, optimizer):
+    """This rank's model states in MiB: parameters (the padded shard storage FSDP2 allocates), gradients
+    (local) and optimizer state (local), as train_gpt's "model states" line counts them."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    params_b = sum(local(p).untyped_storage().nbytes() for p in params)
+    grads_b = sum(local(p.grad).numel() * local(p.grad).element_size() for p in params if p.grad is not None)
+    opt_b = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                opt_b += local(v).numel() * local(v).element_size()
+    return params_b / 2**20, grads_b / 2**20, opt_b / 2**20
 
 
 def parse_reshard(value):
@@ -310,6 +331,9 @@ def main():
         sys.exit(f"gpt_twin: {world} ranks, but the batches were recorded on {run['world_size']}: "
                  f"launch with --nproc-per-node {run['world_size']}")
 
+    # The process baseline for memory comparisons (issue 14): the interpreter, torch and the process
+    # group, before any model or data.
+    baseline_rss_mb = status_mb("VmRSS")
     # The batches this rank trained on in train_gpt: [steps, accum, 2, B, T] int64.
     batches = load_file(batches_dir / f"rank{rank}.safetensors")["batches"].to(device)
     steps = args.steps or batches.size(0)
@@ -372,6 +396,7 @@ def main():
         else:
             norm = clip_libtorch(all_params, max_norm, world, device).item()
         optimizer.step()
+        states = model_state_mb(all_params, optimizer)  # gradients still there
         optimizer.zero_grad()
         if world > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
@@ -380,12 +405,16 @@ def main():
         if not math.isfinite(loss_value):
             sys.exit(f"gpt_twin: the loss is {loss_value} at step {step}")
         gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-        peak = torch.tensor([peak_rss_mb(), gpu_mb], dtype=torch.float64, device=device)
+        peak = torch.tensor([peak_rss_mb(), gpu_mb, peak_rss_mb() - baseline_rss_mb, sum(states)],
+                            dtype=torch.float64, device=device)
         if world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if out:
             out.write(json.dumps({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm, "step_ms": step_ms,
-                                  "peak_rss_mb": peak[0].item(), "peak_gpu_mem_mb": peak[1].item()}) + "\n")
+                                  "peak_rss_mb": peak[0].item(), "peak_gpu_mem_mb": peak[1].item(),
+                                  "peak_rss_over_baseline_mb": peak[2].item(), "baseline_rss_mb": baseline_rss_mb,
+                                  "model_state_mb": peak[3].item(), "params_mb": states[0], "grads_mb": states[1],
+                                  "optimizer_mb": states[2]}) + "\n")
             out.flush()
     if out:
         out.close()

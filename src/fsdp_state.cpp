@@ -102,6 +102,7 @@ void FSDPContext::reset_backward() {
     std::fill(s->grad_accumulated.begin(), s->grad_accumulated.end(), 0);
   }
   in_backward = false;
+  reduce_pending = nullptr;
 }
 
 namespace {
@@ -452,10 +453,26 @@ void FSDPState::on_input_grads_ready() {
   if (training_state == TrainingState::PRE_BACKWARD && all_calls_done()) post_backward();
 }
 
+// [Note: one reduce-scatter in flight]
+// A group's reduce-scatter is issued by its post-backward and overlaps the backward of the groups before
+// it. Its buffers (the [ws, M + P] input, which the backend's work holds until it is destroyed, and the
+// output) and the group's full-size gradients until then are the largest transient memory of a
+// parameter-heavy backward, so a group's reduce-scatter is finished (waited, divided, copied out to the
+// sharded gradients in the stash) when the next group's is issued, as FSDP2 waits for the previous
+// reduce-scatter in each post-backward: at most two are alive at once, instead of every group's until the
+// end-of-backward callback. The order stays that of the post-backwards, the same on every rank (see
+// [Note: collective order]); a group with set_is_last_backward(false) keeps its reduce-scatter in flight
+// past the backward, as before.
 void FSDPState::post_backward() {
   training_state = TrainingState::POST_BACKWARD;
   ++post_backward_runs;
-  if (group) group->post_backward(requires_gradient_sync, reshard_after_backward, divide_factor());
+  if (!group) return;
+  group->post_backward(requires_gradient_sync, reshard_after_backward, divide_factor());
+  if (!group->reduce_in_flight()) return;
+  FSDPState* previous = std::exchange(ctx->reduce_pending, this);
+  if (previous && previous != this && previous->group && previous->is_last_backward) {
+    previous->group->finish_reduce(previous->divide_factor());
+  }
 }
 
 void FSDPState::root_post_backward_final() {

@@ -52,6 +52,9 @@ struct FSDPContext {
   /// The states whose forward is running, outermost first: a state stays while ops use it or states of
   /// its submodules, and is popped (its post-forward runs) when an op uses a state outside its subtree.
   std::vector<FSDPState*> forward_stack;
+  /// The state whose reduce-scatter was issued last in this backward and is not finished: finished when
+  /// the next group's is issued. See [Note: one reduce-scatter in flight] (fsdp_state.cpp).
+  FSDPState* reduce_pending = nullptr;
 
   /// Pops the forward stack down to (and, with `inclusive`, including) `s`, running the post-forward of
   /// each implicit state popped; with s == nullptr pops everything.

@@ -127,18 +127,22 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
 
   // Per group: unsharded size (all-gather buffer = unsharded padded params, param_dtype), full-size
   // gradient (compute dtype, unpadded), reduce-scatter input [N, M + P] and output [M + P].
+  // Per group: unsharded size U (the all-gather buffer is as large: world_size padded shards in
+  // param_dtype), full-size gradient size (compute dtype, unpadded), reduce-scatter input [N, M + P] and
+  // output [M + P] (reduce dtype), and the sharded gradients the output becomes (the parameters' dtype).
   struct G {
-    int64_t unsharded = 0, grad = 0, rs = 0, shard_grad = 0;
-    bool reshard = true;
+    std::string name;
+    int64_t unsharded = 0, grad = 0, rs_in = 0, rs_out = 0, shard_grad = 0;
+    bool reshard = true, trainable = false;
   };
   std::vector<G> gs;
   int64_t largest = -1;
   for (const auto& g : groups) {
     G x;
+    x.name = g.name;
     x.reshard = g.reshard_after_forward.value_or(o.reshard_after_forward);
     int64_t m = 0, np = 0;
     torch::ScalarType reduce = torch::kFloat32;
-    bool any_trainable = false;
     for (const auto& f : g.fqns) {
       const auto& p = *by_fqn.at(f);
       const int64_t padded_shard = (dim0(p) + N - 1) / N * row_numel(p);
@@ -148,113 +152,129 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
         x.shard_grad += padded_shard * elem(p.dtype);
         m += padded_shard;
         ++np;
-        if (!any_trainable) reduce = o.reduce_dtype.value_or(compute_dtype(p));
-        any_trainable = true;
+        if (!x.trainable) reduce = o.reduce_dtype.value_or(compute_dtype(p));
+        x.trainable = true;
       }
     }
-    if (any_trainable) x.rs = (N + 1) * (m + np) * elem(reduce);
+    if (x.trainable) {
+      x.rs_out = (m + np) * elem(reduce);
+      x.rs_in = N * x.rs_out;
+    }
     if (x.unsharded > largest) {
       largest = x.unsharded;
       e.largest_group = g.name;
     }
     gs.push_back(x);
   }
-
-  // Unsharded parameters alive at once: walk the forward (groups in order) and the backward (reverse).
-  // A group's copy-out holds its all-gather buffer and its unsharded parameters (2x); the next group's
-  // prefetched all-gather buffer sits beside the current group's parameters; groups that do not reshard
-  // after forward stay until their backward ends.
-  int64_t kept = 0, peak_u = 0;
   const size_t n = gs.size();
-  for (size_t i = 0; i < n; ++i) {
-    peak_u = std::max(peak_u, kept + 2 * gs[i].unsharded);
-    if (i + 1 < n) peak_u = std::max(peak_u, kept + gs[i].unsharded + gs[i + 1].unsharded);
-    if (!gs[i].reshard) kept += gs[i].unsharded;
-  }
-  for (size_t k = n; k-- > 0;) {
-    const int64_t others = kept - (gs[k].reshard ? 0 : gs[k].unsharded);
-    if (gs[k].reshard) peak_u = std::max(peak_u, others + 2 * gs[k].unsharded);
-    if (k > 0 && gs[k - 1].reshard) peak_u = std::max(peak_u, kept + (gs[k].reshard ? gs[k].unsharded : 0) + gs[k - 1].unsharded);
-    if (!gs[k].reshard) kept -= gs[k].unsharded;
-  }
-  e.unsharded_params = peak_u;
-  // Full-size gradients: the root's (the first group: first to get gradients, last to reduce) for the
-  // whole backward, plus the largest other group's.
-  int64_t other_grad = 0, rs = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (i > 0) other_grad = std::max(other_grad, gs[i].grad);
-    rs = std::max(rs, gs[i].rs);
-  }
-  e.unsharded_grads = (n > 0 ? gs[0].grad : 0) + other_grad;
-  e.reduce_scatter = rs;
   e.activations = o.activation_bytes;
   e.runtime_overhead = o.runtime_overhead_bytes;
 
   const bool host_states = o.cpu_offload && !o.device_is_cpu;
-  const int64_t states_on_device_params = host_states ? 0 : e.sharded_params;
-  const int64_t states_on_device_grads = host_states ? 0 : e.grads;
-  const int64_t states_on_device_opt = host_states ? 0 : e.optimizer_state;
+  const int64_t dev_params = host_states ? 0 : e.sharded_params;
+  const int64_t dev_grads = host_states ? 0 : e.grads;
+  const int64_t dev_opt = host_states ? 0 : e.optimizer_state;
   if (o.cpu_offload) e.offloaded_host = e.sharded_params + e.grads + e.optimizer_state;
-  // The backward, group by group (reverse forward order): at group k's backward the activations of the
-  // groups before it are still saved (the caller's total, spread evenly over the groups), the sharded
-  // gradients of the groups after it are back (zero_grad set them to none), the groups that kept their
-  // parameters are unsharded, k is gathered (its copy-out, or k beside the prefetched k - 1), the root's
-  // and k's full-size gradients and k's reduce-scatter are alive. At the first group all activations and
-  // no gradients; at the last (the root) gradients of everything and few activations: which one peaks
-  // depends on the model (activation- or parameter-dominated).
   int64_t grouped_grads = 0;
   for (const auto& g : gs) grouped_grads += g.shard_grad;
-  const int64_t ungrouped_grads = e.grads - grouped_grads;  // replicated parameters: present all along
-  int64_t kept_all = 0;
-  for (const auto& g : gs) kept_all += g.reshard ? 0 : g.unsharded;
-  int64_t grads_done = 0, kept_b = kept_all;
-  e.peak_backward = 0;
-  for (size_t k = n; k-- > 0;) {
-    int64_t unsharded = kept_b;
-    if (gs[k].reshard) {
-      unsharded = std::max(kept_b + 2 * gs[k].unsharded,
-                           kept_b + gs[k].unsharded + ((k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0));
+  // Sharded gradients present from the start of the step: all of them unless zero_grad set them to none
+  // (then only those of parameters in no group, which FSDP does not touch).
+  const int64_t grads_at_start = host_states ? 0 : (o.grads_set_to_none ? e.grads - grouped_grads : e.grads);
+  // At world size 1 no backend is called: the input is copied to the output directly.
+  const bool rs_copy = N > 1 && o.reduce_scatter_input_copy.value_or(o.device_is_cpu);
+
+  // The step as a sequence of moments (see the header): at each, what is alive besides the sharded
+  // parameters and optimizer state. The largest is the peak; its parts are the breakdown.
+  e.peak_backward = -1;
+  auto consider = [&](int64_t unsharded, int64_t full_grads, int64_t rs, int64_t shard_grads, int64_t acts,
+                      const std::string& what) {
+    const int64_t total = dev_params + dev_opt + shard_grads + unsharded + full_grads + rs + acts;
+    if (total > e.peak_backward) {
+      e.peak_backward = total;
+      e.grads_at_peak = shard_grads;
+      e.unsharded_params = unsharded;
+      e.unsharded_grads = full_grads;
+      e.reduce_scatter = rs;
+      e.activations = acts;
+      e.peak_moment = what;
     }
-    const int64_t acts = n > 0 ? e.activations * static_cast<int64_t>(k + 1) / static_cast<int64_t>(n) : e.activations;
-    const int64_t grads_now = o.grads_set_to_none ? grads_done + ungrouped_grads : e.grads;
-    const int64_t full_grads = gs[0].grad + (k > 0 ? gs[k].grad : 0);
-    const int64_t at_k = states_on_device_params + states_on_device_opt + (host_states ? 0 : grads_now) + acts +
-                         unsharded + full_grads + gs[k].rs;
-    e.peak_backward = std::max(e.peak_backward, at_k);
-    grads_done += gs[k].shard_grad;
-    if (!gs[k].reshard) kept_b -= gs[k].unsharded;
+  };
+  auto acts_of = [&](size_t groups_saved) {
+    return n == 0 ? o.activation_bytes : o.activation_bytes * static_cast<int64_t>(groups_saved) / static_cast<int64_t>(n);
+  };
+  auto named = [&](const char* what, size_t k) { return std::string(what) + " '" + gs[k].name + "'"; };
+  consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
+  // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
+  // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
+  int64_t kept = 0;
+  for (size_t k = 0; k < n; ++k) {
+    consider(kept + 2 * gs[k].unsharded, 0, 0, grads_at_start, acts_of(k), named("forward all-gather copy-out of", k));
+    if (k + 1 < n) {
+      consider(kept + gs[k].unsharded + gs[k + 1].unsharded, 0, 0, grads_at_start, acts_of(k + 1),
+               named("forward with the next all-gather in flight,", k));
+    }
+    if (!gs[k].reshard) kept += gs[k].unsharded;
   }
-  if (n == 0) {
-    e.peak_backward = states_on_device_params + states_on_device_opt +
-                      (o.grads_set_to_none ? 0 : states_on_device_grads) + e.activations;
+  // Backward, groups in reverse. The root's (first) group gets gradients from the first op of the
+  // backward to the last: its full-size gradients are counted throughout. A group's reduce-scatter is
+  // issued by its post-backward and finished at the next group's ([Note: one reduce-scatter in flight]):
+  // until then its output (and, with rs_copy, the backend's copy of its input) stays.
+  auto pending_bytes = [&](size_t j) { return gs[j].rs_out + (rs_copy ? gs[j].rs_in : 0); };
+  std::optional<size_t> pending;
+  int64_t done = grads_at_start;  // sharded gradients copied out so far
+  for (size_t k = n; k-- > 0;) {
+    const int64_t prev = pending ? pending_bytes(*pending) : 0;
+    const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0;  // backward prefetch
+    const int64_t root_grads = k > 0 ? gs[0].grad : 0;
+    int64_t cur = 0;
+    if (gs[k].reshard) {
+      consider(kept + 2 * gs[k].unsharded, root_grads, prev, done, acts_of(k + 1), named("backward all-gather copy-out of", k));
+      cur = gs[k].unsharded;
+    }
+    consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
+    if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
+    if (!gs[k].trainable) continue;
+    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + pending_bytes(k) + prev, done, acts_of(k),
+             named("reduce-scatter of", k));
+    if (pending) {
+      consider(kept + next_ag, root_grads, pending_bytes(k) + prev, done + gs[*pending].shard_grad, acts_of(k),
+               named("copy-out of the reduce-scatter before", k));
+      if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
+    }
+    pending = k;
   }
-  // AdamW's step: a few shard-sized fp32 temporaries of the parameter being updated.
-  e.peak_optimizer_step = states_on_device_params + states_on_device_grads + states_on_device_opt +
-                          (states_on_device_opt > 0 ? 3 * largest_trainable_shard * 4 : 0);
+  if (pending) {
+    consider(kept, 0, pending_bytes(*pending), done + gs[*pending].shard_grad, 0, "end of the backward");
+  }
+  // AdamW's step: LibTorch's computes two shard-sized fp32 temporaries for the parameter being updated
+  // (exp_avg_sq.sqrt() and its quotient by the bias correction).
+  e.peak_optimizer_step = dev_params + dev_grads + dev_opt + (dev_opt > 0 ? 2 * largest_trainable_shard * 4 : 0);
   e.total_peak = std::max(e.peak_backward, e.peak_optimizer_step) + e.runtime_overhead;
   return e;
 }
 
 std::string format_memory_estimate(const MemoryEstimate& e) {
   std::ostringstream os;
-  auto row = [&](const char* name, int64_t bytes, const char* what) {
-    char buf[160];
-    std::snprintf(buf, sizeof(buf), "  %-20s %10.1f MiB  %s\n", name, static_cast<double>(bytes) / (1 << 20), what);
-    os << buf;
+  auto row = [&](const char* name, int64_t bytes, const std::string& what) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "  %-22s %10.1f MiB  ", name, static_cast<double>(bytes) / (1 << 20));
+    os << buf << what << "\n";
   };
-  row("sharded params", e.sharded_params, "padded shards, own dtype");
+  os << "model states (" << e.num_params << " parameters):\n";
+  row("sharded params", e.sharded_params, "padded shards, own dtype (padding " + std::to_string(e.padding) + " bytes)");
   row("grads", e.grads, "sharded gradients, own dtype");
   row("optimizer state", e.optimizer_state, "per shard element");
-  row("unsharded params", e.unsharded_params, ("groups alive at once, param dtype (largest: '" + e.largest_group + "')").c_str());
-  row("unsharded grads", e.unsharded_grads, "full-size gradients before reduce-scatter");
-  row("reduce-scatter", e.reduce_scatter, "largest group's input + output, reduce dtype");
-  row("activations", e.activations, "caller's estimate");
-  row("runtime overhead", e.runtime_overhead, "caller's estimate");
   if (e.offloaded_host > 0) row("offloaded (host)", e.offloaded_host, "params + grads + optimizer on the host");
-  row("peak (backward)", e.peak_backward, "its largest moment, group by group (see memory_estimate.h)");
-  row("peak (optim step)", e.peak_optimizer_step, "params + grads + optimizer + temporaries");
-  row("total peak", e.total_peak, "max of the two + runtime overhead");
-  row("(padding)", e.padding, "of sharded params");
+  os << "the forward's and backward's peak, at the " << e.peak_moment << ":\n";
+  row("sharded grads", e.grads_at_peak, "reduced so far (zero_grad set them to none)");
+  row("unsharded params", e.unsharded_params, "kept and gathered groups, all-gather buffers (largest group: '" + e.largest_group + "')");
+  row("unsharded grads", e.unsharded_grads, "full-size gradients not yet reduce-scattered");
+  row("reduce-scatter", e.reduce_scatter, "inputs and outputs alive");
+  row("activations", e.activations, "saved for the backward (caller's total, spread over the groups)");
+  row("peak (fwd + bwd)", e.peak_backward, "the above + sharded params + optimizer state");
+  row("peak (optim step)", e.peak_optimizer_step, "params + grads + optimizer state + AdamW's temporaries");
+  row("runtime overhead", e.runtime_overhead, "caller's estimate");
+  row("total peak", e.total_peak, "the larger peak + runtime overhead");
   return os.str();
 }
 

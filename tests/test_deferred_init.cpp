@@ -10,9 +10,9 @@
 #include <unistd.h>
 #include <map>
 
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
+#include <optional>
 
+#include "counting_allocator.h"
 #include "fsdp/fsdp.h"
 #include "fully_shard_test_util.h"
 
@@ -131,42 +131,6 @@ TEST_P(DeferredInitWorldSizes, ToEmptyThenLoadingAFullCheckpointGivesTheCheckpoi
   std::filesystem::remove_all(dir);
 }
 
-// Counts the CPU bytes each thread allocates (frees credited to the allocating thread): per-rank peak
-// memory when ranks are threads.
-struct CountingAllocator final : c10::Allocator {
-  struct Counter {
-    std::atomic<int64_t> now{0}, peak{0};
-  };
-  static Counter*& current() {
-    thread_local Counter* c = nullptr;
-    return c;
-  }
-  struct Ctx {
-    void* ptr;
-    size_t n;
-    Counter* counter;
-  };
-  static void free_ctx(void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    if (ctx->counter) ctx->counter->now -= static_cast<int64_t>(ctx->n);
-    c10::free_cpu(ctx->ptr);
-    delete ctx;
-  }
-  c10::DataPtr allocate(size_t n) override {
-    void* p = n ? c10::alloc_cpu(n) : nullptr;
-    auto* ctx = new Ctx{p, n, current()};
-    if (ctx->counter) {
-      int64_t v = ctx->counter->now += static_cast<int64_t>(n);
-      int64_t old = ctx->counter->peak.load();
-      while (v > old && !ctx->counter->peak.compare_exchange_weak(old, v)) {
-      }
-    }
-    return {p, ctx, &free_ctx, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-};
-
 // Four 2048x2048 fp32 Linear weights (16 MiB each, 64 MiB in all), initialised twice, on 2 ranks: eager
 // construction would hold 64 MiB per rank; sharded init must stay under (64/2 + 16) * 1.1 MiB.
 struct BigImpl : torch::nn::Module {
@@ -184,8 +148,7 @@ TORCH_MODULE(Big);
 
 TEST(LargeModelDeferredInit, PeakPerRankIsShardsPlusLargestParameter) {
   static CountingAllocator counting;
-  auto* previous = c10::GetCPUAllocator();
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  std::optional<UseCountingAllocator> use(counting);
   const int ws = 2;
   const double param_bytes = 2048.0 * 2048 * 4, total = 4 * param_bytes;
   std::vector<int64_t> peaks(ws);
@@ -203,7 +166,7 @@ TEST(LargeModelDeferredInit, PeakPerRankIsShardsPlusLargestParameter) {
       CountingAllocator::current() = nullptr;
     }
   });
-  c10::SetCPUAllocator(previous, /*priority=*/101);
+  use.reset();
   for (int r = 0; r < ws; ++r) {
     std::printf("[memory] rank %d: peak %.1f MiB during deferred_init + fully_shard + materialize_module "
                 "(bound %.1f MiB, eager construction alone %.1f MiB)\n",

@@ -126,9 +126,32 @@ struct Training {
   bool foreach_optimizer;
 };
 
+/// This rank's model states, bytes: the parameters' storage (a sharded parameter's is FSDP's padded
+/// shard), the gradients and AdamW's state (local rows).
+struct ModelStates {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+
+ModelStates model_states(const std::vector<torch::Tensor>& params, torch::optim::AdamW& optimizer) {
+  ModelStates m;
+  for (const auto& p : params) {
+    m.params += static_cast<int64_t>(p.storage().nbytes());
+    if (p.grad().defined()) m.grads += static_cast<int64_t>(p.grad().nbytes());
+  }
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& a = static_cast<const torch::optim::AdamWParamState&>(*state);
+    for (const auto* t : {&a.exp_avg(), &a.exp_avg_sq(), &a.max_exp_avg_sq()}) {
+      if (t->defined()) m.optimizer += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return m;
+}
+
 struct StepResult {
   double loss;       ///< mean loss of the global batch (identical on every rank)
   double grad_norm;  ///< norm of the full gradient, before clipping
+  ModelStates states;  ///< after the optimizer step, before zero_grad: every state present
 };
 
 /// One optimizer step at learning rate `lr` over --grad-accum-steps microbatches of this rank.
@@ -172,10 +195,11 @@ StepResult train_step(Training<Model>& t, double lr) {
   } else {
     t.optimizer.step();
   }
+  const ModelStates states = model_states(t.params, t.optimizer);
   t.optimizer.zero_grad();
   // The loss of the global batch: the mean of the ranks' means (equal batch sizes).
   fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
-  return {loss_sum.item<double>() / t.pg.size(), norm};
+  return {loss_sum.item<double>() / t.pg.size(), norm, states};
 }
 
 template <typename Model>
@@ -248,6 +272,13 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
     const double lr = lr_at(step, o);
     const StepResult r = train_step(t, lr);
     report.step(step, lr, r.loss, r.grad_norm, seconds_since(t0), [&] { return run_eval(step); });
+    if (step == start_step + 1) {  // rank 0's (it holds ceil(dim0 / N) rows of every parameter: the most)
+      const double mib = 1 << 20, ideal = 16.0 * static_cast<double>(model->num_params()) / world;
+      report.say("model states on rank 0: params " + fmt("%.1f", r.states.params / mib) + " + grads " +
+                 fmt("%.1f", r.states.grads / mib) + " + optimizer " + fmt("%.1f", r.states.optimizer / mib) +
+                 " = " + fmt("%.1f", r.states.total() / mib) + " MiB; 16 x P / N = " + fmt("%.1f", ideal / mib) +
+                 " MiB (x" + fmt("%.4f", r.states.total() / ideal) + ", fp32 AdamW with no padding)");
+    }
     // [checkpoints] after the step and its evaluation, every rank writing its shards.
     if (checkpoint_due(o, step, last_step)) {
       const auto t_save = Clock::now();

@@ -14,29 +14,29 @@
 //   a full ceil(dim0 / N) rows of every parameter (the most loaded rank). A 0-dim parameter counts as 1 row.
 // - Unsharding a group allocates its all-gather buffer (world_size x the group's padded shards, in
 //   param_dtype) and then the unsharded parameters (the same size), copies out and frees the buffer: for
-//   a moment the group takes twice its unsharded size. The forward prefetches the next group: its
-//   all-gather buffer is alive beside the current group's unsharded parameters.
+//   a moment the group takes twice its unsharded size. The next group's all-gather (prefetch) is issued
+//   after the copy-out: its buffer is alive beside the current group's parameters.
 // - Groups with reshard_after_forward=false (the root by default) stay unsharded from their forward to
-//   the end of their backward; with reshard_after_forward=true a group is unsharded only around its own
-//   forward and backward (plus the one prefetched).
-// - The backward produces each group's full-size gradient (compute dtype, as autograd accumulates it),
-//   then allocates the reduce-scatter input (world_size x the padded shards, in reduce_dtype) and its
-//   output (one shard); one reduce-scatter is in flight at a time. The root's gradients (it is the first
-//   group to get gradients and the last to reduce them) are alive for the whole backward.
+//   their post-backward; with reshard_after_forward=true a group is unsharded around its own forward and
+//   backward (plus the one prefetched).
+// - The backward produces each group's full-size gradients (compute dtype). Its post-backward reshards
+//   the group, then allocates the reduce-scatter input [N, M + P] (reduce_dtype), copies the gradients
+//   in and issues the reduce-scatter into a [M + P] output. The reduce-scatter is finished (its output
+//   copied out to the sharded gradients) at the next group's post-backward: one is in flight at a time.
+//   Gloo (this LibTorch) all-reduces a copy of the input, which its work holds until then
+//   (reduce_scatter_input_copy). The root's group is the first to get gradients (the head) and the last
+//   to reduce them: its full-size gradients are counted throughout the backward.
 // - Optimizer state is `optimizer_bytes_per_element` per shard element of each trainable parameter
 //   (AdamW with fp32 state: exp_avg + exp_avg_sq = 8). It exists from the first optimizer step on; the
 //   estimate is for a steady-state step (state present). Gradients are set to none by zero_grad and
-//   regrow during the backward (see the backward moment below).
-// - The peak is the larger of two moments, plus runtime_overhead:
-//   backward: the largest, over the groups in backward order, of sharded params + optimizer state + the
-//     sharded gradients already reduced (zero_grad set them to none; all of them unless
-//     grads_set_to_none is false) + the activations still saved (the caller's total spread evenly over the
-//     groups in forward order: all at the first group of the backward) + the unsharded parameters then
-//     (kept groups, the current one's copy-out or the current + the prefetched one) + the root's and the
-//     current group's full-size gradients + the current reduce-scatter. Activation-dominated models peak
-//     at the start of the backward, parameter-dominated ones near its end;
-//   optimizer step: sharded params + grads + optimizer state + the optimizer's temporaries (about
-//     3 x the largest fp32 shard: LibTorch's AdamW computes a few shard-sized tensors per parameter).
+//   come back group by group as the reduce-scatters finish.
+// - The step is walked as a sequence of moments: each group's forward copy-out and prefetch, and in the
+//   backward each group's copy-out, the end of its backward computation, its reduce-scatter and the
+//   copy-out of the previous one, with the activations still saved (the caller's total spread evenly over
+//   the groups in forward order). The largest moment is peak_backward (the breakdown fields are its
+//   parts, peak_moment names it); the optimizer step (states + AdamW's temporaries, two fp32 shards of the
+//   largest parameter) is the other candidate. Activation-dominated models peak early in the backward,
+//   parameter-dominated ones near its end.
 //   It predicts the bytes alive, not the allocator's retention: CUDA's caching allocator rounds and caches
 //   blocks; glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so freed
 //   blocks then stay in its heap and RSS exceeds the live bytes by 10-70% on train_gpt
@@ -86,6 +86,9 @@ struct MemoryEstimateOptions {
   int64_t activation_bytes = 0;  ///< caller's peak activations (saved tensors + backward temporaries), bytes
   int64_t runtime_overhead_bytes = 0;  ///< caller's fixed overhead of the runtime (see the file comment), bytes
   bool grads_set_to_none = true;  ///< zero_grad() frees the gradients (LibTorch's default): none at the backward's start
+  /// The backend copies a reduce-scatter's input and holds the copy until the reduce-scatter is finished
+  /// (Gloo in this LibTorch: its reduce-scatter is an all-reduce of a clone). Unset: device_is_cpu.
+  std::optional<bool> reduce_scatter_input_copy;
 };
 
 /// Per-rank breakdown, in bytes (rank 0, the most loaded one).
@@ -93,13 +96,16 @@ struct MemoryEstimate {
   int64_t sharded_params = 0;    ///< padded shards of every parameter, in its own dtype
   int64_t grads = 0;             ///< sharded gradients of the trainable parameters, in their own dtype
   int64_t optimizer_state = 0;   ///< optimizer_bytes_per_element x shard elements of the trainable ones
-  int64_t unsharded_params = 0;  ///< unsharded parameters (and all-gather buffers) alive at once, param_dtype
-  int64_t unsharded_grads = 0;   ///< full-size gradients alive at once before their reduce-scatter, compute dtype
-  int64_t reduce_scatter = 0;    ///< the largest group's reduce-scatter input + output, reduce_dtype
-  int64_t activations = 0;       ///< as given (MemoryEstimateOptions::activation_bytes)
-  int64_t runtime_overhead = 0;  ///< as given (MemoryEstimateOptions::runtime_overhead_bytes)
   int64_t offloaded_host = 0;    ///< with cpu_offload: params + grads + optimizer state held on the host
-  int64_t peak_backward = 0;     ///< the backward's largest moment (file comment), without runtime_overhead
+  // At the forward's and backward's largest moment (peak_moment):
+  int64_t grads_at_peak = 0;     ///< sharded gradients alive (those reduced so far when zero_grad frees them)
+  int64_t unsharded_params = 0;  ///< unsharded parameters and all-gather buffers alive, param_dtype
+  int64_t unsharded_grads = 0;   ///< full-size gradients not yet reduce-scattered, compute dtype
+  int64_t reduce_scatter = 0;    ///< reduce-scatter inputs, outputs and backend copies alive, reduce_dtype
+  int64_t activations = 0;       ///< activations still saved (share of MemoryEstimateOptions::activation_bytes)
+  int64_t peak_backward = 0;     ///< the largest moment of forward + backward, without runtime_overhead
+  std::string peak_moment;       ///< which moment, e.g. "reduce-scatter of 'h.3'"
+  int64_t runtime_overhead = 0;  ///< as given (MemoryEstimateOptions::runtime_overhead_bytes)
   int64_t peak_optimizer_step = 0;  ///< the optimizer-step moment, without runtime_overhead
   int64_t total_peak = 0;        ///< max(peak_backward, peak_optimizer_step) + runtime_overhead
   int64_t padding = 0;           ///< of sharded_params: bytes of padding rows (ceil(dim0/N) x N - dim0)
