@@ -4,12 +4,20 @@
 // against FSDP's theoretical minimum, for 2, 3 and 4 ranks.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
@@ -92,6 +100,52 @@ TEST_P(GlooReduceScatter, EqualsTheAllReducePathBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GlooReduceScatter, ::testing::Values(2, 3, 4));
+
+// The same error behaviour as every collective: a rank that never reaches an async reduce-scatter makes
+// the others' wait() fail within the group timeout, naming the collective, its shapes and the missing
+// rank, with the flight recorder written.
+TEST(GlooReduceScatterErrors, SkippedReduceScatterTimesOutNamingTheMissingRank) {
+  auto dir = std::filesystem::temp_directory_path() / ("fsdp_rs_fr_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  setenv("FSDP_FLIGHT_RECORDER_DIR", dir.c_str(), 1);
+  const auto timeout = std::chrono::seconds(2);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<double> failed_after(3, 0);
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        barrier(*pg);
+        if (pg->rank() == 2) {
+          std::this_thread::sleep_for(timeout + std::chrono::seconds(3));  // skips it, stays alive
+          return;
+        }
+        auto out = torch::empty({5});
+        auto work = reduce_scatter_tensor(out, torch::ones({15}), *pg, ReduceOp::AVG, /*async_op=*/true);
+        try {
+          work.wait();
+        } catch (...) {
+          failed_after[pg->rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          throw;
+        }
+      },
+      std::chrono::seconds(60), timeout);
+  unsetenv("FSDP_FLIGHT_RECORDER_DIR");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("reduce_scatter_tensor #1"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("input [15] Float, output [5] Float"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("ranks that have not reached it: [2]"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("not completed within the group timeout of 2000 ms"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("flight recorder written to"), std::string::npos) << errors[r];
+    EXPECT_LT(failed_after[r], 2.0 + 5.0);
+    auto file = dir / ("fsdp_flight_recorder_default_rank" + std::to_string(r) + ".json");
+    ASSERT_TRUE(std::filesystem::exists(file));
+    std::ifstream in(file);
+    std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(json.find("reduce_scatter_tensor"), std::string::npos) << json;
+  }
+  EXPECT_EQ(errors[2], "");
+  std::filesystem::remove_all(dir);
+}
 
 // The transport counters of each collective, per rank: the figures of the algorithm that runs it, and
 // conservation (what the ranks send in total, they receive in total).
