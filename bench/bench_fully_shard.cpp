@@ -6,7 +6,9 @@
 //
 // Prints on rank 0, per configuration: the median step time (max over ranks), the median exposed
 // communication per step (max over ranks) and its share of the step, and the bytes all-gathered and
-// reduce-scattered per step.
+// reduce-scattered per step, the bytes each rank sent over the transport per step (max over ranks:
+// fsdp::CommStats) and their ratio to FSDP's minimum, (N-1)/N of the bytes all-gathered and
+// reduce-scattered (1.0 = nothing moved beyond what FSDP needs; 1.5 = a reduce-scatter that all-reduces).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -33,7 +35,7 @@ double max_over_ranks(double v, fsdp::ProcessGroup& pg) {
 }
 
 struct Result {
-  double step_ms, exposed_ms, ag_bytes, rs_bytes;
+  double step_ms, exposed_ms, ag_bytes, rs_bytes, wire_bytes, ratio_to_min;
 };
 
 Result run(const train_gpt::GPTConfig& cfg, fsdp::ProcessGroupPtr pg, bool reshard_after_forward, bool bf16,
@@ -52,11 +54,12 @@ Result run(const train_gpt::GPTConfig& cfg, fsdp::ProcessGroupPtr pg, bool resha
   auto x = torch::randint(0, cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong);
   auto y = torch::randint(0, cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong);
   std::vector<double> step_ms, exposed_ms;
-  double ag0 = 0, rs0 = 0;
+  double ag0 = 0, rs0 = 0, sent0 = 0;
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
       ag0 = pg->collective_bytes("all_gather_into_tensor");
       rs0 = pg->collective_bytes("reduce_scatter_tensor");
+      sent0 = static_cast<double>(pg->comm_stats().sent());
     }
     double wait0 = pg->wait_seconds();
     auto t0 = Clock::now();
@@ -72,11 +75,18 @@ Result run(const train_gpt::GPTConfig& cfg, fsdp::ProcessGroupPtr pg, bool resha
       exposed_ms.push_back((pg->wait_seconds() - wait0) * 1e3);
     }
   }
+  // Read before the all-reduces of max_over_ranks below, which are not part of a step.
+  const double sent_per_step = (static_cast<double>(pg->comm_stats().sent()) - sent0) / steps;
   Result r;
   r.step_ms = max_over_ranks(median(step_ms), *pg);
   r.exposed_ms = max_over_ranks(median(exposed_ms), *pg);
   r.ag_bytes = (pg->collective_bytes("all_gather_into_tensor") - ag0) / steps;
   r.rs_bytes = (pg->collective_bytes("reduce_scatter_tensor") - rs0) / steps;
+  r.wire_bytes = max_over_ranks(sent_per_step, *pg);
+  const double n = pg->size();
+  // FSDP's minimum: (N-1)/N of each all-gather's output and reduce-scatter's input (the latter includes
+  // FSDP's one presence flag per parameter per rank, a few bytes).
+  r.ratio_to_min = n > 1 ? r.wire_bytes / ((n - 1) / n * (r.ag_bytes + r.rs_bytes)) : 1.0;
   return r;
 }
 
@@ -101,8 +111,8 @@ int main(int argc, char** argv) {
       std::printf("bench_fully_shard: %s, %d rank(s), batch %lld x %lld tokens per rank, %d timed steps, %d threads\n",
                   train_gpt::describe(cfg).c_str(), pg->size(), static_cast<long long>(batch),
                   static_cast<long long>(cfg.block_size), steps, torch::get_num_threads());
-      std::printf("%-34s %12s %16s %9s %14s %14s\n", "config", "step ms", "exposed comm ms", "exposed", "AG MB/step",
-                  "RS MB/step");
+      std::printf("%-34s %12s %16s %9s %14s %14s %16s %18s\n", "config", "step ms", "exposed comm ms", "exposed",
+                  "AG MB/step", "RS MB/step", "bytes_per_step", "bytes_ratio_to_min");
     }
     for (bool bf16 : {false, true}) {
       for (bool raf : {true, false}) {
@@ -111,8 +121,9 @@ int main(int argc, char** argv) {
           char name[64];
           std::snprintf(name, sizeof(name), "%s, reshard_after_forward=%s", bf16 ? "bf16" : "fp32",
                         raf ? "true" : "false");
-          std::printf("%-34s %12.1f %16.2f %8.1f%% %14.2f %14.2f\n", name, r.step_ms, r.exposed_ms,
-                      100.0 * r.exposed_ms / r.step_ms, r.ag_bytes / 1e6, r.rs_bytes / 1e6);
+          std::printf("%-34s %12.1f %16.2f %8.1f%% %14.2f %14.2f %16.0f %18.3f\n", name, r.step_ms, r.exposed_ms,
+                      100.0 * r.exposed_ms / r.step_ms, r.ag_bytes / 1e6, r.rs_bytes / 1e6, r.wire_bytes,
+                      r.ratio_to_min);
         }
       }
     }

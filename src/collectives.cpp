@@ -1,6 +1,8 @@
 #include "fsdp/collectives.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <sstream>
 
 #include "process_group_access.h"
@@ -112,6 +114,89 @@ void check_fingerprint(ProcessGroup& group, const std::string& op, uint64_t seq,
   }
 }
 
+// ---- Transport bytes (see CommStats in distributed.h) ---------------------------------------------------
+// Each collective adds what this rank sends and receives, derived from the algorithm that carries it.
+
+bool is_gloo(const ProcessGroup& g) { return g.backend()->getBackendName() == "gloo"; }
+
+void add_bytes(CommBytes& c, uint64_t sent, uint64_t received) {
+  c.sent += sent;
+  c.received += received;
+  ++c.count;
+}
+
+// Gloo's segmentation of a ring all-reduce of `total` bytes of `elem`-byte elements over `n` ranks
+// (gloo/allreduce.cc, ring(); ProcessGroupGloo leaves maxSegmentSize at gloo's default of 1 MiB): the
+// buffer is cut into num_segments segments of segment_bytes (the last ones short or empty), and rank k
+// reduces segments [k * per_rank, (k + 1) * per_rank). Used to count the all-reduce's bytes exactly and to
+// reproduce its summation order in gloo_reduce_rows.
+struct GlooRingLayout {
+  uint64_t num_segments = 0, per_rank = 0, segment_bytes = 0;
+  GlooRingLayout(uint64_t total, uint64_t elem, uint64_t n) {
+    constexpr uint64_t kGlooMaxSegmentBytes = 1024 * 1024;
+    const uint64_t max_segment = elem * std::max<uint64_t>(1, kGlooMaxSegmentBytes / elem);
+    const uint64_t want = std::max<uint64_t>((total + max_segment - 1) / max_segment, 2 * n);
+    num_segments = (want + n - 1) / n * n;
+    per_rank = num_segments / n;
+    const uint64_t seg = (total + num_segments - 1) / num_segments;
+    segment_bytes = (seg + elem - 1) / elem * elem;
+  }
+  // Bytes of segment `s` (taken modulo num_segments, as gloo does) inside a buffer of `total` bytes.
+  uint64_t length(uint64_t s, uint64_t total) const {
+    const uint64_t off = (s % num_segments) * segment_bytes;
+    return off >= total ? 0 : std::min(segment_bytes, total - off);
+  }
+};
+
+// Gloo's ring all-reduce on rank `r`: in its reduce-scatter phase the rank sends segments
+// (r+1)*per_rank + i and receives (r+2)*per_rank + i, in its all-gather phase it sends r*per_rank + i and
+// receives (r+1)*per_rank + i, for i < num_segments - per_rank.
+void count_all_reduce(ProcessGroup& g, CommBytes& into, uint64_t total, uint64_t elem) {
+  const uint64_t n = g.size(), r = g.rank();
+  uint64_t sent = 0, received = 0;
+  if (is_gloo(g)) {
+    GlooRingLayout l(total, elem, n);
+    for (uint64_t i = 0; i < l.num_segments - l.per_rank; ++i) {
+      sent += l.length((r + 1) * l.per_rank + i, total) + l.length(r * l.per_rank + i, total);
+      received += l.length((r + 2) * l.per_rank + i, total) + l.length((r + 1) * l.per_rank + i, total);
+    }
+  } else {
+    sent = received = 2 * (n - 1) * total / n;  // nominal ring (NCCL, MPI)
+  }
+  add_bytes(into, sent, received);
+}
+
+// FSDP_GLOO_REDUCE_SCATTER=allreduce: Gloo groups reduce-scatter through ProcessGroupGloo's
+// _reduce_scatter_base (an all-reduce) as before issue 16, e.g. to compare the two. Read once.
+bool gloo_reduce_scatter_via_all_reduce() {
+  static const bool via = [] {
+    const char* v = std::getenv("FSDP_GLOO_REDUCE_SCATTER");
+    if (!v || !*v || std::string(v) == "alltoall") return false;
+    TORCH_CHECK(std::string(v) == "allreduce", "reduce_scatter_tensor: FSDP_GLOO_REDUCE_SCATTER=", v,
+                " is invalid: expected \"alltoall\" (the default) or \"allreduce\" (Gloo's _reduce_scatter_base)");
+    return true;
+  }();
+  return via;
+}
+
+// Gloo's binomial-tree broadcast (gloo/broadcast.cc): with ranks renumbered so that the root is 0, step i
+// pairs virtual ranks v < 2^i with v + 2^i; so v receives once (v > 0, at the step of its highest bit) and
+// then sends to v + 2^i for every 2^i > v with v + 2^i < n. Other backends: a chain (every rank but the
+// last sends it once).
+void count_broadcast(ProcessGroup& g, int src, uint64_t bytes) {
+  const uint64_t n = g.size();
+  const uint64_t v = (static_cast<uint64_t>(g.rank()) + n - static_cast<uint64_t>(src)) % n;
+  uint64_t sends = 0;
+  if (is_gloo(g)) {
+    for (uint64_t bit = 1; bit < n; bit <<= 1) {
+      if (bit > v && v + bit < n) ++sends;
+    }
+  } else {
+    sends = v + 1 < n ? 1 : 0;
+  }
+  add_bytes(detail::ProcessGroupAccess::comm_stats(g).broadcast, sends * bytes, v == 0 ? 0 : bytes);
+}
+
 // Records, checks (debug mode), publishes progress, then runs `issue` and wraps it as a Work.
 // World size 1 never reaches here: the callers return early.
 template <typename Issue>
@@ -165,6 +250,63 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
   TORCH_CHECK(big.is_contiguous() && small.is_contiguous(), desc, ": tensors must be contiguous");
 }
 
+// [Note: Gloo reduce-scatter]
+// ProcessGroupGloo's _reduce_scatter_base all-reduces the whole input and keeps one chunk: each rank sends
+// and receives 2(N-1)/N of the input, twice what a reduce-scatter needs. Ours moves (N-1)/N: Gloo's
+// all-to-all (each rank sends chunk c of its input to rank c, gloo/alltoall.cc) leaves in `gathered` row j
+// = rank j's copy of this rank's chunk, and the completion step (run once by Work::wait, before the AVG
+// division) reduces the rows into `output`. The reduction adds the rows in the order Gloo's ring
+// all-reduce adds them (gloo/allreduce.cc): an element of the ring's chunk g (GlooRingLayout: chunk g =
+// segments [g*per_rank, (g+1)*per_rank)) starts at rank g-1 and is added to on ranks g-2, g-3, ..., g
+// (mod N): ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]. Floating-point addition is commutative but not
+// associative, so this order, not only the set of terms, makes the result equal to the old path bit for
+// bit (fp32, bf16, any N; tests/test_comm_bytes.cpp checks it against _reduce_scatter_base). The ring's
+// chunks need not line up with the reduce-scatter's (their segments are rounded), so one output chunk
+// can span two ring chunks, each with its own order. PRODUCT multiplies in the same order; MAX and MIN
+// propagate NaN (at::maximum / at::minimum).
+// The all-to-all is one Gloo collective: it takes the group's next Gloo tag, honours the group timeout
+// and fails like any other Work; fingerprints, the flight recorder and progress marks are unchanged
+// (launch() wraps it as before).
+void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered, int n, int rank, ReduceOp op,
+                      uint64_t total_bytes) {
+  torch::NoGradGuard no_grad;
+  {
+    const int64_t m = output.numel();
+    const uint64_t elem = output.element_size();
+    GlooRingLayout l(total_bytes, elem, n);
+    const int64_t ring_chunk = static_cast<int64_t>(l.segment_bytes / elem * l.per_rank);  // >= m
+    auto out = output.view({-1});
+    auto rows = gathered.view({n, m});
+    const int64_t begin = static_cast<int64_t>(rank) * m, end = begin + m;  // in the input's elements
+    for (int64_t a = begin; a < end;) {
+      const int64_t g = a / ring_chunk;
+      const int64_t b = std::min(end, (g + 1) * ring_chunk);
+      auto dst = out.narrow(0, a - begin, b - a);
+      auto row = [&](int64_t k) { return rows[((g - k) % n + n) % n].narrow(0, a - begin, b - a); };
+      switch (op) {
+        case ReduceOp::SUM:
+        case ReduceOp::AVG:
+          at::add_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) dst.add_(row(k));
+          break;
+        case ReduceOp::PRODUCT:
+          at::mul_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) dst.mul_(row(k));
+          break;
+        case ReduceOp::MAX:
+          at::maximum_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) at::maximum_out(dst, dst, row(k));
+          break;
+        case ReduceOp::MIN:
+          at::minimum_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) at::minimum_out(dst, dst, row(k));
+          break;
+      }
+      a = b;
+    }
+  }
+}
+
 }  // namespace
 
 Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done,
@@ -210,6 +352,9 @@ void Work::wait() {
       TORCH_CHECK(false, description_, " failed: ", cause, extra);
     }
     if (group_) group_->flight_recorder().completed(seq_);
+    // Release the backend's work, and with it the tensors it holds (a Gloo reduce-scatter's input and
+    // scratch), at the wait rather than when this handle is destroyed, which FSDP does later.
+    work_.reset();
   }
   if (on_done_) on_done_();
 }
@@ -225,6 +370,10 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
     if (!output.is_same(input) && output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
   }
+  // Ring all-gather (Gloo's gloo/allgather.cc, NCCL's ring): N-1 steps, each sending one rank's block to
+  // the next rank and receiving one from the previous: (N-1)/N of the output each way.
+  const uint64_t ag_bytes = input.nbytes() * static_cast<uint64_t>(group.size() - 1);
+  add_bytes(detail::ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
   return launch(group, "all_gather_into_tensor", seq, output.nbytes(), desc, async_op, &input, &output, 0, [&] {
     c10d::AllgatherOptions opts;
     auto out = output.view({-1});
@@ -242,9 +391,38 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
     if (output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
     return Work();
   }
+  const int n = group.size();
+  // Each rank sends N-1 of its input's N chunks and receives N-1 chunks of output's size: (N-1)/N of the
+  // input each way (our Gloo reduce-scatter counts its own sends and receives; NCCL's ring the same).
+  // Gloo's _reduce_scatter_base is an all-reduce of the input: counted as one.
+  const bool ours = is_gloo(group) && output.numel() > 0 && !gloo_reduce_scatter_via_all_reduce();
+  auto& counter = detail::ProcessGroupAccess::comm_stats(group).reduce_scatter_tensor;
+  if (ours || !is_gloo(group)) {
+    const uint64_t rs_bytes = output.nbytes() * static_cast<uint64_t>(n - 1);
+    add_bytes(counter, rs_bytes, rs_bytes);
+  } else {
+    count_all_reduce(group, counter, input.nbytes(), input.element_size());
+  }
   std::function<void()> on_done;
+  if (ours) {
+    // See [Note: Gloo reduce-scatter]. `gathered` is kept alive by the completion step (and by Gloo's work).
+    auto gathered = torch::empty_like(input.view({-1}));
+    on_done = [output, gathered, n, rank = group.rank(), op, total = input.nbytes()]() mutable {
+      gloo_reduce_rows(output, gathered, n, rank, op, total);
+      gathered = torch::Tensor();  // drop our reference once reduced (Gloo's work holds one until freed)
+      if (op == ReduceOp::AVG) output.div_(n);
+    };
+    return launch(
+        group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output,
+        static_cast<int64_t>(op),
+        [&] {
+          auto in = input.view({-1});
+          std::vector<int64_t> equal_splits;  // empty: n equal chunks
+          return group.backend()->alltoall_base(gathered, in, equal_splits, equal_splits, c10d::AllToAllOptions());
+        },
+        std::move(on_done));
+  }
   if (op == ReduceOp::AVG) {
-    int n = group.size();
     on_done = [output, n] { output.div_(n); };
   }
   return launch(
@@ -268,6 +446,8 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
     int n = group.size();
     on_done = [tensor, n] { tensor.div_(n); };
   }
+  count_all_reduce(group, detail::ProcessGroupAccess::comm_stats(group).all_reduce, tensor.nbytes(),
+                   tensor.element_size());
   return launch(
       group, "all_reduce", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, static_cast<int64_t>(op),
       [&] {
@@ -285,6 +465,7 @@ Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool a
                      std::to_string(src);
   TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
   if (group.size() == 1) return Work();
+  count_broadcast(group, src, tensor.nbytes());
   return launch(group, "broadcast", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, src, [&] {
     c10d::BroadcastOptions opts;
     opts.rootRank = src;

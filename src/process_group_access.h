@@ -21,6 +21,8 @@ struct ProcessGroupAccess {
     ++g.counts_[op];
     g.bytes_[op] += bytes;
   }
+  /// The transport-bytes counters of `g` (see CommStats), written by the collectives layer.
+  static CommStats& comm_stats(ProcessGroup& g) { return g.comm_stats_; }
   /// Counter that names sub-groups (identical on every rank when they build groups in one order).
   static uint64_t next_subgroup_id(ProcessGroup& g) { return g.subgroups_++; }
   /// Installs the side Gloo backend that compares collective fingerprints in debug mode.

@@ -58,6 +58,12 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 
 /// Reduces `input` over the group and leaves chunk `rank` (of size output.numel()) in `output`.
 /// Requires input.numel() == group.size() * output.numel(), equal dtypes, contiguous tensors.
+/// On Gloo, each rank sends and receives (N-1)/N of `input` (Gloo's all-to-all, then a local reduction
+/// in wait(), in the order of Gloo's ring all-reduce: results identical bit for bit to Gloo's own
+/// _reduce_scatter_base, which all-reduces the whole input and moves twice as many bytes). `input` must
+/// stay unchanged until wait(); a scratch buffer of input's size lives from the call to the end of
+/// wait(). `FSDP_GLOO_REDUCE_SCATTER=allreduce` selects Gloo's _reduce_scatter_base
+/// instead (read once per process). NCCL and MPI run their own reduce-scatter.
 Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                            ReduceOp op = ReduceOp::SUM, bool async_op = false);
 

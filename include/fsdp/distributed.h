@@ -75,6 +75,45 @@ struct InitOptions {
 /// Whether groups created from now on run in debug mode (FSDP_DEBUG=DETAIL or InitOptions::debug).
 bool debug_mode();
 
+/// Bytes one rank moved over the transport for one kind of collective on one group: what its sockets
+/// (Gloo), NCCL's channels or MPI carried, not the tensors' sizes. See CommStats.
+struct CommBytes {
+  uint64_t sent = 0;      ///< bytes this rank sent to other ranks
+  uint64_t received = 0;  ///< bytes this rank received from other ranks
+  uint64_t count = 0;     ///< collectives counted (those that reached the backend; size-1 groups never do)
+};
+
+/// Transport bytes of one rank on one group, per collective kind, counted by libfsdp's collectives
+/// layer (src/collectives.cpp) when each collective is issued, from the algorithm that runs it:
+/// - all_gather_into_tensor: Gloo's ring all-gather: (N-1)/N of the output sent and received;
+/// - reduce_scatter_tensor: on Gloo, libfsdp's own reduce-scatter (an all-to-all of the input's chunks,
+///   then a local reduction), counted from the sizes it sends and receives: (N-1)/N of the input each way;
+/// - all_reduce: Gloo's ring all-reduce (a reduce-scatter then an all-gather, in segments): about
+///   2(N-1)/N of the tensor each way, computed segment by segment as Gloo cuts it;
+/// - broadcast: Gloo's binomial tree: a non-root receives the tensor once; a rank sends it once per child.
+/// NCCL and MPI groups are counted with the nominal figures of the ring algorithms (the same as above for
+/// all-gather and reduce-scatter, 2(N-1)/N for all-reduce, a chain for broadcast: every rank but the last
+/// sends the tensor once): those libraries choose their algorithm at run time and do not report bytes.
+/// Barriers and the debug-mode fingerprint exchange (FSDP_DEBUG) are not counted. FSDP's theoretical
+/// minimum per step is (N-1)/N of each all-gather's output and of each reduce-scatter's input; a ratio of
+/// the measured bytes to it shows the overhead of the transport. Units: bytes. No PyTorch equivalent
+/// (PyTorch's profiler reports collectives' tensor sizes, not the bytes on the wire).
+struct CommStats {
+  CommBytes all_gather_into_tensor;
+  CommBytes reduce_scatter_tensor;
+  CommBytes all_reduce;
+  CommBytes broadcast;
+  /// Sum over the kinds above of the bytes sent.
+  uint64_t sent() const {
+    return all_gather_into_tensor.sent + reduce_scatter_tensor.sent + all_reduce.sent + broadcast.sent;
+  }
+  /// Sum over the kinds above of the bytes received.
+  uint64_t received() const {
+    return all_gather_into_tensor.received + reduce_scatter_tensor.received + all_reduce.received +
+           broadcast.received;
+  }
+};
+
 /// A group of ranks and the c10d backend that runs their collectives.
 /// Mirrors torch.distributed.ProcessGroup for one device type. Cheap to share: hold it as
 /// `ProcessGroupPtr`. All collectives must be issued in the same order on every rank of the group.
@@ -104,6 +143,11 @@ class ProcessGroup {
   /// Bytes of the collectives of kind `op` that reached the backend: the output size of an
   /// all-gather, the input size of a reduce-scatter, the tensor size otherwise.
   uint64_t collective_bytes(const std::string& op) const;
+  /// Bytes this rank sent and received over the transport on this group since it was created or since
+  /// reset_comm_stats(), per collective kind (see CommStats for how each figure is derived).
+  const CommStats& comm_stats() const { return comm_stats_; }
+  /// Zeroes comm_stats() (e.g. before a measured step). Only affects this rank's counters.
+  void reset_comm_stats() { comm_stats_ = CommStats(); }
   /// Seconds this rank spent blocked in Work::wait() on this group: communication not hidden behind
   /// compute.
   double wait_seconds() const { return wait_seconds_; }
@@ -140,6 +184,7 @@ class ProcessGroup {
   std::map<std::string, uint64_t> counts_;
   std::map<std::string, uint64_t> bytes_;
   double wait_seconds_ = 0;
+  CommStats comm_stats_;
   std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
   c10::intrusive_ptr<c10d::Backend> debug_backend_;
 };
