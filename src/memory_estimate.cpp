@@ -180,8 +180,10 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // Sharded gradients present from the start of the step: all of them unless zero_grad set them to none
   // (then only those of parameters in no group, which FSDP does not touch).
   const int64_t grads_at_start = host_states ? 0 : (o.grads_set_to_none ? e.grads - grouped_grads : e.grads);
-  // At world size 1 no backend is called: the input is copied to the output directly.
-  const bool rs_copy = N > 1 && o.reduce_scatter_input_copy.value_or(o.device_is_cpu);
+  // Input-sized buffers held by a reduce-scatter in flight; at world size 1 no backend is called (the
+  // input is copied to the output and freed at once).
+  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(o.device_is_cpu ? 2 : 1);
+  TORCH_CHECK(rs_held >= 0, "estimate_memory: reduce_scatter_held_inputs must be >= 0, got ", rs_held);
 
   // The step as a sequence of moments (see the header): at each, what is alive besides the sharded
   // parameters and optimizer state. The largest is the peak; its parts are the breakdown.
@@ -202,7 +204,9 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   auto acts_of = [&](size_t groups_saved) {
     return n == 0 ? o.activation_bytes : o.activation_bytes * static_cast<int64_t>(groups_saved) / static_cast<int64_t>(n);
   };
-  auto named = [&](const char* what, size_t k) { return std::string(what) + " '" + gs[k].name + "'"; };
+  auto named = [&](const char* what, size_t k) {
+    return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
+  };
   consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
   // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
   // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
@@ -218,8 +222,9 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // Backward, groups in reverse. The root's (first) group gets gradients from the first op of the
   // backward to the last: its full-size gradients are counted throughout. A group's reduce-scatter is
   // issued by its post-backward and finished at the next group's ([Note: one reduce-scatter in flight]):
-  // until then its output (and, with rs_copy, the backend's copy of its input) stays.
-  auto pending_bytes = [&](size_t j) { return gs[j].rs_out + (rs_copy ? gs[j].rs_in : 0); };
+  // until then its output and rs_held input-sized buffers stay. While it is issued the input exists in
+  // any case.
+  auto pending_bytes = [&](size_t j) { return gs[j].rs_out + rs_held * gs[j].rs_in; };
   std::optional<size_t> pending;
   int64_t done = grads_at_start;  // sharded gradients copied out so far
   for (size_t k = n; k-- > 0;) {
@@ -234,11 +239,11 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
     consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
     if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
     if (!gs[k].trainable) continue;
-    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + pending_bytes(k) + prev, done, acts_of(k),
-             named("reduce-scatter of", k));
-    if (pending) {
-      consider(kept + next_ag, root_grads, pending_bytes(k) + prev, done + gs[*pending].shard_grad, acts_of(k),
-               named("copy-out of the reduce-scatter before", k));
+    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev,
+             done, acts_of(k), named("reduce-scatter of", k));
+    if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
+      consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
+               acts_of(k), named("copy-out of the reduce-scatter before", k));
       if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
     }
     pending = k;

@@ -53,7 +53,7 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   // No activations: the peak is a's reduce-scatter. The root stays gathered (3 x 4 x 2 = 24 bytes in
   // bf16), a is resharded; the full-size gradients in bf16 are the root's 20 and a's 100 bytes; a's
   // reduce-scatter input [3, 20 + 2] (132 bytes in bf16, reduce_dtype defaults to param_dtype), Gloo's
-  // copy of it and the output (44).
+  // all-to-all receive buffer as large, and the output (44).
   EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'");
   EXPECT_EQ(e.unsharded_params, 24);
   EXPECT_EQ(e.unsharded_grads, 20 + 100);
@@ -61,8 +61,11 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   EXPECT_EQ(e.peak_backward, 96 + 192 + 24 + 120 + 308);
   o.reduce_dtype = torch::kFloat32;
   e = estimate_memory(two_group_params(), two_groups(), o);
-  EXPECT_EQ(e.reduce_scatter, 264 + 264 + 88);
-  o.reduce_scatter_input_copy = false;  // a backend that reduce-scatters in place (NCCL)
+  // In fp32 the root's reduce-scatter (input [3, 5] 60, receive buffer 60, output 20) beside a's still in
+  // flight (264 + 264 + 88) is the larger moment.
+  EXPECT_EQ(e.peak_moment, "reduce-scatter of the root");
+  EXPECT_EQ(e.reduce_scatter, 60 + 60 + 20 + 264 + 264 + 88);
+  o.reduce_scatter_held_inputs = 1;  // a backend that keeps only the input (NCCL)
   e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.reduce_scatter, 264 + 88);
 }
@@ -75,13 +78,13 @@ TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
   o.world_size = 3;
   // States: 36 shard elements (144 bytes) + AdamW 288. Without activations both settings peak at a's
   // reduce-scatter, after a's and b's post-backwards resharded them: the root (48), the full-size
-  // gradients of the root and a (40 + 160), a's input [3, 17] (204), Gloo's copy, its output (68) and
-  // b's reduce-scatter still in flight (204 + 68).
+  // gradients of the root and a (40 + 160), a's input [3, 17] (204), Gloo's receive buffer (204) and
+  // output (68), and b's reduce-scatter still in flight (the same 476).
   for (bool reshard : {true, false}) {
     o.reshard_after_forward = reshard;
     const auto e = estimate_memory(params, groups, o);
     EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'") << reshard;
-    EXPECT_EQ(e.peak_backward, 432 + 48 + 200 + 204 + 272 + 272) << reshard;
+    EXPECT_EQ(e.peak_backward, 432 + 48 + 200 + 476 + 476) << reshard;
   }
   // With activations the peak moves to the end of b's backward: with reshard_after_forward=true b is
   // gathered again beside the prefetched a; with false both stayed from the forward: the same bytes.

@@ -23,8 +23,7 @@
 //   the group, then allocates the reduce-scatter input [N, M + P] (reduce_dtype), copies the gradients
 //   in and issues the reduce-scatter into a [M + P] output. The reduce-scatter is finished (its output
 //   copied out to the sharded gradients) at the next group's post-backward: one is in flight at a time.
-//   Gloo (this LibTorch) all-reduces a copy of the input, which its work holds until then
-//   (reduce_scatter_input_copy). The root's group is the first to get gradients (the head) and the last
+//   Until then the input and the backend's scratch stay (reduce_scatter_held_inputs). The root's group is the first to get gradients (the head) and the last
 //   to reduce them: its full-size gradients are counted throughout the backward.
 // - Optimizer state is `optimizer_bytes_per_element` per shard element of each trainable parameter
 //   (AdamW with fp32 state: exp_avg + exp_avg_sq = 8). It exists from the first optimizer step on; the
@@ -86,9 +85,10 @@ struct MemoryEstimateOptions {
   int64_t activation_bytes = 0;  ///< caller's peak activations (saved tensors + backward temporaries), bytes
   int64_t runtime_overhead_bytes = 0;  ///< caller's fixed overhead of the runtime (see the file comment), bytes
   bool grads_set_to_none = true;  ///< zero_grad() frees the gradients (LibTorch's default): none at the backward's start
-  /// The backend copies a reduce-scatter's input and holds the copy until the reduce-scatter is finished
-  /// (Gloo in this LibTorch: its reduce-scatter is an all-reduce of a clone). Unset: device_is_cpu.
-  std::optional<bool> reduce_scatter_input_copy;
+  /// Input-sized buffers a reduce-scatter keeps until it is finished (the input itself included). Unset:
+  /// 2 on the CPU (Gloo: the input, which its all-to-all sends from, and the receive buffer), 1 otherwise
+  /// (NCCL: the input); 0 at world size 1 (no backend: the input is copied to the output and freed).
+  std::optional<int> reduce_scatter_held_inputs;
 };
 
 /// Per-rank breakdown, in bytes (rank 0, the most loaded one).
