@@ -6,7 +6,8 @@ measured per-rank peak of the same train_gpt run, for the table in docs/BENCHMAR
 
 Measured: the peak RSS (VmHWM) of the last step's metrics line (max over ranks) minus rank 0's RSS before
 the model's construction (train_gpt's "model built" line), 3 steps, 1 intra-op thread per rank; 2 ranks run
-under fsdprun. Predicted: the "total peak" row of --estimate-memory with the same flags (model states,
+under fsdprun. Run it with MALLOC_MMAP_THRESHOLD_=131072 to measure the bytes alive (glibc's default
+dynamic threshold keeps freed blocks in its heap, so RSS exceeds them). Predicted: the "total peak" row of --estimate-memory with the same flags (model states,
 the step's largest moment and LibTorch's own first-use memory).
 """
 import argparse
@@ -75,6 +76,8 @@ def main():
         err = (predicted - measured) / measured
         rows.append(f"| {label} | {ranks} | {predicted:.0f} | {measured:.0f} | {100 * err:+.1f}% | {moment} |")
         print(rows[-1], flush=True)
+    allocator = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    rows.insert(0, "glibc malloc: " + (f"MALLOC_MMAP_THRESHOLD_={allocator}" if allocator else "default settings") + "\n")
     table = "\n".join(rows)
     print("\n" + table)
     if args.out:

@@ -44,7 +44,7 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
   }
 }
 
-ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, const std::vector<torch::Tensor>& grads,
+ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
                                    torch::Device device) {
@@ -60,7 +60,7 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, const s
   int64_t off = 0;
   for (size_t k = 0; k < param_indices.size(); ++k) {
     const auto& p = params[param_indices[k]];
-    const auto& g = grads[param_indices[k]];
+    auto& g = grads[param_indices[k]];
     if (g.defined()) {
       input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
       for (int r = 0; r < ws; ++r) {
@@ -71,6 +71,10 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, const s
     }
     off += p.padded_numel();
     if (g.defined()) comm.record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
+    // Copied in: released now, so that the full-size gradients and the reduce-scatter's output and backend
+    // buffers are never alive together (the reduce-scatter is the backward's largest moment in
+    // parameter-heavy models).
+    g = torch::Tensor();
   }
   auto flat_in = input.view({-1});
   auto output = torch::empty({m + np}, input.options());

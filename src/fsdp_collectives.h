@@ -47,9 +47,10 @@ struct ReduceScatterResult {
 /// Copy-in and reduce-scatter (SUM) over `pg` of the unsharded gradients `grads` (indexed like
 /// `params`) of the parameters `param_indices` (M = the sum of their padded numels; `missing[k]`: this
 /// rank has no gradient for the k-th, which then contributes zeros). Input [ws, M + P]: row r = every
-/// gradient's chunk r, zero-padded, in group order, then the P presence flags. CUDA: on the
+/// gradient's chunk r, zero-padded, in group order, then the P presence flags. Each gradient is released
+/// once copied in (before the output and the backend's buffers are allocated). CUDA: on the
 /// reduce-scatter stream. Asynchronous.
-ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, const std::vector<torch::Tensor>& grads,
+ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
                                    torch::Device device);

@@ -260,7 +260,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   }
   if (reshard_after) reshard();
   if (idx.empty()) return;  // no trainable parameter in this group
-  pending_rs_ = foreach_reduce(params_, grads, std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
+  pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
                                reduce_dtype_, opts_.mesh->device());
 }
 

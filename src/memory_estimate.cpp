@@ -239,8 +239,12 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
     consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
     if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
     if (!gs[k].trainable) continue;
-    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev,
-             done, acts_of(k), named("reduce-scatter of", k));
+    // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
+    // the output and the backend's buffers.
+    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
+             named("reduce-scatter copy-in of", k));
+    consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
+             acts_of(k), named("reduce-scatter of", k));
     if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
       consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
                acts_of(k), named("copy-out of the reduce-scatter before", k));

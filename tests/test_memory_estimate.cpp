@@ -50,24 +50,24 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   auto e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.sharded_params, 96);  // shards stay fp32
   EXPECT_EQ(e.grads, 96);
-  // No activations: the peak is a's reduce-scatter. The root stays gathered (3 x 4 x 2 = 24 bytes in
-  // bf16), a is resharded; the full-size gradients in bf16 are the root's 20 and a's 100 bytes; a's
-  // reduce-scatter input [3, 20 + 2] (132 bytes in bf16, reduce_dtype defaults to param_dtype), Gloo's
-  // all-to-all receive buffer as large, and the output (44).
-  EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'");
-  EXPECT_EQ(e.unsharded_params, 24);
-  EXPECT_EQ(e.unsharded_grads, 20 + 100);
-  EXPECT_EQ(e.reduce_scatter, 132 + 132 + 44);
-  EXPECT_EQ(e.peak_backward, 96 + 192 + 24 + 120 + 308);
+  // No activations: the peak is the root's reduce-scatter, the last one, issued while a's is still in
+  // flight. a's: input [3, 20 + 2] (132 bytes in bf16: reduce_dtype defaults to param_dtype), Gloo's
+  // all-to-all receive buffer as large and the output (44); the root's: input [3, 4 + 1] (30), receive
+  // buffer (30), output (10). Both groups are resharded by then and the full-size gradients were
+  // released at their copy-in.
+  EXPECT_EQ(e.peak_moment, "reduce-scatter of the root");
+  EXPECT_EQ(e.unsharded_params, 0);
+  EXPECT_EQ(e.unsharded_grads, 0);
+  EXPECT_EQ(e.reduce_scatter, 30 + 30 + 10 + 132 + 132 + 44);
+  EXPECT_EQ(e.peak_backward, 96 + 192 + 378);
   o.reduce_dtype = torch::kFloat32;
   e = estimate_memory(two_group_params(), two_groups(), o);
-  // In fp32 the root's reduce-scatter (input [3, 5] 60, receive buffer 60, output 20) beside a's still in
-  // flight (264 + 264 + 88) is the larger moment.
+  // fp32 doubles every reduce-scatter buffer.
   EXPECT_EQ(e.peak_moment, "reduce-scatter of the root");
   EXPECT_EQ(e.reduce_scatter, 60 + 60 + 20 + 264 + 264 + 88);
-  o.reduce_scatter_held_inputs = 1;  // a backend that keeps only the input (NCCL)
+  o.reduce_scatter_held_inputs = 1;  // a backend that keeps only the input (NCCL): no receive buffers
   e = estimate_memory(two_group_params(), two_groups(), o);
-  EXPECT_EQ(e.reduce_scatter, 264 + 88);
+  EXPECT_EQ(e.peak_backward, 96 + 192 + 60 + 20 + 264 + 88);
 }
 
 TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
@@ -77,14 +77,14 @@ TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
   MemoryEstimateOptions o;
   o.world_size = 3;
   // States: 36 shard elements (144 bytes) + AdamW 288. Without activations both settings peak at a's
-  // reduce-scatter, after a's and b's post-backwards resharded them: the root (48), the full-size
-  // gradients of the root and a (40 + 160), a's input [3, 17] (204), Gloo's receive buffer (204) and
-  // output (68), and b's reduce-scatter still in flight (the same 476).
+  // reduce-scatter, after a's and b's post-backwards resharded them: the root (48), its full-size
+  // gradients (40; a's were released at the copy-in), a's input [3, 17] (204), Gloo's receive buffer (204)
+  // and output (68), and b's reduce-scatter still in flight (the same 476).
   for (bool reshard : {true, false}) {
     o.reshard_after_forward = reshard;
     const auto e = estimate_memory(params, groups, o);
     EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'") << reshard;
-    EXPECT_EQ(e.peak_backward, 432 + 48 + 200 + 476 + 476) << reshard;
+    EXPECT_EQ(e.peak_backward, 432 + 48 + 40 + 476 + 476) << reshard;
   }
   // With activations the peak moves to the end of b's backward: with reshard_after_forward=true b is
   // gathered again beside the prefetched a; with false both stayed from the forward: the same bytes.
@@ -104,11 +104,11 @@ TEST(MemoryEstimate, BackwardPeaksWhereGradientsAndActivationsMeet) {
   std::vector<ParamInfo> params = {P("r", {10, 4}), P("a", {10, 4}), P("b", {10, 4})};
   std::vector<ShardGroupInfo> groups = {{"", {"r"}, false}, {"a", {"a"}, std::nullopt}, {"b", {"b"}, std::nullopt}};
   MemoryEstimateOptions o;
-  // No activations: the peak is a's reduce-scatter: the root kept (160), the root's and a's full-size
-  // gradients (320), a's input and output and b's output still in flight (3 x 164).
+  // No activations: the peak is a's reduce-scatter: the root kept (160), the root's full-size gradients
+  // (160; a's were released at the copy-in), a's input and output and b's output still in flight (3 x 164).
   auto e = estimate_memory(params, groups, o);
   EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'");
-  EXPECT_EQ(e.peak_backward, 1440 + 160 + 320 + 492);
+  EXPECT_EQ(e.peak_backward, 1440 + 160 + 160 + 492);
   // Activations spread over the 3 groups: all 3000 until b's backward ends, where b and the prefetched a
   // are gathered beside the root (480) with the root's and b's gradients (320).
   o.activation_bytes = 3000;
@@ -124,11 +124,10 @@ TEST(MemoryEstimate, CpuOffloadOnAnAcceleratorMovesModelStatesToTheHost) {
   o.device_is_cpu = false;
   const auto e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.offloaded_host, 96 + 96 + 192);
-  // On the device only what a step gathers and reduces: the peak is a's reduce-scatter (the root kept
-  // 48, the full-size gradients of the root and a 40 + 200, a's input [3, 22] 264 and output 88; NCCL
-  // makes no copy of the input).
-  EXPECT_EQ(e.peak_moment, "reduce-scatter of 'a'");
-  EXPECT_EQ(e.peak_backward, 48 + 240 + 264 + 88);
+  // On the device only what a step gathers and reduces: the peak is a's backward copy-out (the root kept
+  // 48, a's all-gather buffer and parameters 2 x 240) with the root's full-size gradients (40).
+  EXPECT_EQ(e.peak_moment, "backward all-gather copy-out of 'a'");
+  EXPECT_EQ(e.peak_backward, 528 + 40);
 }
 
 TEST(MemoryEstimate, BadInputNamesIt) {

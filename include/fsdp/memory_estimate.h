@@ -21,7 +21,7 @@
 //   backward (plus the one prefetched).
 // - The backward produces each group's full-size gradients (compute dtype). Its post-backward reshards
 //   the group, then allocates the reduce-scatter input [N, M + P] (reduce_dtype), copies the gradients
-//   in and issues the reduce-scatter into a [M + P] output. The reduce-scatter is finished (its output
+//   in (releasing them) and issues the reduce-scatter into a [M + P] output. The reduce-scatter is finished (its output
 //   copied out to the sharded gradients) at the next group's post-backward: one is in flight at a time.
 //   Until then the input and the backend's scratch stay (reduce_scatter_held_inputs). The root's group is the first to get gradients (the head) and the last
 //   to reduce them: its full-size gradients are counted throughout the backward.
