@@ -462,7 +462,9 @@ void FSDPState::on_input_grads_ready() {
 // reduce-scatter in each post-backward: at most two are alive at once, instead of every group's until the
 // end-of-backward callback. The order stays that of the post-backwards, the same on every rank (see
 // [Note: collective order]); a group with set_is_last_backward(false) keeps its reduce-scatter in flight
-// past the backward, as before.
+// past the backward, as before. On CUDA finishing makes the compute stream wait for the previous group's
+// reduce-scatter, issued one group's backward earlier and normally complete by then (FSDP2 waits on its
+// reduce-scatter stream instead; to revisit with a GPU profile).
 void FSDPState::post_backward() {
   training_state = TrainingState::POST_BACKWARD;
   ++post_backward_runs;
