@@ -4,6 +4,12 @@
 // No hang: if the ranks are not all done within `timeout`, the harness prints which ranks are stuck
 // and terminates the process with a failure (a stuck thread cannot be cancelled), so ctest reports
 // the test as failed instead of waiting for its own, longer timeout.
+//
+// The groups' rendezvous is retried (up to kRendezvousAttempts): on a loaded machine Gloo's full-mesh
+// connect between two threads of this process has failed once with "Connection closed by peer" while
+// other processes made Gloo meshes at the same time. Every rank takes part in each attempt, an attempt in
+// which any rank failed is dropped by all of them, and the next uses a fresh store prefix. Only the
+// harness's own rendezvous is retried, never what a test runs.
 #pragma once
 
 #include <atomic>
@@ -24,6 +30,15 @@
 
 namespace fsdp::testing {
 
+constexpr int kRendezvousAttempts = 3;
+
+/// Harness self-test hook: the next this-many group creations in run_ranks_collect throw (one per
+/// attempt, on the highest rank), as a spurious Gloo rendezvous failure would.
+inline std::atomic<int>& injected_rendezvous_failures() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
 /// Runs fn(group) on `world` threads. Returns the error message of each rank: "" when it succeeded,
 /// never "" when it threw (an exception with an empty message is reported as such).
 /// `collective_timeout` bounds every collective (so a mismatch fails instead of hanging).
@@ -38,11 +53,40 @@ inline std::vector<std::string> run_ranks_collect(int world, const std::function
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::thread> threads;
+  // Rendezvous attempts: arrived[a] ranks have finished attempt a, failed[a] if any of them failed.
+  std::vector<int> arrived(kRendezvousAttempts, 0);
+  std::vector<char> failed(kRendezvousAttempts, 0);
+  auto make_group = [&](int r) {
+    for (int a = 0;; ++a) {
+      ProcessGroupPtr group;
+      std::string why;
+      try {
+        auto prefixed = c10::make_intrusive<c10d::PrefixStore>("attempt" + std::to_string(a), store);
+        group = make_gloo_group(prefixed, r, world, collective_timeout);
+        // After the group is made, so that the other ranks are not left waiting for this one's connect.
+        if (r == world - 1 && injected_rendezvous_failures() > 0 && injected_rendezvous_failures()-- > 0) {
+          throw std::runtime_error("injected rendezvous failure");
+        }
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      std::unique_lock<std::mutex> lock(mu);
+      if (!why.empty()) failed[a] = 1;
+      ++arrived[a];
+      cv.notify_all();
+      cv.wait(lock, [&] { return arrived[a] == world; });
+      if (!failed[a]) return group;
+      if (a + 1 == kRendezvousAttempts) {
+        throw std::runtime_error("multi_rank: the groups' rendezvous failed " + std::to_string(kRendezvousAttempts) +
+                                 " times" + (why.empty() ? std::string(" (on another rank)") : ": " + why));
+      }
+    }
+  };
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       std::string err;
       try {
-        auto group = make_gloo_group(store, r, world, collective_timeout);
+        auto group = make_group(r);
         set_thread_default_process_group(group);
         fn(group);
       } catch (const c10::Error& e) {
