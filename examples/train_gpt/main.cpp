@@ -151,12 +151,13 @@ ModelStates model_states(const std::vector<torch::Tensor>& params, torch::optim:
 struct StepResult {
   double loss;       ///< mean loss of the global batch (identical on every rank)
   double grad_norm;  ///< norm of the full gradient, before clipping
-  ModelStates states;  ///< after the optimizer step, before zero_grad: every state present
+  ModelStates states;  ///< after the optimizer step, before zero_grad (when asked for; else zeros)
 };
 
-/// One optimizer step at learning rate `lr` over --grad-accum-steps microbatches of this rank.
+/// One optimizer step at learning rate `lr` over --grad-accum-steps microbatches of this rank;
+/// `count_states`: also count the model states (once per run: not on the per-step path).
 template <typename Model>
-StepResult train_step(Training<Model>& t, double lr) {
+StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   const Options& o = t.s.opts;
   const torch::Device device = t.pg.device();
   for (auto& group : t.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -195,7 +196,7 @@ StepResult train_step(Training<Model>& t, double lr) {
   } else {
     t.optimizer.step();
   }
-  const ModelStates states = model_states(t.params, t.optimizer);
+  const ModelStates states = count_states ? model_states(t.params, t.optimizer) : ModelStates{};
   t.optimizer.zero_grad();
   // The loss of the global batch: the mean of the ranks' means (equal batch sizes).
   fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
@@ -270,7 +271,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     const double lr = lr_at(step, o);
-    const StepResult r = train_step(t, lr);
+    const StepResult r = train_step(t, lr, /*count_states=*/step == start_step + 1);
     report.step(step, lr, r.loss, r.grad_norm, seconds_since(t0), [&] { return run_eval(step); });
     if (step == start_step + 1) {  // rank 0's (it holds ceil(dim0 / N) rows of every parameter: the most)
       const double mib = 1 << 20, ideal = 16.0 * static_cast<double>(model->num_params()) / world;
