@@ -2,7 +2,7 @@
 """compare_fsdp2: libfsdp vs PyTorch's own FSDP2, side by side: loss parity, step time and peak memory.
 
     .venv/bin/python bench/compare_fsdp2.py            # every config, a table (docs/BENCHMARKS.md)
-    .venv/bin/python bench/compare_fsdp2.py --quick    # two configs, fewer runs: under 5 minutes
+    .venv/bin/python bench/compare_fsdp2.py --quick    # four configs (fp32, raf=true), fewer runs
     .venv/bin/python bench/compare_fsdp2.py --json     # one JSON object per config
 
 For each config, ours is train_gpt through fsdprun and PyTorch's is bench/gpt_twin.py (the same GPT, sharded
@@ -166,14 +166,24 @@ def single_configs(device, steps=None, batch=16, model="gpt2-small"):
             Config(f"{model} fp32 {device}", model, batch, "fp32", "true", 20, ["--device", device], repeats=1)]
 
 
+# wide (issue 16): parameter-heavy, little compute per parameter: 4 layers x 512 dims (12.6M parameters,
+# 50 MiB in fp32) on a context of 32 and 2 sequences per rank, so that communication dominates the step.
+WIDE = ["--n-layer", "4", "--n-head", "8", "--n-embd", "512", "--block-size", "32"]
+
+
 def configs(quick, steps=None):
-    """tiny: overhead-bound (a step is a few ms of compute); small: compute-heavier (~30x the FLOPs)."""
-    tiny_steps, small_steps = (steps, steps) if steps else ((40, 12) if quick else (60, 20))
+    """tiny: overhead-bound (a step is a few ms of compute); small: compute-heavier (~30x the FLOPs); medium:
+    6 x 256, context 256 (~5x small's FLOPs per token at 2 sequences per rank); wide: communication-bound."""
+    presets = (("tiny", 4, (40, 60), []), ("small", 8, (12, 20), []), ("medium", 2, (8, 12), []),
+               ("wide", 2, (12, 20), WIDE))
     all_configs = []
-    for model, batch, n in (("tiny", 4, tiny_steps), ("small", 8, small_steps)):
+    for name, batch, (quick_steps, full_steps), extra in presets:
+        n = steps or (quick_steps if quick else full_steps)
+        model = "small" if name == "wide" else name  # wide: the small preset with WIDE's dims
         for precision in ("fp32", "bf16"):
             for reshard in ("true", "false"):
-                all_configs.append(Config(f"{model} {precision} raf={reshard}", model, batch, precision, reshard, n))
+                all_configs.append(Config(f"{name} {precision} raf={reshard}", model, batch, precision, reshard, n,
+                                          list(extra)))
     if quick:
         return [c for c in all_configs if c.reshard == "true" and c.precision == "fp32"]
     return all_configs
@@ -258,6 +268,9 @@ class Samples:
     run_medians: list = field(default_factory=list)
     peak_gpu_mb: list = field(default_factory=list)  # one per run (CUDA caching allocator, max over ranks)
     mfu: list = field(default_factory=list)          # train_gpt's per-step MFU (--device cuda)
+    bytes_per_step: list = field(default_factory=list)      # train_gpt: bytes rank 0 sent, per timed step
+    bytes_ratio_to_min: list = field(default_factory=list)  # train_gpt: that / FSDP's minimum
+    minor_faults: list = field(default_factory=list)        # rank 0's minor page faults, per timed step
 
     def add(self, rows, skip):
         ms = [r["step_ms"] for r in rows if r["step"] > skip]
@@ -266,6 +279,13 @@ class Samples:
         self.peak_mb.append(rows[-1]["peak_rss_mb"])
         self.peak_gpu_mb.append(rows[-1].get("peak_gpu_mem_mb") or 0.0)
         self.mfu += [r["mfu"] for r in rows if r["step"] > skip and r.get("mfu") is not None]
+        for key, dest in (("bytes_per_step", self.bytes_per_step), ("bytes_ratio_to_min", self.bytes_ratio_to_min),
+                          ("minor_faults_per_step", self.minor_faults)):
+            dest += [r[key] for r in rows if r["step"] > skip and r.get(key) is not None]
+
+    @staticmethod
+    def med(values, digits):
+        return round(statistics.median(values), digits) if values else None
 
     def peak_gpu(self):
         return statistics.median(self.peak_gpu_mb) if self.peak_gpu_mb else float("nan")
@@ -369,6 +389,13 @@ def bench_config(cfg, args, data, work):
         "torch_peak_rss_mb": round(samples["torch"].peak(), 1),
         "rss_ratio": round(samples["ours"].peak() / samples["torch"].peak(), 3),
         "max_abs_loss_diff": max(diffs),
+        # Issue 16: bytes rank 0 sent per step at the transport level (fsdp::CommStats, train_gpt's metrics),
+        # their ratio to FSDP's minimum ((N-1)/N of the all-gathers' outputs + the reduce-scatters' inputs),
+        # rank 0's minor page faults per step (getrusage ru_minflt) on both sides; medians over timed steps.
+        "bytes_per_step": Samples.med(samples["ours"].bytes_per_step, 0),
+        "bytes_ratio_to_min": Samples.med(samples["ours"].bytes_ratio_to_min, 4),
+        "minor_faults_per_step": Samples.med(samples["ours"].minor_faults, 1),
+        "torch_minor_faults_per_step": Samples.med(samples["torch"].minor_faults, 1),
         # Beyond the required keys: parity with the same optimizer arithmetic, the floors, the breakdown,
         # the spread of the runs, the run shape.
         "max_abs_loss_diff_libtorch_math": max_abs_loss_diff(ours_rows[0], exact) if exact else None,
@@ -403,7 +430,7 @@ def bench_config(cfg, args, data, work):
 
 
 # Context length of the presets (tokens per sequence), for tokens/s (examples/train_gpt/model.cpp).
-BLOCK_SIZE = {"tiny": 32, "small": 128, "medium": 256, "gpt2-small": 1024}
+BLOCK_SIZE = {"tiny": 32, "small": 128, "medium": 256, "gpt2-small": 1024, "wide": 32}
 
 
 def rows_ms(rows, skip):
@@ -432,6 +459,9 @@ def print_table(rows, load_before, load_after):
               f"{f(r['torch_floor_step_ms'], '.1f'):>11} {f(r['torch_floor_ratio'], '.2f'):>11} "
               f"{r['ours_peak_rss_mb']:>9.0f} {r['torch_peak_rss_mb']:>10.0f} {r['rss_ratio']:>6.2f} "
               f"{r['max_abs_loss_diff']:>10.2g} {f(r['max_abs_loss_diff_libtorch_math'], '.2g'):>11}")
+        print(f"{'':<20} wire: {f(r['bytes_per_step'] and r['bytes_per_step'] / 2**20, '.2f')} MiB/step sent by "
+              f"rank 0, {f(r['bytes_ratio_to_min'], '.3f')} x FSDP's minimum; minor faults/step: ours "
+              f"{f(r['minor_faults_per_step'], '.0f')}, torch {f(r['torch_minor_faults_per_step'], '.0f')}")
         if "ours_peak_gpu_mem_mb" in r:
             print(f"{'':<20} GPU: peak ours {r['ours_peak_gpu_mem_mb']:.0f} MiB / torch {r['torch_peak_gpu_mem_mb']:.0f} "
                   f"MiB (ratio {f(r['gpu_mem_ratio'], '.2f')}); tokens/s ours {r['ours_tokens_per_s']:.0f} / torch "
@@ -459,7 +489,7 @@ def print_table(rows, load_before, load_after):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny and small, fp32, raf=true; 2 runs each (< 5 min)")
+    ap.add_argument("--quick", action="store_true", help="every model, fp32, raf=true; 2 runs each")
     ap.add_argument("--json", action="store_true", help="one JSON object per config on stdout")
     ap.add_argument("--configs", help="only the configs whose name matches this regex (e.g. 'tiny.*fp32')")
     ap.add_argument("--repeats", type=int, help="runs per side and config (default: 3, --quick 2)")

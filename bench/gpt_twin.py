@@ -33,13 +33,15 @@ Metrics (rank 0, JSON lines, one per step): step, loss, lr, grad_norm, step_ms, 
 of VmHWM), peak_gpu_mem_mb (torch.cuda.max_memory_allocated, max over ranks; 0 on CPU), as train_gpt's
 --metrics with --log-every 1; for memory comparisons also baseline_rss_mb (rank 0's VmRSS after import and
 init_process_group, before the model), peak_rss_over_baseline_mb and model_state_mb (max over ranks), and
-rank 0's params_mb / grads_mb / optimizer_mb (after optimizer.step, before zero_grad).
+rank 0's params_mb / grads_mb / optimizer_mb (after optimizer.step, before zero_grad); minor_faults_per_step:
+rank 0's minor page faults (getrusage ru_minflt) during the step.
 """
 
 import argparse
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -380,6 +382,7 @@ def main():
     out = open(args.metrics, "w") if args.metrics and rank == 0 else None
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         lr = lr_at(step, run)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -402,6 +405,7 @@ def main():
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         loss_value = loss_sum.item() / world
         step_ms = 1e3 * (time.perf_counter() - t0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0  # rank 0's, this step
         if not math.isfinite(loss_value):
             sys.exit(f"gpt_twin: the loss is {loss_value} at step {step}")
         gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
@@ -414,7 +418,7 @@ def main():
                                   "peak_rss_mb": peak[0].item(), "peak_gpu_mem_mb": peak[1].item(),
                                   "peak_rss_over_baseline_mb": peak[2].item(), "baseline_rss_mb": baseline_rss_mb,
                                   "model_state_mb": peak[3].item(), "params_mb": states[0], "grads_mb": states[1],
-                                  "optimizer_mb": states[2]}) + "\n")
+                                  "optimizer_mb": states[2], "minor_faults_per_step": faults}) + "\n")
             out.flush()
     if out:
         out.close()

@@ -1,5 +1,6 @@
 #include "reporting.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -159,7 +160,9 @@ Reporter::Reporter(const RunSetup& s, int64_t num_params, fsdp::ProcessGroupPtr 
       num_params_(num_params),
       tokens_per_step_(s.opts.batch_size * s.cfg.block_size * s.opts.grad_accum_steps),
       flops_per_token_(flops_per_token(s.cfg, num_params)),
-      bar_(main_rank_ && !s.opts.no_progress && isatty(STDOUT_FILENO), s.opts.steps) {}
+      bar_(main_rank_ && !s.opts.no_progress && isatty(STDOUT_FILENO), s.opts.steps) {
+  mark_interval();
+}
 
 void Reporter::say(const std::string& line) {
   bar_.clear();
@@ -225,10 +228,25 @@ nlohmann::json Reporter::mfu(double tokens_per_s_per_rank) const {
   return flops_per_token_ * tokens_per_s_per_rank / (o_.peak_tflops * 1e12);
 }
 
+namespace {
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+}  // namespace
+
+void Reporter::mark_interval() {
+  marks_ = {static_cast<double>(pg_->comm_stats().sent()),
+            static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")),
+            static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")), minor_faults()};
+}
+
 void Reporter::initial_metrics(double eval_loss) {
   metrics_.write({{"step", 0}, {"loss", nullptr}, {"lr", 0.0}, {"grad_norm", nullptr}, {"tokens_per_s", nullptr},
                   {"step_ms", nullptr}, {"peak_rss_mb", global_peak_mb()},
                   {"peak_gpu_mem_mb", global_peak_gpu_mb()}, {"mfu", nullptr}, {"eval_loss", eval_loss}});
+  mark_interval();
 }
 
 void Reporter::step(int64_t step, double lr, double loss, double grad_norm, double seconds,
@@ -251,11 +269,26 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
   const double mean_loss = interval_loss_ / static_cast<double>(interval_steps_);
   const double step_ms = 1e3 * interval_seconds_ / static_cast<double>(interval_steps_);
   const double tps = static_cast<double>(tokens_per_step_ * interval_steps_) / interval_seconds_;  // per rank
+  // Per step over the interval, this rank, read before the reporting's own collectives below (issue 16):
+  // bytes this rank sent at the transport level (fsdp::CommStats: every collective of the step, the loss and
+  // gradient-norm all-reduces included) and the ratio to FSDP's minimum, (N-1)/N of the all-gathers' outputs
+  // plus the reduce-scatters' inputs (as bench_fully_shard); minor page faults (getrusage ru_minflt).
+  const double steps_d = static_cast<double>(interval_steps_);
+  const double sent = (static_cast<double>(pg_->comm_stats().sent()) - marks_.sent) / steps_d;
+  const double payload = (static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")) - marks_.all_gather +
+                          static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")) - marks_.reduce_scatter) /
+                         steps_d;
+  const double n = static_cast<double>(pg_->size());
+  const nlohmann::json ratio_to_min =
+      n > 1 && payload > 0 ? nlohmann::json(sent / ((n - 1) / n * payload)) : nlohmann::json(nullptr);
+  const double faults = static_cast<double>(minor_faults() - marks_.minor_faults) / steps_d;
   const double peak = global_peak_mb();
   const double peak_gpu = global_peak_gpu_mb();
   nlohmann::json line = {{"step", step},          {"loss", mean_loss},    {"lr", lr},
                          {"grad_norm", grad_norm}, {"tokens_per_s", tps},  {"step_ms", step_ms},
-                         {"peak_rss_mb", peak},   {"peak_gpu_mem_mb", peak_gpu}, {"mfu", mfu(tps)}};
+                         {"peak_rss_mb", peak},   {"peak_gpu_mem_mb", peak_gpu}, {"mfu", mfu(tps)},
+                         {"bytes_per_step", sent}, {"bytes_ratio_to_min", ratio_to_min},
+                         {"minor_faults_per_step", faults}};
   std::ostringstream os;
   os << "step " << std::setw(std::to_string(o_.steps).size()) << step << "/" << o_.steps << " | loss "
      << fmt("%.4f", mean_loss) << " | lr " << fmt("%.2e", lr) << " | grad norm " << fmt("%.3f", grad_norm)
@@ -268,6 +301,7 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
   say(os.str());
   if (eval_now) line["eval_loss"] = evaluate();
   metrics_.write(line);
+  mark_interval();
   interval_seconds_ = interval_loss_ = 0;
   interval_steps_ = 0;
 }

@@ -117,6 +117,14 @@ class Reporter {
   double interval_loss_ = 0;
   int64_t interval_steps_ = 0;
   int64_t steps_timed_ = 0;  // steps of this run so far (the ETA's denominator)
+  /// Communication and page-fault counters at the start of the current log interval (see mark_interval).
+  struct Marks {
+    double sent = 0, all_gather = 0, reduce_scatter = 0;
+    long minor_faults = 0;
+  } marks_;
+  /// Starts a log interval: reads the counters after the reporting's own collectives (peaks, evaluation),
+  /// so that the per-step figures in the metrics count the training step's collectives only.
+  void mark_interval();
 };
 
 }  // namespace train_gpt
