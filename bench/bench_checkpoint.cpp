@@ -69,7 +69,10 @@ double run_threads(int world, const std::function<void(int, fsdp::ProcessGroupPt
   return *std::max_element(secs.begin(), secs.end());
 }
 
+bool keep_page_cache = false;  // --warm
+
 void drop_cache_of(const fs::path& p) {
+  if (keep_page_cache) return;
   if (fs::is_directory(p)) {
     for (const auto& e : fs::directory_iterator(p)) drop_cache_of(e.path());
     return;
@@ -108,6 +111,27 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+/// "median (min-max)": the run-to-run spread, so that a reader can judge a ratio.
+std::string spread(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.3f s (%.3f-%.3f)", v[v.size() / 2], v.front(), v.back());
+  return buf;
+}
+
+/// Bytes this process made the kernel fetch from storage (/proc/self/io read_bytes): shows reads the
+/// page cache served twice or readahead that fetched bytes nobody asked for.
+int64_t disk_read_bytes() {
+  std::FILE* f = std::fopen("/proc/self/io", "r");
+  if (!f) return -1;
+  char line[128];
+  int64_t v = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "read_bytes: %lld", reinterpret_cast<long long*>(&v)) == 1) break;
+  std::fclose(f);
+  return v;
+}
+
 /// Every rank's loaded shards equal the saved ones.
 void expect_same(const std::vector<fsdp::StateDict>& loaded, const std::vector<fsdp::StateDict>& saved,
                  const char* what) {
@@ -131,7 +155,10 @@ int main(int argc, char** argv) {
   app.add_option("--world", world, "Ranks of the save and the same-size load")->capture_default_str();
   app.add_option("--reshard-world", reshard_world, "Ranks of the resharded load")->capture_default_str();
   app.add_option("--reps", reps, "Repetitions; the median is reported")->capture_default_str();
+  bool warm = false;
+  app.add_flag("--warm", warm, "Read from the page cache (no drop before reads): isolates the CPU side of loading");
   CLI11_PARSE(app, argc, argv);
+  keep_page_cache = warm;
 
   const fs::path base = fs::path(dir) / ("bench_checkpoint_" + std::to_string(::getpid()));
   fs::create_directories(base);
@@ -146,6 +173,7 @@ int main(int argc, char** argv) {
               rows * row_bytes * kTensors / 1048576.0, world, per_rank / 1048576.0, base.c_str());
 
   std::vector<double> t_write, t_read, t_save, t_load, t_same, t_reshard;
+  std::vector<double> io_read, io_load, io_same, io_reshard;  // MiB fetched from storage
   for (int rep = 0; rep < reps; ++rep) {
     const fs::path plain = base / "plain", ck = base / ("ck" + std::to_string(rep)),
                    ck2 = base / ("ck_w" + std::to_string(reshard_world) + "_" + std::to_string(rep));
@@ -169,16 +197,20 @@ int main(int argc, char** argv) {
     drop_cache_of(plain);
     drop_cache_of(ck);
     // 3. Plain sequential read of each rank's file.
+    int64_t d_read = disk_read_bytes();
     t_read.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr) {
       auto f = fsdp::dcp::detail::File::open_read((plain / std::to_string(r)).string(), "bench");
       f.pread_exact(bufs[r].data_ptr(), static_cast<size_t>(per_rank), 0, "plain");
     }));
+    io_read.push_back((disk_read_bytes() - d_read) / 1048576.0);
     // 4. dcp::load on the same world size (each rank reads its own file).
     std::vector<fsdp::StateDict> dst(world);
     run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { dst[r] = make_state(world, r, rows, pg, true); });
+    int64_t d_load = disk_read_bytes();
     t_load.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
+    io_load.push_back((disk_read_bytes() - d_load) / 1048576.0);
     expect_same(dst, sds, "loaded data");
     dst.clear();
     bufs.clear();
@@ -202,26 +234,34 @@ int main(int argc, char** argv) {
     });
     drop_cache_of(ck);
     drop_cache_of(ck2);
+    int64_t d_same = disk_read_bytes();
     t_same.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst2[r], ck2.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
+    io_same.push_back((disk_read_bytes() - d_same) / 1048576.0);
     drop_cache_of(ck);
+    int64_t d_reshard = disk_read_bytes();
     t_reshard.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
+    io_reshard.push_back((disk_read_bytes() - d_reshard) / 1048576.0);
     expect_same(dst2, sds2, "resharded data");
     fs::remove_all(plain);
     fs::remove_all(ck);
     fs::remove_all(ck2);
     std::printf("  rep %d: write %.3f s, save %.3f s, read %.3f s, load %.3f s, load on %d ranks %.3f s, resharded "
-                "%.3f s\n", rep, t_write.back(), t_save.back(), t_read.back(), t_load.back(), reshard_world,
-                t_same.back(), t_reshard.back());
+                "%.3f s; MiB from disk: read %.0f, load %.0f, same-size %.0f, resharded %.0f\n", rep, t_write.back(),
+                t_save.back(), t_read.back(), t_load.back(), reshard_world, t_same.back(), t_reshard.back(),
+                io_read.back(), io_load.back(), io_same.back(), io_reshard.back());
   }
   fs::remove_all(base);
   const double mb = per_rank / 1048576.0;
   const double w = median(t_write), s = median(t_save), r = median(t_read), l = median(t_load);
   const double same = median(t_same), resh = median(t_reshard);
   std::printf("per rank (%d ranks, %.1f MiB each), median of %d:\n", world, mb, reps);
+  std::printf("  spread, median (min-max): write %s, save %s, read %s, load %s, same-size %s, resharded %s\n",
+              spread(t_write).c_str(), spread(t_save).c_str(), spread(t_read).c_str(), spread(t_load).c_str(),
+              spread(t_same).c_str(), spread(t_reshard).c_str());
   std::printf("  plain write+fsync %8.1f MiB/s   dcp::save %8.1f MiB/s   ratio %.2f (goal >= 0.7)\n", mb / w, mb / s, w / s);
   std::printf("  plain read        %8.1f MiB/s   dcp::load %8.1f MiB/s   ratio %.2f (goal >= 0.7)\n", mb / r, mb / l, r / l);
   std::printf("  load on %d ranks: same-size %.3f s, resharded from %d ranks %.3f s: %.2fx (goal <= 1.2)\n",
