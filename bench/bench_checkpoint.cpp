@@ -12,6 +12,8 @@
 // Goals (issue 5): save and load throughput >= 0.7 x the plain write/read; resharded load <= 1.2 x the
 // same-size load.
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -132,6 +134,33 @@ int64_t disk_read_bytes() {
   return v;
 }
 
+/// Read requests the block device under the benchmark's folder completed (/sys/dev/block/MAJ:MIN/stat,
+/// whole-device figures: other processes' reads count too): how the bytes reached the disk, which the
+/// access pattern decides and a busy CPU does not. ms: the requests' summed time (queue + service).
+struct DiskReads {
+  int64_t ios = 0, merged = 0, sectors = 0, ms = 0;
+};
+std::string disk_stat_path;  // "" when unknown
+DiskReads disk_reads() {
+  DiskReads d;
+  std::FILE* f = disk_stat_path.empty() ? nullptr : std::fopen(disk_stat_path.c_str(), "r");
+  if (!f) return d;
+  long long a = 0, b = 0, c = 0, e = 0;
+  if (std::fscanf(f, "%lld %lld %lld %lld", &a, &b, &c, &e) == 4) d = {a, b, c, e};
+  std::fclose(f);
+  return d;
+}
+/// "N reqs of K KiB, M ms" between two readings.
+std::string disk_delta(const DiskReads& a, const DiskReads& b) {
+  if (disk_stat_path.empty()) return "n/a";
+  const int64_t n = b.ios - a.ios;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%lld reqs of %.0f KiB, %lld ms", static_cast<long long>(n),
+                n > 0 ? (b.sectors - a.sectors) * 512.0 / 1024.0 / static_cast<double>(n) : 0.0,
+                static_cast<long long>(b.ms - a.ms));
+  return buf;
+}
+
 /// Every rank's loaded shards equal the saved ones.
 void expect_same(const std::vector<fsdp::StateDict>& loaded, const std::vector<fsdp::StateDict>& saved,
                  const char* what) {
@@ -162,6 +191,14 @@ int main(int argc, char** argv) {
 
   const fs::path base = fs::path(dir) / ("bench_checkpoint_" + std::to_string(::getpid()));
   fs::create_directories(base);
+  {
+    struct stat st {};
+    if (::stat(base.c_str(), &st) == 0) {
+      char p[96];
+      std::snprintf(p, sizeof p, "/sys/dev/block/%u:%u/stat", major(st.st_dev), minor(st.st_dev));
+      if (fs::exists(p)) disk_stat_path = p;
+    }
+  }
   // Global rows so that each of `world` ranks holds `mib` MiB; divisible by world * reshard_world * 8.
   const int64_t row_bytes = kCols * 4;
   int64_t rows = mib * (1 << 20) * world / (row_bytes * kTensors);
@@ -198,19 +235,23 @@ int main(int argc, char** argv) {
     drop_cache_of(ck);
     // 3. Plain sequential read of each rank's file.
     int64_t d_read = disk_read_bytes();
+    const DiskReads k_read = disk_reads();
     t_read.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr) {
       auto f = fsdp::dcp::detail::File::open_read((plain / std::to_string(r)).string(), "bench");
       f.pread_exact(bufs[r].data_ptr(), static_cast<size_t>(per_rank), 0, "plain");
     }));
     io_read.push_back((disk_read_bytes() - d_read) / 1048576.0);
+    const std::string dk_read = disk_delta(k_read, disk_reads());
     // 4. dcp::load on the same world size (each rank reads its own file).
     std::vector<fsdp::StateDict> dst(world);
     run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { dst[r] = make_state(world, r, rows, pg, true); });
     int64_t d_load = disk_read_bytes();
+    const DiskReads k_load = disk_reads();
     t_load.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
     io_load.push_back((disk_read_bytes() - d_load) / 1048576.0);
+    const std::string dk_load = disk_delta(k_load, disk_reads());
     expect_same(dst, sds, "loaded data");
     dst.clear();
     bufs.clear();
@@ -235,16 +276,20 @@ int main(int argc, char** argv) {
     drop_cache_of(ck);
     drop_cache_of(ck2);
     int64_t d_same = disk_read_bytes();
+    const DiskReads k_same = disk_reads();
     t_same.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst2[r], ck2.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
     io_same.push_back((disk_read_bytes() - d_same) / 1048576.0);
+    const std::string dk_same = disk_delta(k_same, disk_reads());
     drop_cache_of(ck);
     int64_t d_reshard = disk_read_bytes();
+    const DiskReads k_reshard = disk_reads();
     t_reshard.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
     }));
     io_reshard.push_back((disk_read_bytes() - d_reshard) / 1048576.0);
+    const std::string dk_reshard = disk_delta(k_reshard, disk_reads());
     expect_same(dst2, sds2, "resharded data");
     fs::remove_all(plain);
     fs::remove_all(ck);
@@ -253,6 +298,8 @@ int main(int argc, char** argv) {
                 "%.3f s; MiB from disk: read %.0f, load %.0f, same-size %.0f, resharded %.0f\n", rep, t_write.back(),
                 t_save.back(), t_read.back(), t_load.back(), reshard_world, t_same.back(), t_reshard.back(),
                 io_read.back(), io_load.back(), io_same.back(), io_reshard.back());
+    std::printf("         device reads: read %s; load %s; same-size %s; resharded %s\n", dk_read.c_str(),
+                dk_load.c_str(), dk_same.c_str(), dk_reshard.c_str());
   }
   fs::remove_all(base);
   const double mb = per_rank / 1048576.0;

@@ -121,32 +121,53 @@ std::optional<Overlap> overlap_of(const ChunkInfo& c, const std::vector<int64_t>
   return o;
 }
 
+/// Where overlap `ov` of chunk `c` (of tensor `fqn`) lies in the chunk's data: its first and last
+/// elements in the chunk's C order, and the bytes [begin, end) of the chunk to read for them (widened to
+/// whole checksum blocks when `verify` and the checkpoint has checksums; `crcs` and `block` then say
+/// which).
+struct ChunkRange {
+  std::vector<int64_t> strides;  // the chunk's C-order strides
+  int64_t first = 0, last = 0;   // elements
+  int64_t begin = 0, end = 0;    // bytes within the chunk's data
+  const nlohmann::json* crcs = nullptr;
+  int64_t block = 0;
+};
+ChunkRange chunk_range(const CheckpointInfo& info, const ChunkInfo& c, const std::string& fqn, torch::ScalarType dtype,
+                       const Overlap& ov, bool verify, const char* api) {
+  const size_t nd = c.sizes.size();
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  ChunkRange r;
+  r.strides.assign(nd, 1);
+  for (int64_t d = static_cast<int64_t>(nd) - 2; d >= 0; --d) r.strides[d] = r.strides[d + 1] * c.sizes[d + 1];
+  for (size_t d = 0; d < nd; ++d) {
+    r.first += (ov.lo[d] - c.offsets[d]) * r.strides[d];
+    r.last += (ov.lo[d] - c.offsets[d] + ov.len[d] - 1) * r.strides[d];
+  }
+  r.begin = r.first * es;
+  r.end = (r.last + 1) * es;
+  r.crcs = verify ? chunk_crcs(info, c, fqn) : nullptr;
+  r.block = r.crcs ? block_bytes_of(info) : 0;
+  if (r.crcs) {
+    TORCH_CHECK(r.block > 0 && r.block % es == 0, api, ": ", info.dir, "/", kMetadataFileName,
+                " has an invalid checksum block size");
+    r.begin = r.begin / r.block * r.block;
+    r.end = std::min(c.nbytes, (r.end + r.block - 1) / r.block * r.block);
+  }
+  return r;
+}
+
 /// The elements of overlap `ov` of chunk `c` (of tensor `fqn`), as a strided tensor over the mapped
-/// file. Only the chunk's bytes from the overlap's first element to its last are touched (widened to
-/// checksum blocks when `verify` and the checkpoint has checksums); they are read from the disk here
+/// file. Only the chunk's bytes of chunk_range() are touched; they are read from the disk here
 /// (MADV_POPULATE_READ, so that an I/O error is an exception, not a SIGBUS later) and verified.
 /// Adds the bytes it reads from the file to `*bytes_read` when given.
 torch::Tensor chunk_view(const CheckpointInfo& info, const ChunkInfo& c, const std::string& fqn, torch::ScalarType dtype,
                          const Overlap& ov, bool verify, FileCache& files, const char* api,
                          int64_t* bytes_read = nullptr) {
-  const size_t nd = c.sizes.size();
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
-  std::vector<int64_t> strides(nd, 1);  // the chunk's C-order strides
-  for (int64_t d = static_cast<int64_t>(nd) - 2; d >= 0; --d) strides[d] = strides[d + 1] * c.sizes[d + 1];
-  int64_t first = 0, last = 0;
-  for (size_t d = 0; d < nd; ++d) {
-    first += (ov.lo[d] - c.offsets[d]) * strides[d];
-    last += (ov.lo[d] - c.offsets[d] + ov.len[d] - 1) * strides[d];
-  }
-  int64_t begin = first * es, end = (last + 1) * es;  // bytes within the chunk's data
-  const nlohmann::json* crcs = verify ? chunk_crcs(info, c, fqn) : nullptr;
-  const int64_t block = crcs ? block_bytes_of(info) : 0;
-  if (crcs) {
-    TORCH_CHECK(block > 0 && block % es == 0, api, ": ", info.dir, "/", kMetadataFileName,
-                " has an invalid checksum block size");
-    begin = begin / block * block;
-    end = std::min(c.nbytes, (end + block - 1) / block * block);
-  }
+  const ChunkRange r = chunk_range(info, c, fqn, dtype, ov, verify, api);
+  const auto& strides = r.strides;
+  const int64_t first = r.first, last = r.last, begin = r.begin, end = r.end, block = r.block;
+  const nlohmann::json* crcs = r.crcs;
   auto m = files.get(c.file);
   TORCH_CHECK(static_cast<int64_t>(m->len) >= c.file_offset + c.nbytes, api, ": ", m->path,
               " is truncated: reading '", fqn, "' needs bytes up to ", c.file_offset + c.nbytes, " but the file has ",
@@ -282,6 +303,7 @@ class LoadPlan {
     for (const auto& [k, _] : info_.per_rank_values)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     if (options_.strict()) check_strict();
+    read_pending();
   }
 
   /// Phase 3: copies what was staged into `sd`'s destinations, and streams the reads of a checkpoint
@@ -311,7 +333,8 @@ class LoadPlan {
     torch::Tensor dst;  // a box of a destination (aliases the model's shard, an optimizer tensor, ...)
     torch::Tensor src;  // its verified bytes, a view of a mapped file
   };
-  /// A streamed read (checkpoints without checksums): box `ov` of chunk `chunk`, into `dst`.
+  /// A piece to read: box `ov` of chunk `chunk`, into `dst` (streamed in phase 3 for checkpoints without
+  /// checksums, staged by read_pending() in phase 1 otherwise).
   struct Read {
     torch::Tensor dst;  // the box of the destination
     std::string fqn;
@@ -431,11 +454,40 @@ class LoadPlan {
       if (stream_) {
         reads_.push_back({narrow_to(dst, offsets, *ov), key, &c, *ov, t.dtype});
       } else {
-        copies_.push_back({narrow_to(dst, offsets, *ov), chunk_view(info_, c, key, t.dtype, *ov,
-                                                                     options_.verify_checksums(), files_, api,
-                                                                     &result_.bytes_read)});
+        pending_.push_back({narrow_to(dst, offsets, *ov), key, &c, *ov, t.dtype});
       }
     }
+  }
+
+  /// Reads and verifies what stage_tensor() found this rank needs, staging a view of the file's bytes per
+  /// piece, once every entry has passed its checks (shapes, dtypes, coverage, strict keys): a load that
+  /// is refused reads no data. The pieces are read in file order, file by file (a rank of a resharded
+  /// load reads pieces of several files, which come per tensor otherwise).
+  /// Not done, measured (issue 16, part 6; docs/BENCHMARKS.md "Checkpoint I/O"): asking the kernel for
+  /// every range up front (MADV_WILLNEED whole, or in 512 KiB-4 MiB windows; MADV_SEQUENTIAL; pread into a
+  /// scratch buffer) made the disk's requests smaller and the loads no faster than the read-around of
+  /// the page faults below.
+  void read_pending() {
+    struct Range {
+      int64_t begin;  // byte of the file
+      size_t piece;
+    };
+    std::map<std::string, std::vector<Range>> by_file;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      const Read& p = pending_[i];
+      const auto r = chunk_range(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(), api_);
+      by_file[p.chunk->file].push_back({p.chunk->file_offset + r.begin, i});
+    }
+    copies_.reserve(copies_.size() + pending_.size());
+    for (auto& [name, ranges] : by_file) {
+      std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+      for (const auto& r : ranges) {
+        const Read& p = pending_[r.piece];
+        copies_.push_back({p.dst, chunk_view(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(),
+                                             files_, api_, &result_.bytes_read)});
+      }
+    }
+    pending_.clear();
   }
 
   void check_strict() const {
@@ -458,6 +510,7 @@ class LoadPlan {
   bool stream_;  // no metadata file: no checksums, the data is read in phase 3
   std::vector<Copy> copies_;
   std::vector<Read> reads_;
+  std::vector<Read> pending_;  // pieces of a checkpoint with checksums, read by read_pending()
   std::map<std::string, detail::File> open_;  // files of the streamed reads, by name
   std::vector<std::pair<std::string, nlohmann::json>> values_;
   LoadResult result_;
