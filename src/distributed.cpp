@@ -325,7 +325,11 @@ torch::Device select_device(const InitOptions& options, const LaunchEnv& env, co
               "has no usable CUDA device. Fix: use device_type kCPU (backend gloo) or a CUDA build of LibTorch");
   int n = static_cast<int>(torch::cuda::device_count());
   TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
-              n, " CUDA device(s): expected --nproc-per-node <= ", n);
+              n, " CUDA device(s): expected --nproc-per-node <= ", n,
+              // Each rank takes cuda:SLURM_LOCALID, so every task must see all of its node's GPUs.
+              env.source == "slurm" ? " (under srun: SLURM_LOCALID is the local rank; request GPUs with "
+                                      "--gpus-per-node=G and --ntasks-per-node=G, not --gpus-per-task or --gpu-bind, "
+                                      "which leave each task only its own GPU)" : "");
   torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   // Rank-aware device init, before any CUDA work (the rendezvous creates none; NCCL's communicator,
   // the first allocation and FSDP's streams come later and all land on this device).
