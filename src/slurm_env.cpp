@@ -121,17 +121,19 @@ std::vector<std::string> expand_slurm_hostlist(const std::string& hostlist, cons
   std::vector<std::string> hosts;
   // Items are separated by commas outside brackets ("a[1,2],b": two items).
   size_t start = 0;
+  size_t open = 0;  // position of the '[' being inside of, for messages
   int depth = 0;
   for (size_t i = 0; i <= hostlist.size(); ++i) {
     const char c = i < hostlist.size() ? hostlist[i] : ',';
     if (c == '[') {
       if (depth > 0) bad_hostlist(what, hostlist, i, "nested '['");
       ++depth;
+      open = i;
     } else if (c == ']') {
       if (depth == 0) bad_hostlist(what, hostlist, i, "']' without '['");
       --depth;
     } else if (c == ',' && (depth == 0 || i == hostlist.size())) {
-      if (depth > 0) bad_hostlist(what, hostlist, start, "'[' without ']'");
+      if (depth > 0) bad_hostlist(what, hostlist, open, "'[' without ']'");
       auto item = expand_one(std::string_view(hostlist).substr(start, i - start), what, hostlist, start);
       if (hosts.size() + item.size() > kMaxHosts) {
         bad_hostlist(what, hostlist, start, "it names more than " + std::to_string(kMaxHosts) + " hosts");
