@@ -197,10 +197,11 @@ std::optional<int> slurm_local_world_size_from_env() {
     const char* v = env_or_null(var);
     if (v == nullptr) continue;
     auto per_node = expand_slurm_tasks_per_node(v, var);
+    // SLURM_NODEID is this node's index among the step's nodes. Should it ever index another list (a step
+    // on some of the job's nodes, with only the job's list set), the next source answers: this count only
+    // informs (LaunchEnv::local_world_size), it must not fail a launch that is otherwise right.
     const long node = env_long("SLURM_NODEID").value_or(0);
-    TORCH_CHECK(node < static_cast<long>(per_node.size()), "init_process_group: SLURM_NODEID=", node,
-                " is out of range: ", var, "=", v, " lists ", per_node.size(), " node(s). Fix: let srun set both");
-    return per_node[static_cast<size_t>(node)];
+    if (node < static_cast<long>(per_node.size())) return per_node[static_cast<size_t>(node)];
   }
   if (auto n = env_long("SLURM_NTASKS_PER_NODE")) return static_cast<int>(*n);
   return std::nullopt;

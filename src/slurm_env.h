@@ -48,7 +48,8 @@ struct SlurmRendezvous {
 std::optional<SlurmRendezvous> slurm_master_addr_from_env();
 
 /// Processes on this node (the entry of SLURM_STEP_TASKS_PER_NODE, else SLURM_TASKS_PER_NODE, at
-/// SLURM_NODEID; else SLURM_NTASKS_PER_NODE); nullopt when none of them is set.
+/// SLURM_NODEID; else SLURM_NTASKS_PER_NODE); nullopt when none of them is set or SLURM_NODEID is past
+/// their end. Throws c10::Error naming the variable on a malformed list.
 std::optional<int> slurm_local_world_size_from_env();
 
 /// MASTER_ADDR for transport decisions (Gloo's interface): MASTER_ADDR if set, else the Slurm-derived one

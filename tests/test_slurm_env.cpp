@@ -169,9 +169,14 @@ TEST_F(SlurmEnv, LocalWorldSizeFromThisNodesEntry) {
   EXPECT_EQ(fsdp::read_launch_env().local_world_size, 1);
   setenv("SLURM_NODEID", "0", 1);
   EXPECT_EQ(fsdp::read_launch_env().local_world_size, 2);
+  // Past the end of the list: the next source (here none: the world size); the count only informs.
   setenv("SLURM_NODEID", "3", 1);
+  EXPECT_EQ(fsdp::read_launch_env().local_world_size, 5);
+  setenv("SLURM_NTASKS_PER_NODE", "3", 1);
+  EXPECT_EQ(fsdp::read_launch_env().local_world_size, 3);
+  setenv("SLURM_STEP_TASKS_PER_NODE", "2(y2)", 1);
   auto msg = error_of([] { fsdp::read_launch_env(); });
-  EXPECT_NE(msg.find("SLURM_NODEID=3 is out of range"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("SLURM_STEP_TASKS_PER_NODE=2(y2) is not a Slurm tasks-per-node list"), std::string::npos) << msg;
 }
 
 TEST_F(SlurmEnv, ExportedMasterAddrAndPortOverride) {
