@@ -106,8 +106,8 @@ TEST(SlurmTasksPerNode, Expands) {
 }
 
 TEST(SlurmMasterPort, FromJobAndStepInARangeBelowTheEphemeralPorts) {
-  EXPECT_EQ(slurm_master_port(1234, 0), 20340);
-  EXPECT_EQ(slurm_master_port(1234, 3), 20343);
+  EXPECT_EQ(slurm_master_port(1234, 0), 22340);  // 20000 + 10 * 234
+  EXPECT_EQ(slurm_master_port(1234, 3), 22343);
   EXPECT_EQ(slurm_master_port(0, 0), 20000);
   EXPECT_EQ(slurm_master_port(999, 9), 29999);
   EXPECT_NE(slurm_master_port(1234, 0), slurm_master_port(1235, 0));  // consecutive jobs
