@@ -24,6 +24,7 @@ SLURM_CONF.
 
 import contextlib
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -86,14 +87,15 @@ class SlurmCluster:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         ctld_port, slurmd_port = _free_ports(2)
         r = self.root
+        user = pwd.getpwuid(os.getuid()).pw_name  # root here and in CI; anyone else may get a skip
         self.conf.write_text(f"""\
 # Written by tests/python/slurm_cluster.py: a one-node test cluster, removed when the test ends.
 ClusterName=fsdptest
 SlurmctldHost=localhost
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
+SlurmUser={user}
+SlurmdUser={user}
 # No munged: Slurm 22.05 still has these (tests only: any local user could impersonate another).
 AuthType=auth/none
 CredType=cred/none
