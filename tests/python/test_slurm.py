@@ -100,6 +100,22 @@ def test_srun_trains_like_fsdprun(slurm_cluster, tmp_path):
     print(f"[srun vs fsdprun] max relative train-loss difference {worst:.3g}; srun run {t_srun:.1f} s")
 
 
+def test_one_fsdprun_per_node_under_srun(slurm_cluster, tmp_path):
+    """docs/SLURM.md's form (b): srun starts one fsdprun per node with --nnodes/--node-rank/--master-addr from
+    Slurm; fsdprun's RANK/WORLD_SIZE/MASTER_* win over the SLURM_* its workers inherit. Same losses as (a)."""
+    ref = slurm_cluster.srun([*SRUN, TRAIN_GPT, *args(tmp_path / "srun.jsonl", "--steps", "3")])
+    assert ref.returncode == 0, output(ref)
+    train = " ".join([str(TRAIN_GPT), *args(tmp_path / "agent.jsonl", "--steps", "3")])
+    script = ('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+              f'exec {FSDPRUN} --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --master-addr "$head" '
+              f'--master-port 0 --nproc-per-node 2 -- {train}')
+    # --master-port 0 (a free port) is allowed with one node; a multi-node job names a fixed port.
+    p = slurm_cluster.srun(["--ntasks-per-node", "1", "--nodes", "1", "--kill-on-bad-exit=1", "bash", "-c", script])
+    assert p.returncode == 0, output(p)
+    assert "train_gpt: 2 ranks x 1 thread (gloo on cpu)" in p.stdout, output(p)
+    assert_close(losses(tmp_path / "agent.jsonl", "loss"), losses(tmp_path / "srun.jsonl", "loss"), "train loss")
+
+
 def test_the_store_listens_on_the_port_derived_from_the_job_id(slurm_cluster, tmp_path):
     """With the derived port of the next job taken, rank 0 fails at once naming the port, SLURM_JOB_ID and the
     fix; exporting MASTER_PORT (srun passes it on) moves the store and the same run then trains."""
