@@ -5,7 +5,7 @@ takes the rank from SLURM_PROCID, the world size from SLURM_NTASKS, MASTER_ADDR 
 SLURM_STEP_NODELIST and MASTER_PORT from SLURM_JOB_ID (src/slurm_env.h), and trains with the same losses as
 `fsdprun --nproc-per-node 2` (fp32, relative 1e-5; both use Gloo on the same ranks, so they agree exactly in
 practice). Wrong setups fail within seconds with a message naming the variable. The cluster is
-tests/python/slurm_cluster.py (skipped with the reason where its daemons cannot start). ~21 s on 2 cores.
+tests/python/slurm_cluster.py (skipped with the reason where its daemons cannot start). ~24 s on 2 cores.
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
