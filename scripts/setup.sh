@@ -19,20 +19,33 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 #    /usr/share/games/fortunes (the text itself, nothing is downloaded at run time).
 #    libopenmpi-dev + openmpi-bin: the "mpi" backend (src/process_group_mpi*.cpp) and mpirun; the build
 #    compiles that backend only when CMake finds MPI, so a machine without them still builds.
+#    slurmctld + slurmd + slurm-client (srun, sinfo): a real one-node Slurm that the `multinode` tests start
+#    on localhost (tests/python/slurm_cluster.py). Debian bookworm ships Slurm 22.05, which still has
+#    AuthType=auth/none and CredType=cred/none, so the tests run no munged; munge is installed only because
+#    slurmd and slurmctld depend on it. Installed without Recommends (which would pull ~25 optional plugin
+#    packages: HDF5, ROCm SMI, InfluxDB, ...). Nothing is started here: Debian's postinst does not start
+#    services in a container without an init, and the tests start their own daemons.
 apt_packages=(build-essential cmake ninja-build ccache git python3-venv python3-dev
               libgloo-dev libgtest-dev nlohmann-json3-dev libcli11-dev fortunes fortunes-min
               libopenmpi-dev openmpi-bin)
-missing=()
-for p in "${apt_packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+apt_packages_no_recommends=(slurmctld slurmd slurm-client munge)
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+# apt_install [apt-get options...] -- packages...: installs those not installed yet (apt-get update first if
+# the package lists are stale).
+apt_install() {
+  local opts=() missing=()
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done; shift
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
   log "installing Debian packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || {
-    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "${missing[@]}" >/dev/null; }
-fi
+  $SUDO apt-get install -y -q "${opts[@]}" "${missing[@]}" >/dev/null 2>&1 || {
+    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "${opts[@]}" "${missing[@]}" >/dev/null; }
+}
+apt_install -- "${apt_packages[@]}"
+apt_install --no-install-recommends -- "${apt_packages_no_recommends[@]}"
 
 # 2. Which variant (see the top of this file).
 cuda=0

@@ -18,6 +18,7 @@
 #endif
 
 #include "process_group_access.h"
+#include "slurm_env.h"
 #include "util.h"
 
 namespace fsdp {
@@ -119,16 +120,55 @@ LaunchEnv read_launch_env() {
   env.rank = static_cast<int>(*rank);
   env.world_size = static_cast<int>(*size);
   env.local_rank = static_cast<int>(getenv_int(local_var).value_or(env.rank));
-  env.local_world_size = static_cast<int>(
-      getenv_int(env.source == "torchrun" ? "LOCAL_WORLD_SIZE"
-                 : env.source == "openmpi" ? "OMPI_COMM_WORLD_LOCAL_SIZE"
-                                           : "SLURM_NTASKS_PER_NODE")
-          .value_or(env.world_size));
+  if (env.source == "slurm") {
+    env.local_world_size = detail::slurm_local_world_size_from_env().value_or(env.world_size);
+  } else {
+    env.local_world_size = static_cast<int>(
+        getenv_int(env.source == "torchrun" ? "LOCAL_WORLD_SIZE" : "OMPI_COMM_WORLD_LOCAL_SIZE").value_or(env.world_size));
+  }
   env.use_agent_store = getenv_str("TORCHELASTIC_USE_AGENT_STORE").value_or("False") == "True";
   env.restart_count = static_cast<int>(getenv_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
 
   auto addr = getenv_str("MASTER_ADDR");
   auto port = getenv_int("MASTER_PORT");
+  if (env.source == "slurm" && env.world_size > 1) {
+    // The batch script of `sbatch --ntasks N` sees SLURM_PROCID=0 and SLURM_NTASKS=N too, but it is one
+    // process, not N tasks: its rank 0 would wait for the others until the timeout. Only srun's tasks
+    // (a job step) have SLURM_STEP_ID.
+    TORCH_CHECK(getenv_str("SLURM_STEP_ID") || getenv_str("SLURM_STEPID"), "init_process_group: SLURM_PROCID=",
+                env.rank, " and SLURM_NTASKS=", env.world_size, " are set but SLURM_STEP_ID is not: this process "
+                "is the batch script of Slurm job ", getenv_str("SLURM_JOB_ID").value_or("?"), ", not one of ",
+                env.world_size, " tasks of an srun step, so the other ranks would never start. Fix: start it with "
+                "`srun PROGRAM` (one task per rank), or with `srun --ntasks-per-node 1 fsdprun ...` per node");
+    // See [Note: Slurm rendezvous] (src/slurm_env.h): the first host of the step, a port from the job id.
+    std::string origin;
+    if (!addr || addr->empty()) {
+      auto derived = detail::slurm_master_addr_from_env();
+      TORCH_CHECK(derived.has_value(), "init_process_group: MASTER_ADDR is not set, nor SLURM_STEP_NODELIST or "
+                  "SLURM_JOB_NODELIST to take it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size,
+                  "): expected srun to set the node list. Fix: launch with srun, or export MASTER_ADDR=<host of "
+                  "rank 0>");
+      addr = derived->addr;
+      origin = "MASTER_ADDR from " + derived->origin;
+    } else {
+      origin = "MASTER_ADDR from the environment";
+    }
+    if (!port) {
+      auto job_id = getenv_int("SLURM_JOB_ID");
+      if (!job_id) job_id = getenv_int("SLURM_JOBID");
+      TORCH_CHECK(job_id.has_value() && *job_id >= 0, "init_process_group: MASTER_PORT is not set, nor SLURM_JOB_ID "
+                  "to derive it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size, "): expected "
+                  "srun to set SLURM_JOB_ID. Fix: launch with srun, or export MASTER_PORT=<free TCP port on ", *addr,
+                  ">");
+      const long step_id = getenv_int("SLURM_STEP_ID").value_or(getenv_int("SLURM_STEPID").value_or(0));
+      port = detail::slurm_master_port(*job_id, step_id < 0 ? 0 : step_id);
+      origin += ", MASTER_PORT = 20000 + 10 * (SLURM_JOB_ID=" + std::to_string(*job_id) + " % 1000) + (SLURM_STEP_ID=" +
+                std::to_string(step_id) + " % 10); export MASTER_PORT to choose another";
+    } else {
+      origin += ", MASTER_PORT from the environment";
+    }
+    env.rendezvous_origin = origin;
+  }
   // Under mpirun with the mpi backend built in, the store's address comes over MPI (process_group_mpi.h).
   if (env.world_size > 1 && !detail::mpi_provides_rendezvous(env.source)) {
     TORCH_CHECK(addr.has_value() && !addr->empty(), "init_process_group: MASTER_ADDR is not set: expected the host of "
@@ -224,7 +264,8 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
       if (!ifname.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
     }
   } else {
-    auto addr = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
+    // MASTER_ADDR, or under srun without it the first host of the step (src/slurm_env.h).
+    auto addr = detail::rendezvous_host_from_env();
     bool local = addr == "127.0.0.1" || addr == "localhost" || addr == "::1";
     opts->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                   : c10d::ProcessGroupGloo::createDefaultDevice());
@@ -284,7 +325,11 @@ torch::Device select_device(const InitOptions& options, const LaunchEnv& env, co
               "has no usable CUDA device. Fix: use device_type kCPU (backend gloo) or a CUDA build of LibTorch");
   int n = static_cast<int>(torch::cuda::device_count());
   TORCH_CHECK(env.local_rank < n, "init_process_group: LOCAL_RANK=", env.local_rank, " but this node has only ",
-              n, " CUDA device(s): expected --nproc-per-node <= ", n);
+              n, " CUDA device(s): expected --nproc-per-node <= ", n,
+              // Each rank takes cuda:SLURM_LOCALID, so every task must see all of its node's GPUs.
+              env.source == "slurm" ? " (under srun: SLURM_LOCALID is the local rank; request GPUs with "
+                                      "--gpus-per-node=G and --ntasks-per-node=G, not --gpus-per-task or --gpu-bind, "
+                                      "which leave each task only its own GPU)" : "");
   torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   // Rank-aware device init, before any CUDA work (the rendezvous creates none; NCCL's communicator,
   // the first allocation and FSDP's streams come later and all land on this device).
@@ -302,7 +347,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& options, const 
     int rc = getaddrinfo(env.master_addr.c_str(), nullptr, nullptr, &res);
     if (res) freeaddrinfo(res);
     TORCH_CHECK(rc == 0, "init_process_group: MASTER_ADDR=", env.master_addr, " cannot be resolved (",
-                gai_strerror(rc), "). Fix: set MASTER_ADDR to the host name or IP address of rank 0");
+                gai_strerror(rc), "; ", env.rendezvous_origin,
+                "). Fix: set MASTER_ADDR to the host name or IP address of rank 0");
   }
   c10::intrusive_ptr<c10d::Store> store = options.store();
   c10d::TCPStoreOptions sopts;
@@ -317,8 +363,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& options, const 
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
                 " could not rendezvous with the TCPStore at MASTER_ADDR:MASTER_PORT = ", env.master_addr, ":",
-                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " within ", timeout.count(),
-                " ms: ", detail::message_of(e),
+                env.master_port, (sopts.isServer ? " (hosted by this rank)" : ""), " (", env.rendezvous_origin,
+                ") within ", timeout.count(), " ms: ", detail::message_of(e),
                 ". Fix: check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are reachable from this host");
   }
   if (env.use_agent_store) {

@@ -205,6 +205,7 @@ TEST_F(Env, SlurmAndOpenMpi) {
   setenv("SLURM_PROCID", "2", 1);
   setenv("SLURM_NTASKS", "4", 1);
   setenv("SLURM_LOCALID", "0", 1);
+  setenv("SLURM_STEP_ID", "0", 1);  // a task of an srun step (test_slurm_env.cpp: the batch script is refused)
   setenv("MASTER_ADDR", "10.0.0.1", 1);
   setenv("MASTER_PORT", "1234", 1);
   auto env = fsdp::read_launch_env();

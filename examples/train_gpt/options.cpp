@@ -355,7 +355,10 @@ bool use_cuda(const Options& o, const fsdp::LaunchEnv& env) {
   if (cuda && env.local_rank >= static_cast<int>(torch::cuda::device_count())) {
     throw UsageError("--device cuda: LOCAL_RANK " + std::to_string(env.local_rank) + " but only " +
                      std::to_string(torch::cuda::device_count()) + " CUDA device(s). Fix: --nproc-per-node <= " +
-                     std::to_string(torch::cuda::device_count()));
+                     std::to_string(torch::cuda::device_count()) +
+                     (env.source == "slurm" ? " (under srun: --ntasks-per-node <= --gpus-per-node, and no "
+                                              "--gpus-per-task/--gpu-bind, so that every task sees its node's GPUs)"
+                                            : ""));
   }
   return cuda;
 }

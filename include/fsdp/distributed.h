@@ -27,8 +27,12 @@ struct ProcessGroupAccess;  // src/process_group_access.h
 
 /// Who launched us and where this process sits, as read from the environment.
 /// Sources, in order: torchrun/fsdprun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-/// `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`) and Open MPI
-/// (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`).
+/// `MASTER_ADDR`, `MASTER_PORT`), Open MPI (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
+/// `OMPI_COMM_WORLD_LOCAL_RANK`) and Slurm's srun (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`; the
+/// processes on this node from `SLURM_STEP_TASKS_PER_NODE` at `SLURM_NODEID`). Under srun, `MASTER_ADDR`
+/// defaults to the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`) and `MASTER_PORT` to
+/// 20000 + 10 * (`SLURM_JOB_ID` % 1000) + (`SLURM_STEP_ID` % 10); an exported `MASTER_ADDR`/`MASTER_PORT`
+/// overrides either (docs/SLURM.md).
 struct LaunchEnv {
   int rank = 0;               ///< global rank, 0 <= rank < world_size
   int world_size = 1;         ///< number of processes in the job
@@ -39,12 +43,18 @@ struct LaunchEnv {
   bool use_agent_store = false;  ///< `TORCHELASTIC_USE_AGENT_STORE=True`: the launcher hosts the store
   int restart_count = 0;      ///< `TORCHELASTIC_RESTART_COUNT` (selects the store prefix with an agent store)
   std::string source;         ///< "torchrun", "slurm" or "openmpi"
+  /// Where master_addr/master_port came from, for messages: "MASTER_ADDR/MASTER_PORT", or under srun e.g.
+  /// "MASTER_ADDR from the first host of SLURM_STEP_NODELIST=node[01-02], MASTER_PORT = 20000 + ...".
+  std::string rendezvous_origin = "MASTER_ADDR/MASTER_PORT";
 };
 
 /// Reads `LaunchEnv` from the environment.
 /// Throws c10::Error naming the variable when a required one is missing or invalid, e.g.
 /// "init_process_group: WORLD_SIZE=0 is invalid: expected a positive integer".
-/// `MASTER_ADDR`/`MASTER_PORT` are required only when world_size > 1.
+/// `MASTER_ADDR`/`MASTER_PORT` are required only when world_size > 1 (and, under srun, only when Slurm's
+/// node list or job id are missing). Under Slurm it also throws, naming `SLURM_STEP_ID`, in the batch script
+/// of `sbatch --ntasks N` (N > 1): a single process there would wait for N - 1 ranks that never start; and
+/// on a malformed `SLURM_STEP_NODELIST`/`SLURM_JOB_NODELIST`, naming the variable and the position.
 LaunchEnv read_launch_env();
 
 /// Options of init_process_group. Every field is optional.
