@@ -100,6 +100,11 @@ int run_attempts(Plan& plan, Nodes& nodes) {
       return 128 + a.interrupted;
     }
     const std::string mine = a.root >= 0 ? "failed" : !a.stopped_for.empty() ? "stopped" : "ok";
+    if (multi && a.root >= 0) {  // this node's own view (the attempt's first failure may be another node's)
+      const Worker& r = a.workers[a.root];
+      warn(nodes.describe(plan.node_rank) + ": rank " + std::to_string(r.rank) + " (local_rank " +
+           std::to_string(r.local_rank) + ") ended with " + describe_exit(r.exitcode));
+    }
     const Nodes::Outcome o = nodes.finish_attempt(restart, mine);
     if (!o.fatal.empty()) {
       if (a.root >= 0) print_summary(plan, a, restart);
