@@ -158,7 +158,7 @@ class Nodes {
   std::chrono::milliseconds heartbeat_timeout_{10000};
   std::map<int, std::string> node_desc_;
   std::map<int, std::pair<int64_t, Clock::time_point>> last_beat_;
-  Clock::time_point last_own_beat_{}, last_watch_{};
+  Clock::time_point last_own_beat_{}, last_watch_{}, last_poll_{};
 };
 
 }  // namespace fsdprun
