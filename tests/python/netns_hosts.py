@@ -19,7 +19,8 @@ forward between the mgmt links (net.ipv4.ip_forward is 0 in a new namespace). Th
 inside namespaces this fixture creates, so they cannot collide with the machine's own networks.
 
 Processes run inside a host with `ip netns exec` (Host.cmd / Host.popen / Host.run). The hostname is the
-machine's (namespaces do not change it); the hosts are addressed by IP (Host.data_ip).
+machine's (namespaces do not change it); inside the hosts, /etc/hosts names them host0, host1, ... (data
+addresses) and maps only localhost to 127.0.0.1, and there is no DNS server (see _write_etc).
 
 Cleanup: at teardown every process left in a namespace is SIGKILLed and the namespaces are deleted (which
 deletes their links), also when the test failed or timed out (pytest-timeout's default signal method raises
@@ -57,8 +58,12 @@ def _namespaces():
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
+def _etc_dir(ns):
+    return Path("/etc/netns") / ns
+
+
 def _kill_and_delete(ns):
-    """SIGKILLs every process inside `ns` (they keep it alive), then deletes it and its links."""
+    """SIGKILLs every process inside `ns` (they keep it alive), then deletes it, its links and its /etc files."""
     for _ in range(50):
         pids = [int(x) for x in _ip("netns", "pids", ns, check=False).stdout.split()]
         if not pids:
@@ -70,6 +75,7 @@ def _kill_and_delete(ns):
                 pass
         time.sleep(0.1)
     _ip("netns", "del", ns, check=False)
+    shutil.rmtree(_etc_dir(ns), ignore_errors=True)
 
 
 def remove_stale_namespaces():
@@ -122,6 +128,18 @@ class Hosts:
             _kill_and_delete(ns)
 
 
+def _write_etc(host, n):
+    """/etc/netns/<ns>/{hosts,resolv.conf}, which `ip netns exec` mounts over /etc's: the hosts' names
+    (host0, host1, ...) and no DNS server. The machine's DNS server is unreachable from the test network (the
+    default route leads nowhere), so without this every reverse lookup (c10d's TCPStore makes one per
+    connection) would wait for the resolver's timeout, 5 s and more."""
+    d = _etc_dir(host.ns)
+    d.mkdir(parents=True, exist_ok=True)
+    lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"10.201.0.{i + 1} host{i}" for i in range(n)]
+    (d / "hosts").write_text("\n".join(lines) + "\n")
+    (d / "resolv.conf").write_text("# no DNS on the test network (tests/python/netns_hosts.py)\nnameserver 127.0.0.1\n")
+
+
 def create_hosts(n=2):
     """Creates the namespaces and links described in the module docstring; raises RuntimeError on failure
     (after removing what it created)."""
@@ -142,6 +160,7 @@ def create_hosts(n=2):
             h = Host(index=i, ns=f"{tag}-h{i}", data_ip=f"10.201.0.{i + 1}", mgmt_ip=f"10.202.{i}.2")
             hs.hosts.append(h)
             _ip("netns", "add", h.ns)
+            _write_etc(h, n)
             hn = ("-n", h.ns)
             _ip(*hn, "link", "set", "lo", "up")
             # Created inside the host namespace, the peer end moved to the switch: no name in the root

@@ -125,7 +125,8 @@ void Nodes::connect_store() {
       so.isServer = host;
       so.multiTenant = true;
       so.waitWorkers = false;
-      so.timeout = connect_timeout;  // how long the other nodes wait for the store's host
+      // How long the other nodes wait for the store's host (the host's own client connects at once).
+      so.timeout = host ? std::chrono::milliseconds(std::chrono::minutes(15)) : connect_timeout;
       if (!host && plan_.nnodes > 1)
         warn("waiting for the store at " + plan_.master_addr + ":" + std::to_string(so.port) +
              (plan_.c10d ? " (rendezvous '" + plan_.run_id + "')" : " (node 0)"));
