@@ -7,6 +7,7 @@
 //
 //   fsdprun --standalone --nproc-per-node 4 build/bin/train_gpt --steps 100
 //   fsdprun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr node0 --master-port 29500 PROGRAM
+//   fsdprun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job1 --nproc-per-node 8 PROGRAM
 //
 // As torchrun's agent, fsdprun
 //  * hosts the c10d TCPStore (the "agent store") at MASTER_ADDR:MASTER_PORT (node 0 only; other nodes
@@ -27,8 +28,12 @@
 //    128+signal once they are gone. It is a child subreaper, so no descendant of a worker outlives it.
 //
 //
-// The parts: options.cpp (command line, plan), workers.cpp (one attempt's workers), this file (the
-// agent store, the run folder, restarts).
+//  * with several nodes (one fsdprun each), rendezvous with the other agents (static or c10d), and
+//    agrees with them on every attempt's outcome: a failure on one node stops and restarts every node,
+//    a lost node (no heartbeat) or a lost store ends the job on all of them (nodes.cpp).
+//
+// The parts: options.cpp (command line, plan), workers.cpp (one attempt's workers), nodes.cpp (the agent
+// store, the rendezvous, the agents' coordination), this file (the run folder, restarts).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <unistd.h>
