@@ -244,3 +244,18 @@ def test_killed_agent_ends_the_other_host_naming_the_lost_node(netns_hosts, text
     left = subprocess.run(["ip", "netns", "pids", netns_hosts.hosts[0].ns], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left on host 0: {left}"
     print(f"[multinode] agent of host 1 killed: host 0 exited in {took:.1f} s")
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. Bad rendezvous flags fail at once, naming what is expected (no namespaces needed).
+@pytest.mark.parametrize("flags, expect", [
+    (["--rdzv-backend", "etcd"], "--rdzv-backend etcd: expected static or c10d"),
+    (["--rdzv-backend", "c10d"], "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:99999"], "expected HOST[:PORT] with a port in 1-65535"),
+    (["--nnodes", "1:2"], "elastic MIN:MAX ranges are not supported"),
+])
+def test_bad_rendezvous_flags(flags, expect):
+    nnodes = [] if "--nnodes" in flags else ["--nnodes", "2"]
+    p = subprocess.run([str(FSDPRUN), *nnodes, *flags, "--", "/bin/true"], env=job_env(), capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 1 and expect in p.stderr, p.stderr
