@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "network_check.h"
 #include "process_group_access.h"
 #include "slurm_env.h"
 #include "util.h"
@@ -61,6 +62,9 @@ void warm_up_math_kernels() {
     }
   });
 }
+
+// A one-host job: Gloo listens on loopback unless GLOO_SOCKET_IFNAME says otherwise.
+bool is_loopback(const std::string& addr) { return addr == "127.0.0.1" || addr == "localhost" || addr == "::1"; }
 
 std::mutex g_default_mutex;
 std::optional<bool> g_debug_override;
@@ -254,6 +258,9 @@ std::string ProcessGroup::str() const {
 ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                 std::chrono::milliseconds timeout, std::vector<int> global_ranks,
                                 std::string name, int threads) {
+  // A name that is no interface here fails naming the variable (Gloo's own message is "Unable to find
+  // address for: X"); init_process_group checks reachability too (src/network_check.cpp).
+  detail::check_socket_ifname("GLOO_SOCKET_IFNAME");
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   // GLOO_SOCKET_IFNAME (comma-separated) selects interfaces, as in PyTorch; otherwise loopback for a
   // one-host job and the hostname's address otherwise.
@@ -265,8 +272,7 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
     }
   } else {
     // MASTER_ADDR, or under srun without it the first host of the step (src/slurm_env.h).
-    auto addr = detail::rendezvous_host_from_env();
-    bool local = addr == "127.0.0.1" || addr == "localhost" || addr == "::1";
+    bool local = is_loopback(detail::rendezvous_host_from_env());
     opts->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                   : c10d::ProcessGroupGloo::createDefaultDevice());
   }
@@ -392,9 +398,13 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   auto store = connect_store(options, env, timeout);
   ProcessGroupPtr group;
   if (backend_name == "gloo") {
+    // Across hosts, check the network first: a wrong or missing interface fails on every rank within
+    // seconds, naming it, instead of Gloo's full-mesh connect timing out after `timeout`.
+    detail::check_gloo_network(store, env.rank, env.world_size, timeout, is_loopback(env.master_addr));
     group = make_gloo_group(store, env.rank, env.world_size, timeout, {}, "default", options.gloo_threads());
   } else {
 #ifdef USE_C10D_NCCL
+    detail::check_socket_ifname("NCCL_SOCKET_IFNAME");
     auto nopts = c10d::ProcessGroupNCCL::Options::create();
     nopts->timeout = timeout;
     auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nopts);

@@ -3,11 +3,16 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 namespace fsdprun {
 
@@ -36,6 +41,10 @@ struct Options {
   std::string role = "default";
   std::optional<double> shutdown_timeout;
   bool no_python = false;
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;
+  std::string rdzv_id = "none";
+  double rdzv_timeout = 900;
   std::vector<std::string> command;
 };
 
@@ -53,6 +62,15 @@ struct Plan {
   std::vector<int> redirects, tee;
   std::set<int> console_ranks;  // empty: all
   std::chrono::milliseconds grace{30000};
+  // c10d rendezvous: the store is at master_addr:master_port (the endpoint), hosted by the agent on that
+  // host, and node_rank is assigned by the rendezvous.
+  bool c10d = false;
+  std::chrono::milliseconds rdzv_timeout{900000};
+  /// Called by the attempt's poll loop at least every second (multi-node: heartbeats, the other nodes'
+  /// failures): a non-empty answer stops this node's workers, with that reason.
+  std::function<std::string()> peer_check;
+  /// Called once when this node's first worker fails (multi-node: tells the other nodes).
+  std::function<void(const std::string&)> on_failure;
 };
 
 
@@ -86,6 +104,7 @@ struct Attempt {
   std::vector<Worker> workers;
   int root = -1;         // index of the first failed worker
   int interrupted = 0;   // signal fsdprun received
+  std::string stopped_for;  // why plan.peer_check stopped the workers (another node failed or was lost)
 };
 
 /// Makes the signals fsdprun forwards (and SIGCHLD) wake the attempt's poll loop (a self-pipe).
@@ -97,5 +116,49 @@ Attempt run_attempt(const Plan& plan, int restart);
 std::string describe_exit(int exitcode);
 /// torchrun's ChildFailedError report, plus the failed rank's last stderr lines.
 void print_summary(const Plan& plan, const Attempt& a, int restart);
+
+// ---- Nodes (nodes.cpp): the agent store, the agents' rendezvous, and their coordination.
+class Nodes {
+ public:
+  /// Hosts or joins the agent store (static: node 0 at --master-addr:--master-port; c10d: the agent on
+  /// the --rdzv-endpoint host) and, with several nodes or c10d, waits until --nnodes agents joined
+  /// (plan.rdzv_timeout), assigning plan.node_rank under c10d. Exits with a message on failure.
+  explicit Nodes(Plan& plan);
+  /// At least every second during an attempt: sends this node's heartbeat and returns why this node's
+  /// workers must stop ("" if they need not): another node's failure in `attempt`, a lost node, a lost store.
+  std::string poll(int attempt);
+  /// This node's workers failed in `attempt` (`what`): the other nodes stop theirs.
+  void report_failure(int attempt, const std::string& what);
+  struct Outcome {
+    bool ok = false;       // every node's workers succeeded
+    std::string failure;   // the attempt's first failure, as reported by its node
+    std::string fatal;     // the job cannot go on (a lost node or store): no restart
+  };
+  /// After this node's attempt ended (`mine`: ok, failed, stopped): waits for every node's.
+  Outcome finish_attempt(int attempt, const std::string& mine);
+  /// The exit barrier: the store's host keeps the store until every agent is done.
+  void finish();
+  /// The job must end now (`msg` says why): every agent stops its workers and exits 1.
+  void abort(const std::string& msg) { abort_job(msg); }
+  /// "node 1 (host 10.201.0.2)".
+  std::string describe(int node) const;
+
+ private:
+  void connect_store();
+  void rendezvous();
+  void beat(bool force);
+  std::string lost_node();
+  void abort_job(const std::string& msg);
+
+  Plan& plan_;
+  const std::string prefix_;
+  std::string hostname_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  bool hosts_store_ = false, aborted_ = false;
+  std::chrono::milliseconds heartbeat_timeout_{10000};
+  std::map<int, std::string> node_desc_;
+  std::map<int, std::pair<int64_t, Clock::time_point>> last_beat_;
+  Clock::time_point last_own_beat_{}, last_watch_{}, last_poll_{};
+};
 
 }  // namespace fsdprun

@@ -7,6 +7,7 @@
 //
 //   fsdprun --standalone --nproc-per-node 4 build/bin/train_gpt --steps 100
 //   fsdprun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr node0 --master-port 29500 PROGRAM
+//   fsdprun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job1 --nproc-per-node 8 PROGRAM
 //
 // As torchrun's agent, fsdprun
 //  * hosts the c10d TCPStore (the "agent store") at MASTER_ADDR:MASTER_PORT (node 0 only; other nodes
@@ -27,8 +28,12 @@
 //    128+signal once they are gone. It is a child subreaper, so no descendant of a worker outlives it.
 //
 //
-// The parts: options.cpp (command line, plan), workers.cpp (one attempt's workers), this file (the
-// agent store, the run folder, restarts).
+//  * with several nodes (one fsdprun each), rendezvous with the other agents (static or c10d), and
+//    agrees with them on every attempt's outcome: a failure on one node stops and restarts every node,
+//    a lost node (no heartbeat) or a lost store ends the job on all of them (nodes.cpp).
+//
+// The parts: options.cpp (command line, plan), workers.cpp (one attempt's workers), nodes.cpp (the agent
+// store, the rendezvous, the agents' coordination), this file (the run folder, restarts).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -39,8 +44,6 @@
 #include <cstring>
 #include <string>
 #include <thread>
-
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fsdprun.h"
 
@@ -65,30 +68,6 @@ void export_worker_defaults(const Plan& plan) {
   ::setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", 1);
 }
 
-/// The agent store. Node 0 hosts it (multi-tenant, so that every worker and agent can connect);
-/// port 0 binds a free port, which the workers then get as MASTER_PORT (set in `plan`).
-c10::intrusive_ptr<c10d::TCPStore> agent_store(Plan& plan) {
-  c10::intrusive_ptr<c10d::TCPStore> store;
-  try {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<std::uint16_t>(plan.master_port);
-    so.isServer = plan.node_rank == 0;
-    so.multiTenant = true;
-    so.waitWorkers = false;
-    so.timeout = std::chrono::minutes(15);  // how long other nodes wait for node 0's store
-    if (!so.isServer) warn("waiting for node 0's store at " + plan.master_addr + ":" + std::to_string(so.port));
-    store = c10::make_intrusive<c10d::TCPStore>(plan.master_addr, so);
-    plan.master_port = store->getPort();
-  } catch (const std::exception& e) {
-    auto c10_error = dynamic_cast<const c10::Error*>(&e);
-    die((plan.node_rank == 0 ? "cannot host the TCPStore on port " : "cannot reach the TCPStore at " +
-         plan.master_addr + ":") + std::to_string(plan.master_port) + ": " +
-        (c10_error ? c10_error->what_without_backtrace() : e.what()) +
-        (plan.node_rank == 0 ? "\nFix: pick another --master-port, or use --standalone / --master-port 0" : ""));
-  }
-  return store;
-}
-
 /// DIR/<run_id>_XXXXXX/attempt_<k>/<local_rank>/ (error.json, and the logs with --log-dir): sets
 /// plan.run_dir and plan.log_files; returns the temporary folder to remove at exit ("" with --log-dir).
 std::string make_run_dir(const Options& opt, Plan& plan) {
@@ -109,37 +88,51 @@ std::string make_run_dir(const Options& opt, Plan& plan) {
   return temp_root;
 }
 
-/// Runs attempts until one succeeds, is interrupted, or the restarts are spent; returns the exit status.
-int run_attempts(const Plan& plan) {
+/// Runs attempts until one succeeds (on every node), is interrupted, or the restarts are spent; returns
+/// the exit status. With several nodes the agents agree through `nodes` on each attempt's outcome, so
+/// that all restart together (or all stop).
+int run_attempts(Plan& plan, Nodes& nodes) {
+  const bool multi = plan.nnodes > 1;
   for (int restart = 0;; ++restart) {
+    if (multi) {
+      plan.peer_check = [&nodes, restart] { return nodes.poll(restart); };
+      plan.on_failure = [&nodes, restart](const std::string& what) { nodes.report_failure(restart, what); };
+    }
     Attempt a = run_attempt(plan, restart);
     if (a.interrupted) {
       warn("stopped by " + signame(a.interrupted));
+      if (multi) nodes.abort(nodes.describe(plan.node_rank) + ": its fsdprun was stopped by " + signame(a.interrupted));
       return 128 + a.interrupted;
     }
-    if (a.root < 0) return 0;
-    if (restart == plan.max_restarts) {
-      print_summary(plan, a, restart);
+    const std::string mine = a.root >= 0 ? "failed" : !a.stopped_for.empty() ? "stopped" : "ok";
+    if (multi && a.root >= 0) {  // this node's own view (the attempt's first failure may be another node's)
+      const Worker& r = a.workers[a.root];
+      warn(nodes.describe(plan.node_rank) + ": rank " + std::to_string(r.rank) + " (local_rank " +
+           std::to_string(r.local_rank) + ") ended with " + describe_exit(r.exitcode));
+    }
+    const Nodes::Outcome o = nodes.finish_attempt(restart, mine);
+    if (!o.fatal.empty()) {
+      if (a.root >= 0) print_summary(plan, a, restart);
+      warn(o.fatal + ": the job cannot go on without it (no restart); exiting");
       return 1;
     }
-    const Worker& r = a.workers[a.root];
-    warn("attempt " + std::to_string(restart) + " failed: rank " + std::to_string(r.rank) + " ended with " +
-         describe_exit(r.exitcode) + "; restarting the worker group (restart " + std::to_string(restart + 1) +
-         " of " + std::to_string(plan.max_restarts) + ")");
-  }
-}
-
-// With several nodes, node 0's store must outlive every node's workers (torchrun's exit barrier).
-void exit_barrier(c10d::TCPStore& store, const Plan& plan) {
-  if (plan.nnodes == 1) return;
-  const std::string key = "/fsdprun/" + plan.run_id + "/exited";
-  try {
-    store.add(key, 1);
-    auto deadline = Clock::now() + std::chrono::minutes(5);
-    while (plan.node_rank == 0 && store.add(key, 0) < plan.nnodes && Clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  } catch (const std::exception& e) {
-    warn(std::string("exit barrier: ") + e.what());
+    if (o.ok) return 0;
+    std::string what;
+    if (!multi) {
+      const Worker& r = a.workers[a.root];
+      what = "rank " + std::to_string(r.rank) + " ended with " + describe_exit(r.exitcode);
+    } else {
+      what = o.failure.empty() ? "a node's workers failed" : o.failure;
+    }
+    if (restart == plan.max_restarts) {
+      if (a.root >= 0) print_summary(plan, a, restart);
+      if (multi) warn("worker group failed on attempt " + std::to_string(restart) + " (--max-restarts " +
+                      std::to_string(plan.max_restarts) + "): " + what);
+      return 1;
+    }
+    warn("attempt " + std::to_string(restart) + " failed: " + what + "; restarting the worker group" +
+         (multi ? " on every node" : "") + " (restart " + std::to_string(restart + 1) + " of " +
+         std::to_string(plan.max_restarts) + ")");
   }
 }
 
@@ -153,15 +146,14 @@ int main(int argc, char** argv) {
   Options opt = parse_args(argc, argv);
   Plan plan = make_plan(opt);
   export_worker_defaults(plan);
-  auto store = agent_store(plan);
+  Nodes nodes(plan);  // the agent store and, across nodes, the rendezvous
   // After the store: until then there are no workers, and the default dispositions let Ctrl-C end a
   // node that waits for node 0.
   install_signal_handlers();
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
   const std::string temp_root = make_run_dir(opt, plan);
-  const int rc = run_attempts(plan);
-  exit_barrier(*store, plan);
-  store.reset();
+  const int rc = run_attempts(plan, nodes);
+  nodes.finish();
   if (!temp_root.empty()) {
     std::error_code ec;
     fs::remove_all(temp_root, ec);

@@ -138,6 +138,17 @@ Options parse_args(int argc, char** argv) {
   app.add_option("--shutdown-timeout,--shutdown_timeout", o.shutdown_timeout,
                  "Seconds between SIGTERM and SIGKILL when stopping workers (Default: 30)")
       ->envname("PET_SHUTDOWN_TIMEOUT")->check(number_in(0, 86400, false));
+  app.add_option("--rdzv-backend,--rdzv_backend", o.rdzv_backend,
+                 "static (node 0 hosts the store at --master-addr:--master-port) or c10d (the agent on the "
+                 "--rdzv-endpoint host hosts it, node ranks assigned on arrival)")
+      ->envname("PET_RDZV_BACKEND")->capture_default_str();
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", o.rdzv_endpoint, "c10d: HOST[:PORT] of the rendezvous (Default port: 29400)")
+      ->envname("PET_RDZV_ENDPOINT");
+  app.add_option("--rdzv-id,--rdzv_id", o.rdzv_id, "c10d: the job's id, the same on every node (TORCHELASTIC_RUN_ID)")
+      ->envname("PET_RDZV_ID")->capture_default_str();
+  app.add_option("--rdzv-timeout,--rdzv_timeout", o.rdzv_timeout,
+                 "Seconds to wait for every node to join (and, under c10d, for the endpoint's store)")
+      ->envname("FSDPRUN_RDZV_TIMEOUT")->capture_default_str()->check(number_in(0.1, 86400 * 7, false));
   app.add_flag("--no-python,--no_python", o.no_python, "Accepted for torchrun compatibility (always the case)");
   try {
     app.parse(argc, argv);
@@ -206,7 +217,7 @@ Plan make_plan(const Options& opt) {
   plan.nproc = parse_nproc(opt.nproc_per_node);
   plan.nnodes = opt.standalone ? 1 : parse_nnodes(opt.nnodes);
   plan.node_rank = opt.standalone ? 0 : opt.node_rank;
-  if (plan.node_rank >= plan.nnodes)
+  if (plan.node_rank >= plan.nnodes && opt.rdzv_backend != "c10d")
     die("--node-rank " + std::to_string(plan.node_rank) + " must be < --nnodes " + std::to_string(plan.nnodes));
   plan.max_restarts = opt.max_restarts;
   plan.program_path = resolve_program(opt.command.front());
@@ -216,6 +227,30 @@ Plan make_plan(const Options& opt) {
   plan.run_id = opt.standalone ? uuid4() : "none";
   plan.master_addr = opt.standalone ? "localhost" : opt.master_addr;
   plan.master_port = opt.standalone ? 0 : opt.master_port.value_or(29500);
+  plan.rdzv_timeout = std::chrono::milliseconds(static_cast<long>(opt.rdzv_timeout * 1000));
+  if (opt.rdzv_backend == "c10d" && !opt.standalone) {
+    // torchrun's c10d rendezvous: the store at the endpoint (hosted by the agent on that host), the
+    // node ranks in order of arrival, the run id from --rdzv-id.
+    if (opt.rdzv_endpoint.empty())
+      die("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the same on every node, e.g. node0:29400)");
+    const auto colon = opt.rdzv_endpoint.rfind(':');
+    plan.master_addr = opt.rdzv_endpoint.substr(0, colon);
+    plan.master_port = 29400;
+    if (colon != std::string::npos) {
+      const std::string port = opt.rdzv_endpoint.substr(colon + 1);
+      char* end = nullptr;
+      const long p = std::strtol(port.c_str(), &end, 10);
+      if (port.empty() || *end != '\0' || p < 1 || p > 65535)
+        die("--rdzv-endpoint " + opt.rdzv_endpoint + ": expected HOST[:PORT] with a port in 1-65535, got '" + port + "'");
+      plan.master_port = static_cast<int>(p);
+    }
+    if (plan.master_addr.empty()) die("--rdzv-endpoint " + opt.rdzv_endpoint + ": expected HOST[:PORT], the host is empty");
+    plan.c10d = true;
+    plan.run_id = opt.rdzv_id;
+    plan.node_rank = 0;  // assigned by the rendezvous
+  } else if (opt.rdzv_backend != "static" && opt.rdzv_backend != "c10d") {
+    die("--rdzv-backend " + opt.rdzv_backend + ": expected static or c10d");
+  }
   if (plan.master_port == 0 && plan.nnodes > 1) die("--master-port 0 needs --nnodes 1: other nodes must know the port");
   plan.redirects = parse_std(opt.redirects, plan.nproc, "--redirects");
   plan.tee = parse_std(opt.tee, plan.nproc, "--tee");

@@ -296,6 +296,7 @@ class Supervisor {
     for (;;) {
       poll_once();
       const bool no_children = reap();
+      check_peers();
       bool all_exited = std::all_of(a_.workers.begin(), a_.workers.end(), [](const Worker& w) { return w.exited; });
       if (all_exited) {
         if (no_children) break;
@@ -317,6 +318,16 @@ class Supervisor {
     for (auto& w : a_.workers) signal_worker(w, sig);
     if (!stopping_) kill_at_ = Clock::now() + plan_.grace;
     stopping_ = true;
+  }
+  /// Multi-node: another node failed or was lost (plan.peer_check, also while stopping: it carries this
+  /// node's heartbeat).
+  void check_peers() {
+    if (!plan_.peer_check) return;
+    std::string why = plan_.peer_check();
+    if (why.empty() || stopping_) return;
+    a_.stopped_for = why;
+    warn(why + ": stopping this node's workers");
+    stop(SIGTERM);
   }
   void kill_all() {
     for (auto& w : a_.workers) signal_worker(w, SIGKILL);
@@ -381,6 +392,9 @@ class Supervisor {
         if (w.exitcode != 0 && !stopping_) {
           a_.root = static_cast<int>(i);
           stop(SIGTERM);
+          if (plan_.on_failure)
+            plan_.on_failure("rank " + std::to_string(w.rank) + " (local_rank " + std::to_string(w.local_rank) +
+                             ") ended with " + describe_exit(w.exitcode));
         }
       }
     }

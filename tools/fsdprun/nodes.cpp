@@ -1,0 +1,354 @@
+// fsdprun's nodes: the agent store, the rendezvous of the agents (static or c10d), and what the agents of
+// a multi-node job tell each other through the store (heartbeats, a failed attempt, the end of an
+// attempt), so that all nodes restart together and a lost node stops every node instead of leaving its
+// workers hung in a collective.
+//
+// Keys (all under /fsdprun/<run_id>/ in the agent store; the workers use /worker/attempt_<k>/):
+//   rdzv/count               c10d: tickets; node rank = ticket - 1
+//   node/<r>                 "host addr" of node r, set once it joined (the rendezvous waits for all)
+//   hb/<r>                   node r's heartbeat counter, bumped every second
+//   abort                    why the job must end now (a lost node, an agent that could not start)
+//   attempt/<k>/failed       the first failure of attempt k ("node 1 (...): rank 3 ended with ...")
+//   attempt/<k>/outcome/<r>  node r's end of attempt k: ok, failed, stopped
+//   exited                   agents done (the store host waits for all before closing the store)
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "fsdprun.h"
+
+namespace fsdprun {
+namespace {
+
+std::string message_of(const std::exception& e) {
+  auto c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error ? c10_error->what_without_backtrace() : e.what();
+}
+
+std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string ip_of(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  const void* a = sa->sa_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
+                                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+  ::inet_ntop(sa->sa_family, a, buf, sizeof buf);
+  return buf;
+}
+
+/// The addresses `host` resolves to.
+std::vector<std::string> resolve(const std::string& host) {
+  std::vector<std::string> out;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
+  for (addrinfo* p = res; p; p = p->ai_next) out.push_back(ip_of(p->ai_addr));
+  ::freeaddrinfo(res);
+  return out;
+}
+
+/// torchrun's _matches_machine_hostname: localhost, this host's name, or one of its addresses.
+bool is_this_host(const std::string& host) {
+  if (host == "localhost" || host == "127.0.0.1" || host == "::1") return true;
+  char name[256] = "";
+  ::gethostname(name, sizeof name - 1);
+  if (host == name) return true;
+  std::vector<std::string> mine;
+  ifaddrs* ifa = nullptr;
+  if (::getifaddrs(&ifa) == 0) {
+    for (ifaddrs* p = ifa; p; p = p->ifa_next)
+      if (p->ifa_addr && (p->ifa_addr->sa_family == AF_INET || p->ifa_addr->sa_family == AF_INET6))
+        mine.push_back(ip_of(p->ifa_addr));
+    ::freeifaddrs(ifa);
+  }
+  for (const auto& ip : resolve(host))
+    if (std::find(mine.begin(), mine.end(), ip) != mine.end()) return true;
+  return false;
+}
+
+/// The local address this host uses to reach `host` (what the other nodes know it by).
+std::string source_address_to(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return "?";
+  std::string out = "?";
+  int fd = ::socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {  // UDP: no packet sent
+    sockaddr_storage me{};
+    socklen_t len = sizeof me;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0) out = ip_of(reinterpret_cast<sockaddr*>(&me));
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  return out;
+}
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string fmt_s(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.0f s", s);
+  return b;
+}
+
+}  // namespace
+
+Nodes::Nodes(Plan& plan) : plan_(plan), prefix_("/fsdprun/" + plan.run_id + "/") {
+  char name[256] = "localhost";
+  ::gethostname(name, sizeof name - 1);
+  hostname_ = name;
+  double hb = 10;
+  if (const char* v = std::getenv("FSDPRUN_HEARTBEAT_TIMEOUT_S")) hb = std::max(1.0, std::atof(v));
+  heartbeat_timeout_ = std::chrono::milliseconds(static_cast<long>(hb * 1000));
+  connect_store();
+  if (plan.nnodes > 1 || plan.c10d) rendezvous();
+}
+
+void Nodes::connect_store() {
+  // Static: node 0 hosts the store at --master-addr:--master-port. c10d: the agent on the endpoint's host
+  // (as torchrun); if another process already holds the port there, this agent joins as a client.
+  bool host = plan_.c10d ? is_this_host(plan_.master_addr) : plan_.node_rank == 0;
+  const auto connect_timeout = plan_.c10d ? plan_.rdzv_timeout : std::chrono::milliseconds(std::chrono::minutes(15));
+  for (int tries = 0; tries < 2; ++tries) {
+    try {
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<std::uint16_t>(plan_.master_port);
+      so.isServer = host;
+      so.multiTenant = true;
+      so.waitWorkers = false;
+      // How long the other nodes wait for the store's host (the host's own client connects at once).
+      so.timeout = host ? std::chrono::milliseconds(std::chrono::minutes(15)) : connect_timeout;
+      if (!host && plan_.nnodes > 1)
+        warn("waiting for the store at " + plan_.master_addr + ":" + std::to_string(so.port) +
+             (plan_.c10d ? " (rendezvous '" + plan_.run_id + "')" : " (node 0)"));
+      store_ = c10::make_intrusive<c10d::TCPStore>(plan_.master_addr, so);
+      plan_.master_port = store_->getPort();
+      hosts_store_ = host;
+      return;
+    } catch (const std::exception& e) {
+      if (host && plan_.c10d && tries == 0) {
+        warn("cannot host the rendezvous store on port " + std::to_string(plan_.master_port) + " (" + message_of(e) +
+             "): joining it as a client");
+        host = false;
+        continue;
+      }
+      die((host ? "cannot host the TCPStore on port " + std::to_string(plan_.master_port)
+                : "cannot reach the TCPStore at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+                      " within " + fmt_s(connect_timeout.count() / 1000.0)) +
+          ": " + message_of(e) +
+          (host ? "\nFix: pick another " + std::string(plan_.c10d ? "--rdzv-endpoint port" : "--master-port") +
+                      (plan_.nnodes == 1 ? ", or use --standalone / --master-port 0" : "")
+                : "\nFix: start fsdprun on " + plan_.master_addr + " (" +
+                      (plan_.c10d ? "the --rdzv-endpoint host" : "--node-rank 0") +
+                      ") and check that it is reachable from this host"));
+    }
+  }
+}
+
+std::string Nodes::describe(int node) const {
+  auto it = node_desc_.find(node);
+  return "node " + std::to_string(node) + (it != node_desc_.end() ? " (" + it->second + ")" : "");
+}
+
+void Nodes::rendezvous() {
+  const std::string me = hostname_ + " " + source_address_to(plan_.master_addr, plan_.master_port);
+  try {
+    store_->setTimeout(heartbeat_timeout_);  // a store op that hangs is a lost store host
+    if (plan_.c10d) {
+      const int64_t ticket = store_->add(prefix_ + "rdzv/count", 1);
+      if (ticket > plan_.nnodes)
+        die("rendezvous '" + plan_.run_id + "' at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+            " is full: " + std::to_string(plan_.nnodes) + " nodes (--nnodes) joined already. Fix: give this job its "
+            "own --rdzv-id, or raise --nnodes");
+      plan_.node_rank = static_cast<int>(ticket - 1);
+    } else if (store_->check({prefix_ + "node/" + std::to_string(plan_.node_rank)})) {
+      die("--node-rank " + std::to_string(plan_.node_rank) + " is taken: " +
+          str_of(store_->get(prefix_ + "node/" + std::to_string(plan_.node_rank))) +
+          " joined with it already. Fix: give every node its own --node-rank (0 to --nnodes - 1)");
+    }
+    store_->set(prefix_ + "node/" + std::to_string(plan_.node_rank), bytes_of(me));
+  } catch (const std::exception& e) {
+    die("rendezvous through the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+        " failed: " + message_of(e));
+  }
+  // Wait for every node (heartbeats go on: a node that waits is not lost).
+  const auto start = Clock::now();
+  std::vector<bool> arrived(plan_.nnodes, false);
+  for (;;) {
+    int n = 0;
+    std::string abort;
+    try {
+      beat(true);
+      for (int r = 0; r < plan_.nnodes; ++r) {
+        if (!arrived[r] && store_->check({prefix_ + "node/" + std::to_string(r)})) {
+          arrived[r] = true;
+          node_desc_[r] = str_of(store_->get(prefix_ + "node/" + std::to_string(r)));
+          last_beat_[r] = {-1, Clock::now()};
+        }
+        n += arrived[r];
+      }
+      if (store_->check({prefix_ + "abort"})) abort = str_of(store_->get(prefix_ + "abort"));
+    } catch (const std::exception& e) {
+      die("lost the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+          " during the rendezvous: " + message_of(e));
+    }
+    if (!abort.empty()) die(abort);
+    if (n == plan_.nnodes) break;
+    if (Clock::now() - start > plan_.rdzv_timeout) {
+      std::string have, missing;
+      for (int r = 0; r < plan_.nnodes; ++r) {
+        if (arrived[r]) have += (have.empty() ? "" : ", ") + describe(r);
+        else if (!plan_.c10d) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      std::string msg = (plan_.c10d ? "rendezvous '" + plan_.run_id + "'" : std::string("the static rendezvous")) +
+                        " at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) + " timed out after " +
+                        fmt_s(seconds_since(start)) + ": " + std::to_string(n) + " of " +
+                        std::to_string(plan_.nnodes) + " nodes arrived (" + have + ")" +
+                        (missing.empty() ? "" : "; missing node rank(s) " + missing) +
+                        ". Fix: start fsdprun on every node with the same " +
+                        (plan_.c10d ? "--rdzv-endpoint and --rdzv-id" : "--master-addr and --master-port") +
+                        ", or raise --rdzv-timeout";
+      abort_job(msg);
+      die(msg);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (plan_.nnodes > 1) {
+    std::string all;
+    for (int r = 0; r < plan_.nnodes; ++r) all += (r ? ", " : "") + describe(r);
+    warn("rendezvous complete: this is node " + std::to_string(plan_.node_rank) + " of " + std::to_string(plan_.nnodes) +
+         " (" + all + "); the store is at " + plan_.master_addr + ":" + std::to_string(plan_.master_port));
+  }
+}
+
+void Nodes::abort_job(const std::string& msg) {
+  try {
+    store_->compareSet(prefix_ + "abort", {}, bytes_of(msg));
+  } catch (const std::exception&) {
+  }
+}
+
+void Nodes::beat(bool force) {
+  if (!force && Clock::now() - last_own_beat_ < std::chrono::seconds(1)) return;
+  last_own_beat_ = Clock::now();
+  store_->add(prefix_ + "hb/" + std::to_string(plan_.node_rank), 1);
+}
+
+std::string Nodes::lost_node() {
+  // Only the store's host watches the heartbeats (n reads a second in all, not n^2); it publishes what it
+  // finds under abort, which every agent reads.
+  if (!hosts_store_ || Clock::now() - last_watch_ < std::chrono::seconds(1)) return "";
+  last_watch_ = Clock::now();
+  for (int r = 0; r < plan_.nnodes; ++r) {
+    if (r == plan_.node_rank) continue;
+    auto& [value, since] = last_beat_[r];
+    const int64_t v = store_->add(prefix_ + "hb/" + std::to_string(r), 0);
+    if (v != value) {
+      value = v;
+      since = Clock::now();
+    } else if (Clock::now() - since > heartbeat_timeout_) {
+      return "lost " + describe(r) + ": no heartbeat from its fsdprun for " + fmt_s(seconds_since(since)) +
+             " (its agent was killed, or its host went down or off the network)";
+    }
+  }
+  return "";
+}
+
+std::string Nodes::poll(int attempt) {
+  // The poll loop wakes for every chunk of worker output: a few store round trips 5 times a second suffice.
+  if (plan_.nnodes == 1 || Clock::now() - last_poll_ < std::chrono::milliseconds(200)) return "";
+  last_poll_ = Clock::now();
+  try {
+    beat(false);
+    std::string lost = lost_node();
+    if (!lost.empty()) abort_job(lost);
+    if (store_->check({prefix_ + "abort"})) {
+      aborted_ = true;
+      return str_of(store_->get(prefix_ + "abort"));
+    }
+    const std::string failed = prefix_ + "attempt/" + std::to_string(attempt) + "/failed";
+    if (store_->check({failed})) return str_of(store_->get(failed));
+  } catch (const std::exception& e) {
+    aborted_ = true;
+    return "lost the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) + " (hosted by " +
+           (plan_.c10d ? "the agent on " + plan_.master_addr : describe(0)) + "): " + message_of(e);
+  }
+  return "";
+}
+
+void Nodes::report_failure(int attempt, const std::string& what) {
+  if (plan_.nnodes == 1) return;
+  try {
+    store_->compareSet(prefix_ + "attempt/" + std::to_string(attempt) + "/failed", {},
+                       bytes_of(describe(plan_.node_rank) + ": " + what));
+  } catch (const std::exception&) {
+  }
+}
+
+Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
+  Outcome out;
+  if (plan_.nnodes == 1) {
+    out.ok = mine == "ok";
+    return out;
+  }
+  const std::string key = prefix_ + "attempt/" + std::to_string(attempt) + "/";
+  try {
+    store_->set(key + "outcome/" + std::to_string(plan_.node_rank), bytes_of(mine));
+  } catch (const std::exception&) {
+  }
+  // Every node's end of this attempt: then all agree on what comes next (restart, done, or fail).
+  for (;;) {
+    std::string why = poll(attempt);
+    if (aborted_) {
+      out.fatal = why;
+      return out;
+    }
+    int n = 0;
+    bool all_ok = true;
+    try {
+      for (int r = 0; r < plan_.nnodes; ++r) {
+        const std::string k = key + "outcome/" + std::to_string(r);
+        if (!store_->check({k})) continue;
+        ++n;
+        all_ok = all_ok && str_of(store_->get(k)) == "ok";
+      }
+      if (n == plan_.nnodes) {
+        out.ok = all_ok;
+        if (!all_ok && store_->check({key + "failed"})) out.failure = str_of(store_->get(key + "failed"));
+        return out;
+      }
+    } catch (const std::exception& e) {
+      out.fatal = "lost the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) + ": " + message_of(e);
+      return out;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void Nodes::finish() {
+  if (plan_.nnodes == 1 || aborted_) return;
+  // The store's host keeps it until every agent has read the last outcome (torchrun's exit barrier).
+  const std::string key = prefix_ + "exited";
+  try {
+    store_->add(key, 1);
+    const auto deadline = Clock::now() + heartbeat_timeout_ * 3;
+    while (hosts_store_ && store_->add(key, 0) < plan_.nnodes && Clock::now() < deadline) {
+      beat(false);
+      if (!lost_node().empty()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception& e) {
+    warn(std::string("exit barrier: ") + message_of(e));
+  }
+}
+
+}  // namespace fsdprun
