@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 
 namespace fsdp::detail {
 
