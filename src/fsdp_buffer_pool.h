@@ -4,13 +4,12 @@
 // zeroed pages in again (thousands of minor faults per step on a few-MB model). The pool keeps freed
 // blocks in exact-size free lists and hands them out again.
 //
-// Bound: like CUDA's caching allocator, the pool's footprint (blocks in use + idle blocks) never exceeds
-// the most bytes FSDP ever had in use at once from it (the high-water mark): a fresh block that would
-// push the footprint above it first evicts idle blocks of other sizes. So the idle bytes are at most
-// the high-water mark minus what is in use, the process's peak is what it was without the pool (the idle
-// blocks are the memory FSDP's peak already needed), and nothing like one persistent buffer per group
-// (the whole unsharded model) is ever held. Blocks come from the CPU allocator current when they are
-// made (c10::GetCPUAllocator()), so allocator-level memory figures count idle bytes as held.
+// Bound: the pool's footprint (blocks in use + idle blocks) never exceeds twice the most bytes FSDP ever
+// had in use at once from it (the high-water mark; twice because blocks are exact-size, see
+// kFootprintFactor): a fresh block that would push the footprint above it first evicts idle blocks. So the
+// idle bytes stay below 2 x the high-water mark minus what is in use, and nothing like one persistent
+// buffer per group (the whole unsharded model) is held. Blocks come from the CPU allocator current when
+// they are made (c10::GetCPUAllocator()), so allocator-level memory figures count idle bytes as held.
 //
 // Blocks are at::DataPtrs whose deleter returns them to the pool; the pool's state is shared by every
 // block it handed out, so tensors may outlive the pool's owner (the CommContext). FSDP_CPU_BUFFER_POOL=0
@@ -36,7 +35,7 @@ struct BufferPoolStats {
   uint64_t evictions = 0;     // idle blocks given back to the CPU allocator
   uint64_t in_use_bytes = 0;  // bytes of blocks handed out and not yet returned
   uint64_t idle_bytes = 0;    // bytes of blocks kept for reuse
-  uint64_t high_water_bytes = 0;  // most bytes ever in use at once: the bound on in_use + idle
+  uint64_t high_water_bytes = 0;  // most bytes ever in use at once; in_use + idle <= 2 x this
 };
 
 /// An exact-size caching allocator for CPU tensors (see the file comment). Thread-safe: blocks may be

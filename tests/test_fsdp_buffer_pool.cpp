@@ -59,20 +59,28 @@ TEST(BufferPool, ReusesABlockOfTheSameSize) {
   EXPECT_EQ(s.idle_bytes, 0u);
 }
 
-TEST(BufferPool, FootprintNeverExceedsTheMostBytesInUse) {
+TEST(BufferPool, FootprintStaysWithinTwiceTheMostBytesInUse) {
   ScopedEnv env("FSDP_CPU_BUFFER_POOL", nullptr);
   auto pool = make_buffer_pool();
   { auto a = pool->empty({1000}, torch::kUInt8); }  // high-water 1000, then idle
-  auto b = pool->empty({2000}, torch::kUInt8);        // another size: the idle block would exceed it
-  auto s = pool->stats();
-  EXPECT_EQ(s.evictions, 1u);
-  EXPECT_EQ(s.idle_bytes, 0u);
-  EXPECT_EQ(s.high_water_bytes, 2000u);
+  auto b = pool->empty({1000}, torch::kUInt8);        // reuses it
+  auto c = pool->empty({1500}, torch::kUInt8);        // high-water 2500: footprint 2500
   b = torch::Tensor();
-  { auto c = pool->empty({500}, torch::kUInt8); }  // fits beside the idle 2000 block? no: 2500 > 2000
+  c = torch::Tensor();                                // both idle: 2500
+  auto s = pool->stats();
+  EXPECT_EQ(s.evictions, 0u);
+  EXPECT_EQ(s.idle_bytes, 2500u);
+  EXPECT_EQ(s.high_water_bytes, 2500u);
+  {
+    auto d = pool->empty({2000}, torch::kUInt8);  // 2500 idle + 2000 <= 2 x 2500: kept beside them
+    EXPECT_EQ(pool->stats().evictions, 0u);
+  }
+  EXPECT_EQ(pool->stats().idle_bytes, 4500u);
+  auto f = pool->empty({3000}, torch::kUInt8);  // 4500 idle + 3000 > 2 x 2500: the largest idle go first
   s = pool->stats();
-  EXPECT_LE(s.in_use_bytes + s.idle_bytes, s.high_water_bytes);
-  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.evictions, 2u);  // 2000, then 1500: 1000 + 3000 <= 5000
+  EXPECT_EQ(s.idle_bytes, 1000u);
+  EXPECT_LE(s.in_use_bytes + s.idle_bytes, 2 * s.high_water_bytes);
   pool->release_idle();
   EXPECT_EQ(pool->stats().idle_bytes, 0u);
 }
@@ -126,9 +134,12 @@ std::vector<RankResult> train(const PoolRun& c, bool pool_on) {
   ScopedEnv env("FSDP_CPU_BUFFER_POOL", pool_on ? "1" : "0");
   std::vector<RankResult> out(c.world);
   const auto batches = make_batches(kWarmSteps + kSteadySteps, 6 * c.world, 4);
+  // The initial weights, drawn once (rank threads drawing from the global generator at once would race).
+  torch::manual_seed(7);
+  const auto weights = snapshot(*Net(/*n_blocks=*/3));
   run_ranks(c.world, [&](ProcessGroupPtr pg) {
-    torch::manual_seed(7);
     Net net(/*n_blocks=*/3);
+    load_full(*net, weights);
     auto mesh = init_device_mesh(torch::kCPU, {c.world});
     for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
     fully_shard(net, FullyShardOptions().mesh(mesh));
@@ -163,7 +174,7 @@ TEST_P(BufferPoolTraining, SteadyStateReusesEveryBlockAndTrainsBitIdentically) {
     EXPECT_EQ(w.end.misses, w.warm.misses) << "rank " << r << ": fresh blocks after the warm-up steps";
     EXPECT_EQ(w.end.evictions, w.warm.evictions) << "rank " << r;
     EXPECT_GT(w.end.hits, w.warm.hits) << "rank " << r << ": the pool was not used";
-    EXPECT_LE(w.end.in_use_bytes + w.end.idle_bytes, w.end.high_water_bytes) << "rank " << r;
+    EXPECT_LE(w.end.in_use_bytes + w.end.idle_bytes, 2 * w.end.high_water_bytes) << "rank " << r;
     EXPECT_EQ(without[r].end.misses + without[r].end.hits, 0u) << "rank " << r << ": the switch was ignored";
     // Bit-identical training: same losses, same shards.
     ASSERT_EQ(w.losses.size(), without[r].losses.size());
