@@ -60,13 +60,16 @@ void return_block(void* ctx) {
   state->stats.idle_bytes += b->nbytes;
 }
 
+// Off by default: the pool trades memory for page faults (on the parameter-heavy model of
+// tests/test_memory_estimate.cpp the peak grows by 17-36%, see docs/BENCHMARKS.md).
 bool pool_wanted() {
   const char* v = std::getenv("FSDP_CPU_BUFFER_POOL");
-  if (v == nullptr || !*v || std::string(v) == "1") return true;
-  TORCH_CHECK(std::string(v) == "0", "FSDP_CPU_BUFFER_POOL=", v,
-              " is invalid: expected \"1\" (the default: FSDP's CPU buffers are reused across steps) or \"0\" "
-              "(every buffer is allocated and freed through the CPU allocator)");
-  return false;
+  if (v == nullptr || !*v || std::string(v) == "0") return false;
+  TORCH_CHECK(std::string(v) == "1", "FSDP_CPU_BUFFER_POOL=", v,
+              " is invalid: expected \"1\" (FSDP's CPU buffers are reused across steps: no page faults per step, "
+              "more memory held) or \"0\" (the default: every buffer is allocated and freed through the CPU "
+              "allocator)");
+  return true;
 }
 
 }  // namespace

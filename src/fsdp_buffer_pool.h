@@ -12,8 +12,9 @@
 // they are made (c10::GetCPUAllocator()), so allocator-level memory figures count idle bytes as held.
 //
 // Blocks are at::DataPtrs whose deleter returns them to the pool; the pool's state is shared by every
-// block it handed out, so tensors may outlive the pool's owner (the CommContext). FSDP_CPU_BUFFER_POOL=0
-// disables it (every allocation goes straight to the CPU allocator, as before issue 16).
+// block it handed out, so tensors may outlive the pool's owner (the CommContext). Off by default: it holds
+// memory between steps (on a parameter-heavy model the peak grew by 17-36%, docs/BENCHMARKS.md);
+// FSDP_CPU_BUFFER_POOL=1 turns it on. Off, every allocation goes straight to the CPU allocator.
 //
 // No PyTorch counterpart: on CUDA the caching allocator does this for FSDP2; this is its CPU analogue,
 // scoped to FSDP's own buffers.
@@ -66,7 +67,8 @@ class BufferPool : public c10::Allocator {
 };
 using BufferPoolPtr = std::shared_ptr<BufferPool>;
 
-/// A new pool; enabled unless the environment sets FSDP_CPU_BUFFER_POOL=0.
+/// A new pool; enabled when the environment sets FSDP_CPU_BUFFER_POOL=1 (throws c10::Error for a value
+/// other than 0 or 1).
 BufferPoolPtr make_buffer_pool();
 
 }  // namespace fsdp::detail

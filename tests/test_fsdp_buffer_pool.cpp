@@ -1,5 +1,5 @@
 // The CPU buffer pool of FSDP's transient buffers (CTest label: fully_shard; issue 16, part 2): exact-size
-// reuse, the high-water bound, lifetime, the switch; and in training: after the first steps every buffer
+// reuse, the high-water bound, lifetime, the switch (FSDP_CPU_BUFFER_POOL=1; off by default); and in training: after the first steps every buffer
 // FSDP needs comes from the pool (no fresh block, hence no page faults from FSDP's own buffers), with
 // results bit-identical to training without the pool (uneven shards, 2 and 3 ranks, zero_grad setting
 // gradients to none or zeroing them in place). Counters, not timing.
@@ -39,7 +39,7 @@ struct ScopedEnv {
 };
 
 TEST(BufferPool, ReusesABlockOfTheSameSize) {
-  ScopedEnv env("FSDP_CPU_BUFFER_POOL", nullptr);
+  ScopedEnv env("FSDP_CPU_BUFFER_POOL", "1");
   auto pool = make_buffer_pool();
   ASSERT_TRUE(pool->enabled());
   void* first = nullptr;
@@ -60,7 +60,7 @@ TEST(BufferPool, ReusesABlockOfTheSameSize) {
 }
 
 TEST(BufferPool, FootprintStaysWithinTwiceTheMostBytesInUse) {
-  ScopedEnv env("FSDP_CPU_BUFFER_POOL", nullptr);
+  ScopedEnv env("FSDP_CPU_BUFFER_POOL", "1");
   auto pool = make_buffer_pool();
   { auto a = pool->empty({1000}, torch::kUInt8); }  // high-water 1000, then idle
   auto b = pool->empty({1000}, torch::kUInt8);        // reuses it
@@ -86,7 +86,7 @@ TEST(BufferPool, FootprintStaysWithinTwiceTheMostBytesInUse) {
 }
 
 TEST(BufferPool, BlocksOutliveThePool) {
-  ScopedEnv env("FSDP_CPU_BUFFER_POOL", nullptr);
+  ScopedEnv env("FSDP_CPU_BUFFER_POOL", "1");
   auto pool = make_buffer_pool();
   auto t = pool->empty({64}, torch::kFloat32);
   t.fill_(3);
@@ -97,6 +97,8 @@ TEST(BufferPool, BlocksOutliveThePool) {
 
 TEST(BufferPool, SwitchedOffByEnvironment) {
   {
+    ScopedEnv unset("FSDP_CPU_BUFFER_POOL", nullptr);  // off by default (it holds memory between steps)
+    EXPECT_FALSE(make_buffer_pool()->enabled());
     ScopedEnv env("FSDP_CPU_BUFFER_POOL", "0");
     auto pool = make_buffer_pool();
     EXPECT_FALSE(pool->enabled());
