@@ -61,7 +61,7 @@ void return_block(void* ctx) {
 }
 
 // Off by default: the pool trades memory for page faults (on the parameter-heavy model of
-// tests/test_memory_estimate.cpp the peak grows by 17-36%, see docs/BENCHMARKS.md).
+// tests/test_memory_estimate.cpp the peak grows by 17-42%, see docs/BENCHMARKS.md).
 bool pool_wanted() {
   const char* v = std::getenv("FSDP_CPU_BUFFER_POOL");
   if (v == nullptr || !*v || std::string(v) == "0") return false;

@@ -13,7 +13,7 @@
 //
 // Blocks are at::DataPtrs whose deleter returns them to the pool; the pool's state is shared by every
 // block it handed out, so tensors may outlive the pool's owner (the CommContext). Off by default: it holds
-// memory between steps (on a parameter-heavy model the peak grew by 17-36%, docs/BENCHMARKS.md);
+// memory between steps (on a parameter-heavy model the peak grew by 17-42%, docs/BENCHMARKS.md);
 // FSDP_CPU_BUFFER_POOL=1 turns it on. Off, every allocation goes straight to the CPU allocator.
 //
 // No PyTorch counterpart: on CUDA the caching allocator does this for FSDP2; this is its CPU analogue,
