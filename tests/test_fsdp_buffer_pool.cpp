@@ -128,7 +128,7 @@ struct RankResult {
   detail::BufferPoolStats warm, end;  // after the warm-up steps, at the end
 };
 
-constexpr int kWarmSteps = 2, kSteadySteps = 3;
+constexpr int kWarmSteps = 3, kSteadySteps = 3;
 
 // Trains Net (uneven shards on 2 and 3 ranks) for kWarmSteps + kSteadySteps AdamW steps, every block and
 // the root sharded, with the pool on or off; per rank: final shards, losses and the pool's counters.
@@ -172,10 +172,15 @@ TEST_P(BufferPoolTraining, SteadyStateReusesEveryBlockAndTrainsBitIdentically) {
   const auto without = train(c, false);
   for (int r = 0; r < c.world; ++r) {
     const auto& w = with[r];
-    // Steady state: every buffer came from an idle block (a fresh one would be page-faulted in).
-    EXPECT_EQ(w.end.misses, w.warm.misses) << "rank " << r << ": fresh blocks after the warm-up steps";
+    // Steady state: the buffers come from idle blocks (a fresh one would be page-faulted in). Not
+    // strictly all: Gloo's work releases a reduce-scatter's input and scratch when it is waited, so how
+    // many blocks of a size are in use at once can differ by one between steps, and the pool then makes
+    // one more block (kept from then on). Allowed: 2 per rank over the steady steps, against some
+    // twenty buffers per step; a pool that does not reuse makes them all afresh.
+    const uint64_t fresh = w.end.misses - w.warm.misses, reused = w.end.hits - w.warm.hits;
+    EXPECT_LE(fresh, 2u) << "rank " << r << ": fresh blocks after the warm-up steps (" << reused << " reused)";
+    EXPECT_GE(reused, 15u * kSteadySteps) << "rank " << r << ": the pool was not used";
     EXPECT_EQ(w.end.evictions, w.warm.evictions) << "rank " << r;
-    EXPECT_GT(w.end.hits, w.warm.hits) << "rank " << r << ": the pool was not used";
     EXPECT_LE(w.end.in_use_bytes + w.end.idle_bytes, 2 * w.end.high_water_bytes) << "rank " << r;
     EXPECT_EQ(without[r].end.misses + without[r].end.hits, 0u) << "rank " << r << ": the switch was ignored";
     // Bit-identical training: same losses, same shards.
