@@ -10,7 +10,7 @@
 namespace fsdp {
 
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type,
-                              bool error_if_nonfinite, ProcessGroupPtr group) {
+                              bool error_if_nonfinite, ProcessGroupPtr group, const torch::Tensor& also_sum) {
   TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive, got ", norm_type);
   const bool inf_norm = std::isinf(norm_type);
   // Split the gradients into sharded ones (summed over the shard group) and replicated ones.
@@ -63,7 +63,23 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
     return acc;
   };
   auto total = partial(sharded);
-  if (group && group->size() > 1) all_reduce(total, *group, inf_norm ? ReduceOp::MAX : ReduceOp::SUM);
+  if (also_sum.defined()) {
+    TORCH_CHECK(also_sum.is_contiguous(), "clip_grad_norm_: also_sum must be contiguous, got strides ",
+                also_sum.strides(), ". Fix: pass also_sum.contiguous() and read the result from that tensor");
+  }
+  const bool distributed = group && group->size() > 1;
+  if (distributed && also_sum.defined() && !inf_norm && also_sum.scalar_type() == total.scalar_type() &&
+      also_sum.device() == total.device()) {
+    // One collective for both (issue 16, part 3): [partial norm, also_sum...].
+    auto packed = torch::cat({total, also_sum.reshape({-1})});
+    all_reduce(packed, *group, ReduceOp::SUM);
+    total = packed.narrow(0, 0, 1);
+    torch::NoGradGuard no_grad;
+    also_sum.view({-1}).copy_(packed.narrow(0, 1, also_sum.numel()));
+  } else if (distributed) {
+    all_reduce(total, *group, inf_norm ? ReduceOp::MAX : ReduceOp::SUM);
+    if (also_sum.defined()) all_reduce(also_sum, *group, ReduceOp::SUM);
+  }
   auto rep = partial(replicated);
   total = inf_norm ? torch::maximum(total, rep) : (total + rep).pow(1.0 / norm_type);
   total = total.reshape({});

@@ -1,10 +1,13 @@
 #include "fsdp/collectives.h"
 
+#include <ATen/EmptyTensor.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
 
+#include "fsdp_buffer_pool.h"
 #include "process_group_access.h"
 
 namespace fsdp {
@@ -406,7 +409,13 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
   std::function<void()> on_done;
   if (ours) {
     // See [Note: Gloo reduce-scatter]. `gathered` is kept alive by the completion step (and by Gloo's work).
-    auto gathered = torch::empty_like(input.view({-1}));
+    // On the CPU from the input's allocator: FSDP's inputs come from its buffer pool (fsdp_buffer_pool.h),
+    // so the scratch is a reused pool block too instead of freshly faulted pages every step.
+    auto* pool = input.is_cpu() ? dynamic_cast<detail::BufferPool*>(input.storage().allocator()) : nullptr;
+    auto gathered = pool ? at::Tensor(at::detail::empty_generic({input.numel()}, pool,
+                                                               c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                               input.scalar_type(), std::nullopt))
+                        : torch::empty_like(input.view({-1}));
     on_done = [output, gathered, n, rank = group.rank(), op, total = input.nbytes()]() mutable {
       gloo_reduce_rows(output, gathered, n, rank, op, total);
       gathered = torch::Tensor();  // drop our reference once reduced (Gloo's work holds one until freed)

@@ -20,6 +20,7 @@
 #include "network_check.h"
 #include "process_group_access.h"
 #include "slurm_env.h"
+#include "progress_publisher.h"
 #include "util.h"
 
 namespace fsdp {
@@ -226,12 +227,19 @@ std::string ProcessGroup::dump_flight_recorder(const std::string& dir) const {
 
 void ProcessGroup::note_progress(uint64_t seq) {
   if (!store_ || size_ == 1) return;
-  store_->set("fsdp_progress/" + name_ + "/" + std::to_string(rank_), std::to_string(seq + 1));
+  // Written by a background thread: an inline store round trip per collective was most of the
+  // collectives layer's own cost on tiny models (see progress_publisher.h, docs/BENCHMARKS.md).
+  if (!progress_) {
+    progress_ = std::make_shared<detail::ProgressPublisher>(store_, "fsdp_progress/" + name_ + "/" + std::to_string(rank_));
+  }
+  progress_->publish(seq + 1);
 }
 
 std::vector<int> ProcessGroup::lagging_ranks(uint64_t seq) const {
   std::vector<int> lagging;
   if (!store_) return lagging;
+  // This rank's own mark may still be on its way to the store.
+  if (progress_) progress_->flush(std::chrono::seconds(5));
   try {
     for (int r = 0; r < size_; ++r) {
       std::string key = "fsdp_progress/" + name_ + "/" + std::to_string(r);

@@ -15,7 +15,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
   {
     // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
     StreamScope copy_in(&comm, CommStream::kAllGatherCopyIn);
-    output = torch::empty({world * n}, torch::TensorOptions().dtype(dtype).device(device));
+    output = comm.empty({world * n}, dtype, device);  // CPU: a pool block (see fsdp_buffer_pool.h)
     // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
     input = output.narrow(0, pg.rank() * n, n);
     int64_t off = 0;
@@ -56,18 +56,22 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
   const int64_t np = static_cast<int64_t>(param_indices.size());
   // Reduce-scatter input [ws, M + P]: row r = every gradient's chunk r (zero-padded), in group order,
   // then the P presence flags.
-  auto input = torch::zeros({ws, m + np}, torch::TensorOptions().dtype(reduce_dtype).device(device));
+  // Uninitialised (CPU: a pool block): every element is written below, the gradients' rows by the copy,
+  // the padding and absent gradients with zeros, so nothing is written twice.
+  auto input = comm.empty({ws, m + np}, reduce_dtype, device);
+  input.narrow(1, m, np).zero_();
   int64_t off = 0;
   for (size_t k = 0; k < param_indices.size(); ++k) {
     const auto& p = params[param_indices[k]];
     auto& g = grads[param_indices[k]];
-    if (g.defined()) {
-      input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
-      for (int r = 0; r < ws; ++r) {
-        auto range = chunk_range(p.orig_size[0], ws, r);
-        if (range.length == 0) continue;
-        input[r].narrow(0, off, range.length * p.row_numel).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+    if (g.defined()) input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
+    for (int r = 0; r < ws; ++r) {
+      auto range = chunk_range(p.orig_size[0], ws, r);
+      const int64_t filled = g.defined() ? range.length * p.row_numel : 0;
+      if (filled > 0) {
+        input[r].narrow(0, off, filled).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
       }
+      if (filled < p.padded_numel()) input[r].narrow(0, off + filled, p.padded_numel() - filled).zero_();
     }
     off += p.padded_numel();
     if (g.defined()) comm.record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
@@ -77,7 +81,7 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
     g = torch::Tensor();
   }
   auto flat_in = input.view({-1});
-  auto output = torch::empty({m + np}, input.options());
+  auto output = comm.empty({m + np}, reduce_dtype, device);
   Work work = reduce_scatter_tensor(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true);
   // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns
   // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
@@ -107,11 +111,20 @@ void foreach_reduce_scatter_copy_out(const ReduceScatterResult& rs, const std::v
     shape[0] = p.padded_rows;
     auto shard = rs.output.narrow(0, off, p.padded_numel()).view(shape).narrow(0, 0, p.local_rows);
     off += p.padded_numel();
-    // An independent tensor, not a view of the reduce-scatter buffer: optimizers detach_() and zero_()
-    // gradients in place, which views do not allow.
-    shard = shard.is_view() && shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device()
-                ? shard.clone()
-                : shard.to(p.sharded_data.device(), p.orig_dtype);
+    if (shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device() && shard.is_cpu()) {
+      // CPU: the gradient aliases its piece of the output (no copy, no allocation), as a plain tensor on
+      // the output's storage rather than a view: optimizers detach_() and zero_() gradients in place,
+      // which autograd views do not allow. The pieces are disjoint; the output's pool block returns to
+      // the pool once the last gradient of the group is dropped (zero_grad(set_to_none=true)) or, when
+      // it is accumulated into an existing .grad, right after.
+      shard = torch::empty({0}, shard.options()).set_(shard.storage(), shard.storage_offset(), shard.sizes(),
+                                                       shard.strides());
+    } else if (shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device()) {
+      // CUDA: an independent tensor (the output is recorded on the reduce-scatter stream).
+      shard = shard.clone();
+    } else {
+      shard = shard.to(p.sharded_data.device(), p.orig_dtype);
+    }
     sink(i, std::move(shard));
   }
 }

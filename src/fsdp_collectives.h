@@ -57,7 +57,9 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
 
 /// Unpacks a completed (and divided) reduce-scatter output: hands each reduced parameter's sharded
 /// gradient to `sink(param index, gradient)`, in `rs.param_indices` order, in the parameter's dtype and
-/// on its shard's device, independent of the output buffer. Parameters no rank had a gradient for are
+/// on its shard's device. On the CPU, when the dtypes agree, each gradient aliases its (disjoint) piece of
+/// the output as a plain tensor, not an autograd view (no copy; the output's pool block is reused once
+/// every gradient is dropped); otherwise it is an independent copy. Parameters no rank had a gradient for are
 /// skipped (the presence counts are read, a host sync, only when this rank lacked a gradient).
 void foreach_reduce_scatter_copy_out(const ReduceScatterResult& rs, const std::vector<FSDPParam>& params,
                                      const std::function<void(size_t, torch::Tensor)>& sink);

@@ -11,7 +11,8 @@ namespace {
 // Frees or re-allocates the bytes of `t`'s storage in place: views that autograd saved keep pointing
 // at the same StorageImpl and see whatever is copied in later. See [Note: FSDP tensors]. The old
 // contents are not kept (every re-allocation is followed by a copy-out), so this works the same for
-// any device's allocator (CPU, or CUDA's caching allocator).
+// any device's allocator (CPU, or CUDA's caching allocator). On the CPU the storage's allocator is the
+// tree's buffer pool (alloc_unsharded_param), which outlives the parameter's group.
 void resize_storage(const torch::Tensor& t, size_t nbytes) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() == nbytes) return;  // already the requested size
@@ -74,11 +75,11 @@ void FSDPParam::disable_interception() {
   sharded_intercepted = unsharded_intercepted = torch::Tensor();
 }
 
-void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device) {
+void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device, CommContext& comm) {
   if (!unsharded_padded.defined()) {
     auto shape = orig_size;
     shape[0] = shard_size * padded_rows;
-    unsharded_padded = torch::empty(shape, torch::TensorOptions().dtype(param_dtype).device(device));
+    unsharded_padded = comm.empty(shape, param_dtype, device);
     unsharded_data = unsharded_padded.narrow(0, 0, orig_size[0]);
     if (intercept) {
       unsharded_intercepted = intercepted(unsharded_data);

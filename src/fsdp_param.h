@@ -16,7 +16,8 @@
 // - all-gather output: [ws * N], rank-major; freed once copied out.
 // - unsharded padded: [ws * padded_rows, *rest] in param_dtype, one per parameter, allocated once; its
 //   storage is resized to 0 bytes when resharded and back before the next copy-out, so the views
-//   autograd saved in forward see the re-gathered data in backward and no memory is held in between.
+//   autograd saved in forward see the re-gathered data in backward and no memory is held in between
+//   (on the CPU the freed bytes go back to the tree's buffer pool: see fsdp_buffer_pool.h).
 // - unsharded data: unsharded_padded.narrow(0, 0, d0) — the full parameter the module computes with.
 // - post-forward shard (reshard_after_forward = k): rows [j * ws/k * padded_rows, ...) of the
 //   unsharded padded tensor kept after forward by position j of a group of k consecutive ranks.
@@ -28,6 +29,7 @@
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/dtensor.h"
+#include "fsdp_streams.h"
 
 namespace fsdp::detail {
 
@@ -81,8 +83,10 @@ class FSDPParam {
   /// The parameter's data become the plain shard again (it must be sharded).
   void disable_interception();
   /// Allocates the unsharded padded tensor ([shard_size * padded_rows, *rest], param dtype, on `device`)
-  /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]).
-  void alloc_unsharded_param(int shard_size, torch::Device device);
+  /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]). On
+  /// the CPU the storage comes from `comm`'s buffer pool (its allocator is the pool, so every
+  /// re-allocation reuses a pool block: no page faults per step).
+  void alloc_unsharded_param(int shard_size, torch::Device device, CommContext& comm);
   /// Frees the unsharded padded tensor's storage (0 bytes); the tensor object and its views stay.
   void free_unsharded_param();
   /// The parameter's data becomes the unsharded data. .grad stays (outside a backward: the sharded

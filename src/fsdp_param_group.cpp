@@ -125,7 +125,7 @@ void FSDPParamGroup::reshard_post_forward(const ProcessGroupPtr& post_forward_gr
 }
 
 void FSDPParamGroup::alloc_unsharded() {
-  for (auto& p : params_) p.alloc_unsharded_param(shard_pg_->size(), opts_.mesh->device());
+  for (auto& p : params_) p.alloc_unsharded_param(shard_pg_->size(), opts_.mesh->device(), *comm_);
 }
 
 void FSDPParamGroup::free_unsharded() {

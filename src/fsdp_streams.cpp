@@ -29,6 +29,11 @@ CommContext::CommContext(torch::Device device) : device_(device) {
   reduce_scatter_ = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/true);
 }
 
+torch::Tensor CommContext::empty(at::IntArrayRef sizes, torch::ScalarType dtype, torch::Device device) const {
+  if (device.is_cpu()) return pool_->empty(sizes, dtype);
+  return torch::empty(sizes, torch::TensorOptions().dtype(dtype).device(device));
+}
+
 c10::Stream CommContext::stream(CommStream kind) const {
   TORCH_INTERNAL_ASSERT(enabled_, "CommContext::stream on a disabled context");
   switch (kind) {

@@ -29,6 +29,8 @@
 #include <c10/core/StreamGuard.h>
 #include <torch/types.h>
 
+#include "fsdp_buffer_pool.h"
+
 namespace fsdp::detail {
 
 /// The side streams of FSDP2.
@@ -75,6 +77,13 @@ class CommContext {
   /// Drops the kept all-gather output after a final wait of the all-gather streams (end of backward).
   void release_all_gather_output();
 
+  /// The CPU buffer pool of this tree's transient buffers (see fsdp_buffer_pool.h); used on CPU devices.
+  BufferPool& pool() const { return *pool_; }
+  const BufferPoolPtr& pool_ptr() const { return pool_; }
+  /// An uninitialised contiguous tensor for one of FSDP's transient buffers on `device`: from the pool on
+  /// the CPU, from the device's allocator otherwise (CUDA's caching allocator already reuses blocks).
+  torch::Tensor empty(at::IntArrayRef sizes, torch::ScalarType dtype, torch::Device device) const;
+
   /// Number of all-gather outputs held by the limiter (0 or 1), for tests.
   int held_all_gather_outputs() const { return held_output_.defined() ? 1 : 0; }
 
@@ -84,6 +93,7 @@ class CommContext {
   std::optional<c10::Stream> copy_in_, all_gather_, reduce_scatter_;
   torch::Tensor held_output_;
   std::shared_ptr<c10::Event> held_event_;
+  BufferPoolPtr pool_ = make_buffer_pool();
 };
 using CommContextPtr = std::shared_ptr<CommContext>;
 

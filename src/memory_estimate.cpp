@@ -1,6 +1,8 @@
 // fsdp::estimate_memory: see include/fsdp/memory_estimate.h for the model it follows.
 #include "fsdp/memory_estimate.h"
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -188,9 +190,24 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // The step as a sequence of moments (see the header): at each, what is alive besides the sharded
   // parameters and optimizer state. The largest is the peak; its parts are the breakdown.
   e.peak_backward = -1;
+  // FSDP's CPU buffer pool (src/fsdp_buffer_pool.h; off unless FSDP_CPU_BUFFER_POOL=1): the all-gather and
+  // reduce-scatter buffers, the unsharded parameters and the reduce-scatter outputs (which the reduced
+  // gradients alias) stay allocated between uses, so after the first step the pool holds up to twice the
+  // most of them ever in use at once (its high-water mark; twice: exact-size blocks) at every moment. With
+  // it the peak is bounded by the largest moment of everything else plus twice that mark.
+  const char* pool_env = std::getenv("FSDP_CPU_BUFFER_POOL");
+  const bool pool = o.device_is_cpu && pool_env && std::string(pool_env) == "1";
+  int64_t pool_high_water = 0, others_peak = -1;
+  std::string others_moment;
   auto consider = [&](int64_t unsharded, int64_t full_grads, int64_t rs, int64_t shard_grads, int64_t acts,
                       const std::string& what) {
     const int64_t total = dev_params + dev_opt + shard_grads + unsharded + full_grads + rs + acts;
+    const int64_t pooled = unsharded + rs + (shard_grads - grads_at_start);
+    pool_high_water = std::max(pool_high_water, pooled);
+    if (total - pooled > others_peak) {
+      others_peak = total - pooled;
+      others_moment = what;
+    }
     if (total > e.peak_backward) {
       e.peak_backward = total;
       e.grads_at_peak = shard_grads;
@@ -258,6 +275,15 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // AdamW's step: LibTorch's computes two shard-sized fp32 temporaries for the parameter being updated
   // (exp_avg_sq.sqrt() and its quotient by the bias correction).
   e.peak_optimizer_step = dev_params + dev_grads + dev_opt + (dev_opt > 0 ? 2 * largest_trainable_shard * 4 : 0);
+  if (pool) {
+    if (others_peak + 2 * pool_high_water > e.peak_backward) {
+      e.peak_backward = others_peak + 2 * pool_high_water;
+      e.peak_moment = others_moment + ", with FSDP's CPU buffer pool holding up to twice its high-water mark (" +
+                      std::to_string(2 * pool_high_water / 1048576) + " MiB)";
+    }
+    // The reduced gradients are pool blocks too: the pool's bound covers them.
+    e.peak_optimizer_step += std::max<int64_t>(0, 2 * pool_high_water - grouped_grads);
+  }
   e.total_peak = std::max(e.peak_backward, e.peak_optimizer_step) + e.runtime_overhead;
   return e;
 }

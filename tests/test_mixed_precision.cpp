@@ -361,6 +361,39 @@ TEST(ClipGradNorm, SameNormOnEveryRankAsSingleProcess) {
   }
 }
 
+// also_sum (issue 16, part 3): a loss all-reduced in the norm's collective gives, bit for bit, the norm
+// and the sum of two separate all-reduces, with one collective fewer; with the inf-norm (MAX) it is
+// reduced on its own. 2, 3 and 4 ranks (Gloo's ring order matters from 3).
+TEST(ClipGradNorm, AlsoSumRidesInTheNormsAllReduceBitForBit) {
+  auto batches = make_batches(1, kBatch, kSeq, 23);
+  for (int ws : {2, 3, 4}) {
+    run_ranks(ws, [&](ProcessGroupPtr pg) {
+      for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+        Net net = sharded_net(pg, FullyShardOptions());
+        FSDPModule<Net> model(net);
+        auto b = batches[0].slice(pg->rank() * (kBatch / ws), kBatch / ws);
+        auto loss = loss_fn(model(b.idx), b.targets);
+        loss.backward();
+        std::vector<torch::Tensor> saved;
+        for (const auto& p : net->parameters()) saved.push_back(p.grad().clone());
+        // Separate: the norm, then the loss.
+        auto sep_sum = (loss.detach() * (1.0 + pg->rank() * 1e-3)).reshape({1});
+        auto sep_norm = clip_grad_norm_(net->parameters(), 1e9, norm_type);
+        all_reduce(sep_sum, *pg, ReduceOp::SUM);
+        // Together.
+        size_t i = 0;
+        for (auto& p : net->parameters()) p.mutable_grad().copy_(saved[i++]);
+        auto both_sum = (loss.detach() * (1.0 + pg->rank() * 1e-3)).reshape({1});
+        const uint64_t before = pg->collective_count("all_reduce");
+        auto both_norm = clip_grad_norm_(net->parameters(), 1e9, norm_type, false, nullptr, both_sum);
+        EXPECT_EQ(pg->collective_count("all_reduce") - before, std::isinf(norm_type) ? 2u : 1u) << "ws " << ws;
+        EXPECT_EQ(both_norm.item<float>(), sep_norm.item<float>()) << "ws " << ws << " norm " << norm_type;
+        EXPECT_EQ(both_sum.item<float>(), sep_sum.item<float>()) << "ws " << ws << " norm " << norm_type;
+      }
+    });
+  }
+}
+
 TEST(ClipGradNorm, NonFiniteNormRaisesWhenAsked) {
   run_ranks(2, [](ProcessGroupPtr pg) {
     Net net = sharded_net(pg, FullyShardOptions());

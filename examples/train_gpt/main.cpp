@@ -187,7 +187,12 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   // logged is then inf) and the scale backs off.
   const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
   if (t.scaler) t.scaler->unscale_(t.optimizer);
-  const double norm = fsdp::clip_grad_norm_(t.params, max_norm).template item<double>();
+  // Sharded: the loss of the global batch (the sum of the ranks' means) is all-reduced in the norm's
+  // collective (one all-reduce per step instead of two; bit-identical, see fsdp::clip_grad_norm_).
+  const double norm =
+      (o.no_shard ? fsdp::clip_grad_norm_(t.params, max_norm)
+                  : fsdp::clip_grad_norm_(t.params, max_norm, 2.0, false, nullptr, loss_sum))
+          .template item<double>();
   if (t.scaler) {
     t.scaler->step(t.optimizer);
     t.scaler->update();
@@ -198,8 +203,9 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   }
   const ModelStates states = count_states ? model_states(t.params, t.optimizer) : ModelStates{};
   t.optimizer.zero_grad();
-  // The loss of the global batch: the mean of the ranks' means (equal batch sizes).
-  fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
+  // The loss of the global batch: the mean of the ranks' means (equal batch sizes); sharded runs summed
+  // it over the ranks with the gradient norm above.
+  if (o.no_shard) fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
   return {loss_sum.item<double>() / t.pg.size(), norm, states};
 }
 

@@ -23,8 +23,15 @@ namespace fsdp {
 /// total norm of order 2 is non-finite ..."); otherwise a non-finite norm makes the gradients
 /// non-finite too, as in PyTorch. `group` overrides the process group of the reduction (Default: the
 /// shard group of the first sharded parameter; no communication if none is sharded).
+/// `also_sum` (optional, no PyTorch counterpart): a tensor SUM-all-reduced in place over the same group,
+/// in the same collective as the norm's partial sums when it has the norm's dtype and the norm is finite
+/// (e.g. a training loop's loss: one collective per step instead of two; issue 16), else by an
+/// all-reduce of its own over that group; left as is when there is no group (nothing sharded) or the
+/// group has one rank. Packing does not change any result's bits: Gloo's ring reduces both elements of
+/// so small a buffer in the same order as each alone. Throws c10::Error for a non-contiguous `also_sum`.
 /// Mirrors torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite).
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0,
-                              bool error_if_nonfinite = false, ProcessGroupPtr group = nullptr);
+                              bool error_if_nonfinite = false, ProcessGroupPtr group = nullptr,
+                              const torch::Tensor& also_sum = {});
 
 }  // namespace fsdp

@@ -23,6 +23,7 @@ namespace fsdp {
 
 namespace detail {
 struct ProcessGroupAccess;  // src/process_group_access.h
+class ProgressPublisher;    // src/progress_publisher.h
 }  // namespace detail
 
 /// Who launched us and where this process sits, as read from the environment.
@@ -196,6 +197,7 @@ class ProcessGroup {
   double wait_seconds_ = 0;
   CommStats comm_stats_;
   std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
+  std::shared_ptr<detail::ProgressPublisher> progress_;  // made on the first note_progress
   c10::intrusive_ptr<c10d::Backend> debug_backend_;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;

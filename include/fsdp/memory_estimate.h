@@ -108,6 +108,8 @@ struct MemoryEstimate {
   int64_t runtime_overhead = 0;  ///< as given (MemoryEstimateOptions::runtime_overhead_bytes)
   int64_t peak_optimizer_step = 0;  ///< the optimizer-step moment, without runtime_overhead
   int64_t total_peak = 0;        ///< max(peak_backward, peak_optimizer_step) + runtime_overhead
+                                 ///< (on the CPU with FSDP_CPU_BUFFER_POOL=1 in the environment both peaks
+                                 ///< include an upper bound of FSDP's buffer pool: src/fsdp_buffer_pool.h)
   int64_t padding = 0;           ///< of sharded_params: bytes of padding rows (ceil(dim0/N) x N - dim0)
   int64_t num_params = 0;        ///< elements of the full model (each parameter once)
   std::string largest_group;     ///< name of the group with the largest unsharded size
