@@ -12,6 +12,7 @@
 
 #include "deferred_init_internal.h"
 #include "fsdp_state.h"
+#include "tp_ops.h"
 
 namespace fsdp::detail {
 namespace {
@@ -149,6 +150,8 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (deferred_init_active()) return deferred_init_fallback(op, ks, stack);
+  // A tensor-parallel module's op (aten::linear / aten::embedding on a TP weight): run its style.
+  if (fsdp::tp::detail::tp_handle_op(op, ks, stack)) return;
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   const OpInfo& info = op_info(op);
   if (info.meta) return op.redispatchBoxed(ks & after, stack);
