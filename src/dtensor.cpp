@@ -93,6 +93,16 @@ int64_t level_size(const DeviceMesh& mesh, const std::vector<Placement>& placeme
 torch::Tensor gather_dim(const torch::Tensor& local, int64_t k, int64_t n, const DeviceMesh& mesh, int64_t d) {
   const int64_t size = mesh.size(d);
   const int64_t c = (n + size - 1) / size;
+  // Empty on every rank of the group (the ranks of a mesh dim's group differ only in dim k's chunk):
+  // nothing to exchange.
+  int64_t other = 1;
+  for (int64_t i = 0; i < local.dim(); ++i)
+    if (i != k) other *= local.size(i);
+  if (n == 0 || other == 0) {
+    auto shape = local.sizes().vec();
+    shape[k] = n;
+    return torch::zeros(shape, local.options());
+  }
   auto front = local.movedim(k, 0).contiguous();
   auto padded_shape = front.sizes().vec();
   padded_shape[0] = c;
@@ -113,6 +123,11 @@ torch::Tensor reduce_scatter_dim(const torch::Tensor& full, int64_t k, const Dev
   const int64_t size = mesh.size(d);
   const int64_t n = full.size(k);
   const int64_t c = (n + size - 1) / size;
+  if (full.numel() == 0) {  // the same shape on every rank of the group: nothing to reduce
+    auto shape = full.sizes().vec();
+    shape[k] = chunk_range(n, size, mesh.get_local_rank(d)).length;
+    return torch::zeros(shape, full.options());
+  }
   auto front = full.movedim(k, 0);
   auto padded_shape = front.sizes().vec();
   padded_shape[0] = c * size;
@@ -177,7 +192,7 @@ DTensor DTensor::redistribute(std::vector<Placement> target) const {
       if (coord != 0) local = torch::zeros_like(local);
     } else if (cur[d].is_partial() && t.is_replicate()) {
       local = local.clone();  // all_reduce is in place; the source DTensor stays unchanged
-      all_reduce(local, *mesh_->get_group(d), ReduceOp::SUM);
+      if (local.numel() > 0) all_reduce(local, *mesh_->get_group(d), ReduceOp::SUM);
     } else if (cur[d].is_partial() && t.is_shard()) {
       local = reduce_scatter_dim(local, t.dim, *mesh_, d);
     }

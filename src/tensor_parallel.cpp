@@ -58,7 +58,7 @@ const char* style_name(const ParallelStyle& s) {
 
 std::string quoted(const std::string& fqn) { return "'" + fqn + "'"; }
 
-// One module to parallelise, with everything apply() needs, computed during validation.
+// One module to parallelise, with everything apply_work() needs, computed during validation.
 struct Work {
   std::string fqn;
   std::shared_ptr<torch::nn::Module> module;
@@ -128,7 +128,7 @@ torch::Tensor chunk(const torch::Tensor& t, int64_t dim, int64_t tp, int64_t ran
   return t.detach().narrow(dim, rank * c, c).contiguous().clone();
 }
 
-void apply(const Work& w, const DeviceMeshPtr& mesh) {
+void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
   const int64_t tp = mesh->size(0), rank = mesh->get_local_rank(0);
   fsdp::detail::ensure_interception_registered();
   torch::NoGradGuard no_grad;
@@ -198,14 +198,14 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
     }
   }
   // Everything is valid: change the model.
-  for (const auto& w : work) apply(w, tp_mesh);
+  for (const auto& w : work) apply_work(w, tp_mesh);
 }
 
 void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
                         const ParallelStyle& style) {
   TORCH_CHECK(module, "parallelize_module: expected a module, got null");
   check_mesh(tp_mesh);
-  apply(validate_one("", module, style, tp_mesh->size(0)), tp_mesh);
+  apply_work(validate_one("", module, style, tp_mesh->size(0)), tp_mesh);
 }
 
 DTensor tp_param_dtensor(const torch::Tensor& param) {

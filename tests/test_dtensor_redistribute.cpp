@@ -81,7 +81,7 @@ void check_all_pairs(const DeviceMeshPtr& mesh, const std::vector<std::vector<in
 }
 
 TEST(DTensorRedistribute, AllPairsOn2Ranks) {
-  run_ranks(2, [](ProcessGroupPtr) { check_all_pairs(init_device_mesh(torch::kCPU, {2}), {{3, 5}, {1, 2}}); });
+  run_ranks(2, [](ProcessGroupPtr) { check_all_pairs(init_device_mesh(torch::kCPU, {2}), {{3, 5}, {1, 2}, {0, 3}}); });
 }
 
 TEST(DTensorRedistribute, AllPairsOn4Ranks) {
