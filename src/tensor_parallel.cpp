@@ -56,7 +56,7 @@ const char* style_name(const ParallelStyle& s) {
   return s.kind == ParallelStyle::Kind::COLWISE ? "ColwiseParallel" : "RowwiseParallel";
 }
 
-std::string quoted(const std::string& fqn) { return "'" + fqn + "'"; }
+std::string in_quotes(const std::string& fqn) { return "'" + fqn + "'"; }
 
 // One module to parallelise, with everything apply_work() needs, computed during validation.
 struct Work {
@@ -70,7 +70,7 @@ struct Work {
 
 Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style,
                   int64_t tp) {
-  const std::string what = std::string(style_name(style)) + " on " + quoted(fqn);
+  const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
   TORCH_CHECK(style.use_local_output, "parallelize_module: ", what,
               ": use_local_output(false) is not supported: a LibTorch module returns a torch::Tensor, not a DTensor");
   Work w;
@@ -80,7 +80,10 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
   const bool colwise = style.kind == ParallelStyle::Kind::COLWISE;
   if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
     w.weight = lin->weight;
-    if (colwise && lin->bias.defined()) w.bias = lin->bias;
+    // Colwise with a Shard(-1) output shards the bias with the features. With a Replicate output the
+    // bias stays whole and is added after the all-gather: F::linear adds it after matmul for inputs
+    // of more than 2 dims, outside the op the interception sees.
+    if (colwise && lin->bias.defined() && !style.output_layout.is_replicate()) w.bias = lin->bias;
   } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
     w.is_embedding = true;
     w.weight = emb->weight;
@@ -89,11 +92,11 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
   } else {
     TORCH_CHECK(false, "parallelize_module: ", what, " (a ", m->name(),
                 "): expected a torch::nn::Linear or torch::nn::Embedding; plan the Linear/Embedding modules inside it "
-                "instead (e.g. ", quoted(fqn.empty() ? "*" : fqn + ".*"), ")");
+                "instead (e.g. ", in_quotes(fqn.empty() ? "*" : fqn + ".*"), ")");
   }
   TORCH_CHECK(w.weight.defined() && w.weight.dim() == 2, "parallelize_module: ", what,
               ": expected a 2-D weight, got ", w.weight.defined() ? c10::str(w.weight.sizes()) : "none");
-  TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", quoted(fqn),
+  TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
               " is already parallelised (its weight is a TP parameter); plan each module once");
   // Layouts this session supports (sequence parallel inputs/outputs are not yet).
   const auto& in = style.input_layout;
@@ -174,8 +177,8 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
       if (!fqn_matches(pattern, item.key())) continue;
       any = true;
       for (size_t i = 0; i < work.size(); ++i) {
-        TORCH_CHECK(work[i].fqn != item.key(), "parallelize_module: module ", quoted(item.key()),
-                    " is matched by plan keys ", quoted(matched_by[i]), " and ", quoted(pattern),
+        TORCH_CHECK(work[i].fqn != item.key(), "parallelize_module: module ", in_quotes(item.key()),
+                    " is matched by plan keys ", in_quotes(matched_by[i]), " and ", in_quotes(pattern),
                     "; plan each module once");
       }
       work.push_back(validate_one(item.key(), item.value(), style, tp));
@@ -192,7 +195,7 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
         }
         names << (shown++ ? ", " : "") << item.key();
       }
-      TORCH_CHECK(false, "parallelize_module: plan key ", quoted(pattern),
+      TORCH_CHECK(false, "parallelize_module: plan key ", in_quotes(pattern),
                   " matches no module of the model (its modules: ", names.str(),
                   "); use names from named_modules(), with '*' for one path segment");
     }

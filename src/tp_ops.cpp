@@ -16,9 +16,18 @@
 namespace fsdp::tp::detail {
 namespace {
 
+// Keyed by TensorImpl; each entry holds a weak reference to it, which keeps the address from being
+// reused while the entry exists, and tells a dead parameter's entry (erased at the next registration).
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  TPParam info;
+};
 struct Registry {
   std::shared_mutex mu;
-  std::unordered_map<const c10::TensorImpl*, TPParam> params;
+  std::unordered_map<const c10::TensorImpl*, Entry> params;
+  // Storage of each TP weight -> the weight: F::linear transposes the weight (a view on its storage)
+  // before addmm/matmul, so those ops see an alias, not the parameter.
+  std::unordered_map<const c10::StorageImpl*, const c10::TensorImpl*> storages;
 };
 Registry& registry() {
   static auto* r = new Registry();  // never destroyed: read by the fallback until the process ends
@@ -99,9 +108,13 @@ torch::Tensor tp_linear(const TPParam& p, const torch::Tensor& x, const torch::T
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_local, style_name(p.style), " on '", p.fqn,
                 "': expected a replicated input with in_features = ", in_local, " in its last dim, got ",
                 x.sizes());
-    auto y = torch::linear(CopyToTP::apply(x, g), w, bias);
-    if (p.style.output_layout.is_replicate()) y = GatherLastDim::apply(y, g);
-    return y;
+    if (p.style.output_layout.is_replicate()) {
+      // The bias stays replicated for this layout (see apply_work): added after the all-gather.
+      auto y = GatherLastDim::apply(torch::linear(CopyToTP::apply(x, g), w), g);
+      if (bias && bias->defined()) y = y + *bias;
+      return y;
+    }
+    return torch::linear(CopyToTP::apply(x, g), w, bias);
   }
   torch::Tensor xi = x;
   if (p.style.input_layout.is_replicate()) {
@@ -147,7 +160,11 @@ int64_t to_int(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt
 void register_tp_param(const torch::Tensor& param, TPParam info) {
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
-  r.params[param.unsafeGetTensorImpl()] = std::move(info);
+  for (auto it = r.params.begin(); it != r.params.end();) it = it->second.impl.expired() ? r.params.erase(it) : std::next(it);
+  for (auto it = r.storages.begin(); it != r.storages.end();) it = r.params.count(it->second) ? std::next(it) : r.storages.erase(it);
+  if (info.is_weight) r.storages[param.storage().unsafeGetStorageImpl()] = param.unsafeGetTensorImpl();
+  r.params.insert_or_assign(param.unsafeGetTensorImpl(),
+                            Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), std::move(info)});
 }
 
 const TPParam* find_tp_param(const torch::Tensor& param) {
@@ -155,32 +172,76 @@ const TPParam* find_tp_param(const torch::Tensor& param) {
   auto& r = registry();
   std::shared_lock<std::shared_mutex> lock(r.mu);
   auto it = r.params.find(param.unsafeGetTensorImpl());
-  return it == r.params.end() ? nullptr : &it->second;  // entries are never erased: the pointer stays valid
+  // `param` is alive, so its entry is not erased while the caller holds it.
+  return it == r.params.end() || it->second.impl.expired() ? nullptr : &it->second.info;
 }
+
+namespace {
+
+// If `t` is the transpose of a TP Linear weight (the view F::linear passes to addmm/mm/matmul), the
+// weight's record and the weight; else nullptr. The layout check keeps backward's uses of the same
+// storage (wT.t(), the weight's own layout) out: those are ordinary ops.
+const TPParam* find_transposed_weight(const torch::Tensor& t, torch::Tensor* weight) {
+  if (!t.defined() || t.dim() != 2 || !t.has_storage()) return nullptr;
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  auto sit = r.storages.find(t.storage().unsafeGetStorageImpl());
+  if (sit == r.storages.end()) return nullptr;
+  auto pit = r.params.find(sit->second);
+  if (pit == r.params.end() || pit->second.info.is_embedding) return nullptr;
+  auto impl = pit->second.impl.lock();
+  if (!impl) return nullptr;
+  torch::Tensor w(std::move(impl));
+  if (t.size(0) != w.size(1) || t.size(1) != w.size(0) || t.stride(0) != w.stride(1) || t.stride(1) != w.stride(0) ||
+      t.storage_offset() != w.storage_offset()) {
+    return nullptr;
+  }
+  *weight = w;
+  return &pit->second.info;
+}
+
+}  // namespace
 
 bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("aten::linear", "");
   static const auto embedding = c10::Dispatcher::singleton().findSchemaOrThrow("aten::embedding", "");
-  const bool is_linear = op == linear;
-  if (!is_linear && !(op == embedding)) return false;
+  static const auto addmm = c10::Dispatcher::singleton().findSchemaOrThrow("aten::addmm", "");
+  static const auto mm = c10::Dispatcher::singleton().findSchemaOrThrow("aten::mm", "");
+  static const auto matmul = c10::Dispatcher::singleton().findSchemaOrThrow("aten::matmul", "");
   const size_t nargs = op.schema().arguments().size();
   const size_t base = stack->size() - nargs;
-  const auto& wv = (*stack)[base + (is_linear ? 1 : 0)];
-  if (!wv.isTensor()) return false;
-  const TPParam* p = find_tp_param(wv.toTensor());
-  if (!p || !p->is_weight) return false;
-  // The collectives and the local op run without interception (they see the weight itself).
-  fsdp::detail::NoInterception no_interception;
+  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };
   torch::Tensor out;
-  if (is_linear) {
-    auto x = (*stack)[base].toTensor();
-    auto w = (*stack)[base + 1].toTensor();
-    auto b = (*stack)[base + 2].toOptional<torch::Tensor>();
-    out = tp_linear(*p, x, w, b);
+  if (op == linear || op == embedding) {
+    const bool is_linear = op == linear;
+    const auto& wv = arg(is_linear ? 1 : 0);
+    if (!wv.isTensor()) return false;
+    const TPParam* p = find_tp_param(wv.toTensor());
+    if (!p || !p->is_weight || p->is_embedding == is_linear) return false;
+    // The collectives and the local op run without interception (they see the weight itself).
+    fsdp::detail::NoInterception no_interception;
+    if (is_linear) {
+      out = tp_linear(*p, arg(0).toTensor(), arg(1).toTensor(), arg(2).toOptional<torch::Tensor>());
+    } else {
+      out = tp_embedding(*p, arg(0).toTensor(), arg(1).toTensor(), to_int(arg(2)), arg(3).toBool(), arg(4).toBool());
+    }
+  } else if (op == mm || op == addmm || op == matmul) {
+    // LibTorch's F::linear: addmm(bias, x, weight.t()) for a 2-D input with a bias, else
+    // matmul(x, weight.t()) followed by `+= bias` (matmul has a kernel of its own on the key, see
+    // ensure_interception_registered; mm is what it decomposes to for 2-D inputs elsewhere).
+    const bool is_addmm = op == addmm;
+    const auto& wv = arg(is_addmm ? 2 : 1);
+    if (!wv.isTensor()) return false;
+    torch::Tensor w;
+    const TPParam* p = find_transposed_weight(wv.toTensor(), &w);
+    if (!p) return false;
+    if (is_addmm && (arg(3).toScalar().toDouble() != 1.0 || arg(4).toScalar().toDouble() != 1.0)) return false;
+    fsdp::detail::NoInterception no_interception;
+    c10::optional<torch::Tensor> bias;
+    if (is_addmm) bias = arg(0).toTensor();
+    out = tp_linear(*p, arg(is_addmm ? 1 : 0).toTensor(), w, bias);
   } else {
-    auto w = (*stack)[base].toTensor();
-    auto ids = (*stack)[base + 1].toTensor();
-    out = tp_embedding(*p, w, ids, to_int((*stack)[base + 2]), (*stack)[base + 3].toBool(), (*stack)[base + 4].toBool());
+    return false;
   }
   torch::jit::drop(*stack, nargs);
   torch::jit::push(*stack, std::move(out));

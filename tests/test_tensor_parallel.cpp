@@ -112,7 +112,9 @@ void train_and_compare(int tp_size, const tp::ParallelizePlan& plan) {
     }
     // full_tensor of a TP parameter reassembles the reference's.
     expect_close(tp::tp_param_dtensor(model->emb->weight).full_tensor(), ref->emb->weight.detach(), "full emb.weight");
-    expect_close(tp::tp_param_dtensor(model->head->bias).full_tensor(), ref->head->bias.detach(), "full head.bias");
+    auto fc2 = model->blocks[1]->as<MLPImpl>()->fc2;
+    expect_close(tp::tp_param_dtensor(fc2->weight).full_tensor(), ref->blocks[1]->as<MLPImpl>()->fc2->weight.detach(),
+                 "full blocks.1.fc2.weight");
   });
 }
 
