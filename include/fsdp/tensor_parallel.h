@@ -9,10 +9,11 @@
 //
 // How (no forward hooks in LibTorch): a planned module's weight keeps its identity but its data becomes
 // this rank's shard, tagged for libfsdp's dispatcher interception (src/fsdp_interception.h). When
-// Linear::forward calls aten::linear (Embedding::forward aten::embedding) on that weight, the style's
-// version of the op runs instead: the input and output collectives of PyTorch's style, as autograd
-// functions (all-reduce of the input gradient, all-reduce or all-gather of the output). Every other op
-// on the parameter (optimizer step, zeros_like, clipping) runs on the local shard as is.
+// Linear::forward multiplies by that weight (LibTorch's F::linear: addmm or matmul with weight.t()) or
+// Embedding::forward looks it up (aten::embedding), the style's version of the op runs instead: the
+// input and output collectives of PyTorch's style, as autograd functions (all-reduce of the input
+// gradient, all-reduce or all-gather of the output). Every other op on the parameter (optimizer step,
+// zeros_like, clipping) runs on the local shard as is.
 #pragma once
 
 #include <memory>
@@ -52,7 +53,9 @@ struct ParallelStyle {
 };
 
 /// Linear: weight [out, in] sharded on dim 0 (Shard(0)), bias on dim 0; input replicated; output
-/// this rank's out/tp features (Shard(-1)). Embedding: weight [num, dim] sharded on dim 1; output
+/// this rank's out/tp features (Shard(-1)). With output_layouts(Replicate()) the output is all-gathered
+/// and the bias stays whole (unlike PyTorch, which shards it: F::linear adds the bias outside the op
+/// libfsdp intercepts). Embedding: weight [num, dim] sharded on dim 1; output
 /// this rank's dim/tp features. The input's gradient is all-reduced over the TP group in backward.
 /// Mirrors torch.distributed.tensor.parallel.ColwiseParallel().
 inline ParallelStyle ColwiseParallel() {
