@@ -12,6 +12,7 @@
 
 #include "deferred_init_internal.h"
 #include "fsdp_state.h"
+#include "tp_ops.h"
 
 namespace fsdp::detail {
 namespace {
@@ -149,6 +150,8 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (deferred_init_active()) return deferred_init_fallback(op, ks, stack);
+  // A tensor-parallel module's op (aten::linear / aten::embedding on a TP weight): run its style.
+  if (fsdp::tp::detail::tp_handle_op(op, ks, stack)) return;
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   const OpInfo& info = op_info(op);
   if (info.meta) return op.redispatchBoxed(ks & after, stack);
@@ -208,6 +211,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   if (grad_mode && !forward_states.empty()) hook_outputs(forward_states, *stack, nret);
 }
 
+void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (!deferred_init_active() && fsdp::tp::detail::tp_handle_op(op, ks, stack)) return;
+  static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
+  op.redispatchBoxed(ks & after, stack);
+}
+
 }  // namespace
 
 void ensure_interception_registered() {
@@ -216,6 +225,14 @@ void ensure_interception_registered() {
     // Never destroyed: the registration must outlive every intercepted tensor.
     static auto* lib = new torch::Library(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__);
     lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    // aten::linear and aten::matmul are CompositeImplicitAutograd: their decompositions (t, addmm,
+    // mm, or expand + bmm) would run in the key's slot before the fallback sees them, so a
+    // tensor-parallel Linear (LibTorch's F::linear calls matmul(x, weight.t()) for inputs of more than
+    // 2 dims) needs kernels of its own here. For any other call the kernel redispatches below the key,
+    // where the same decomposition runs and its ops reach the fallback as before.
+    static auto* aten = new torch::Library(torch::Library::IMPL, "aten", kInterceptKey, __FILE__, __LINE__);
+    aten->impl("linear", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
+    aten->impl("matmul", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
   });
 }
 

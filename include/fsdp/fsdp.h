@@ -18,3 +18,4 @@
 #include "fsdp/memory_estimate.h"
 #include "fsdp/policies.h"
 #include "fsdp/state_dict.h"
+#include "fsdp/tensor_parallel.h"

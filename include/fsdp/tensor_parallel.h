@@ -1,0 +1,112 @@
+// Tensor parallelism: shard the matrices of Linear and Embedding modules across a TP group, with the
+// model's code unchanged. Mirrors torch.distributed.tensor.parallel.{parallelize_module,
+// ColwiseParallel, RowwiseParallel}. Design and what is left: docs/TENSOR_PARALLEL.md.
+//
+//   auto tp_mesh = fsdp::init_device_mesh(torch::kCPU, {world});          // or mesh["tp"] of a 2-D mesh
+//   fsdp::tp::parallelize_module(model, tp_mesh, {{"blocks.*.fc1", fsdp::tp::ColwiseParallel()},
+//                                                 {"blocks.*.fc2", fsdp::tp::RowwiseParallel()}});
+//   torch::optim::AdamW opt(model->parameters(), ...);                    // sees the local shards
+//
+// How (no forward hooks in LibTorch): a planned module's weight keeps its identity but its data becomes
+// this rank's shard, tagged for libfsdp's dispatcher interception (src/fsdp_interception.h). When
+// Linear::forward multiplies by that weight (LibTorch's F::linear: addmm or matmul with weight.t()) or
+// Embedding::forward looks it up (aten::embedding), the style's version of the op runs instead: the
+// input and output collectives of PyTorch's style, as autograd functions (all-reduce of the input
+// gradient, all-reduce or all-gather of the output). Every other op on the parameter (optimizer step,
+// zeros_like, clipping) runs on the local shard as is.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "fsdp/device_mesh.h"
+#include "fsdp/dtensor.h"
+
+namespace fsdp::tp {
+
+/// How one module is parallelised. Build it with ColwiseParallel() or RowwiseParallel() and adjust
+/// the layouts with the setters, as PyTorch's keyword arguments.
+struct ParallelStyle {
+  enum class Kind { COLWISE, ROWWISE };
+  Kind kind = Kind::COLWISE;
+  /// Layout the module's input has on the TP mesh. Colwise: Replicate() (the only one supported
+  /// yet; Shard(0)/Shard(1) inputs of sequence parallelism are not). Rowwise: Shard(-1) (the local
+  /// output of a colwise module, the default) or Replicate() (each rank takes its columns).
+  Placement input_layout = Replicate();
+  /// Layout the module's output must have. Colwise: Shard(-1) (default: each rank keeps its
+  /// features) or Replicate() (all-gathered along the last dim). Rowwise: Replicate() (all-reduced).
+  Placement output_layout = Shard(-1);
+  /// Must stay true: a LibTorch module returns a torch::Tensor, not a DTensor. Kept for PyTorch's
+  /// spelling; false throws at parallelize_module.
+  bool use_local_output = true;
+
+  ParallelStyle& input_layouts(Placement p) { input_layout = p; return *this; }
+  ParallelStyle& output_layouts(Placement p) { output_layout = p; return *this; }
+  ParallelStyle& set_use_local_output(bool v) { use_local_output = v; return *this; }
+  /// "ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1))".
+  std::string str() const;
+};
+
+/// Linear: weight [out, in] sharded on dim 0 (Shard(0)), bias on dim 0; input replicated; output
+/// this rank's out/tp features (Shard(-1)). With output_layouts(Replicate()) the output is all-gathered
+/// and the bias stays whole (unlike PyTorch, which shards it: F::linear adds the bias outside the op
+/// libfsdp intercepts). Embedding: weight [num, dim] sharded on dim 1; output
+/// this rank's dim/tp features. The input's gradient is all-reduced over the TP group in backward.
+/// Mirrors torch.distributed.tensor.parallel.ColwiseParallel().
+inline ParallelStyle ColwiseParallel() {
+  return ParallelStyle{ParallelStyle::Kind::COLWISE, Replicate(), Shard(-1), true};
+}
+/// Linear: weight [out, in] sharded on dim 1 (Shard(1)), bias replicated and added once after the
+/// all-reduce; input Shard(-1) (this rank's in/tp features); output Replicate() (all-reduced).
+/// Embedding: weight [num, dim] sharded on dim 0 (each rank owns num/tp ids; others give zero rows
+/// before the all-reduce); input replicated ids. Mirrors torch.distributed.tensor.parallel.RowwiseParallel().
+inline ParallelStyle RowwiseParallel() {
+  return ParallelStyle{ParallelStyle::Kind::ROWWISE, Shard(-1), Replicate(), true};
+}
+
+/// Module FQN pattern -> style, applied in order. A pattern is split on '.', each segment matched
+/// against one path segment with '*' (any characters) and '?' (one character), e.g. "blocks.*.fc1".
+/// Mirrors the dict parallelize_plan of parallelize_module.
+using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
+
+/// Parallelises the modules that `plan` names over `tp_mesh` (a 1-D mesh: pass mesh["tp"] of a 2-D
+/// mesh). Changes `module` in place: each planned Linear/Embedding's weight (and colwise bias) keeps its
+/// identity and holds this rank's shard (sizes() are the local shard's); call it before building the
+/// optimizer. Every rank must start from the same weights (seed identically or load the same
+/// checkpoint): each keeps its own chunk of its own copy, no data moves. No communication here; the
+/// forward and backward of the planned modules then run collectives over tp_mesh's group, so every
+/// rank of the group must run the same forward passes.
+/// Validates the whole plan first and throws c10::Error before changing anything (so, with the same
+/// model and plan everywhere, the same error on every rank) for: a mesh that is not 1-D, a pattern
+/// that matches no module (the message lists the model's module names), a module matched by two
+/// patterns or already parallelised, a module that is neither torch::nn::Linear nor
+/// torch::nn::Embedding (the message names its type), a sharded dimension not divisible by the TP
+/// size (naming the module, the dimension and a fix), an unsupported layout, use_local_output(false).
+/// Mirrors torch.distributed.tensor.parallel.parallelize_module (which returns the module).
+void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
+                        const ParallelizePlan& plan);
+/// Applies one style to `module` itself (PyTorch's parallelize_module(module, mesh, style)).
+void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
+                        const ParallelStyle& style);
+template <typename T>
+void parallelize_module(const torch::nn::ModuleHolder<T>& holder, const DeviceMeshPtr& tp_mesh,
+                        const ParallelStyle& style) {
+  parallelize_module(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), tp_mesh, style);
+}
+template <typename T>
+void parallelize_module(const torch::nn::ModuleHolder<T>& holder, const DeviceMeshPtr& tp_mesh,
+                        const ParallelizePlan& plan) {
+  parallelize_module(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), tp_mesh, plan);
+}
+
+/// The DTensor view of a parameter parallelised by parallelize_module (its local shard, the TP mesh,
+/// its placement and its global shape), e.g. to call full_tensor(). Throws c10::Error when `param` is
+/// not one. Mirrors reading a TP parameter in PyTorch (which is a DTensor).
+DTensor tp_param_dtensor(const torch::Tensor& param);
+
+}  // namespace fsdp::tp
