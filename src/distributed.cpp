@@ -403,6 +403,9 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   }
   const std::string backend_name = resolve_backend(options);
   const torch::Device device = select_device(options, env, backend_name);
+  // A named interface that does not exist here fails before anything touches the network: at once, on
+  // every rank of every host (src/network_check.h), before another host's failure can stop this one.
+  if (backend_name == "gloo") detail::check_socket_ifname("GLOO_SOCKET_IFNAME");
   auto store = connect_store(options, env, timeout);
   ProcessGroupPtr group;
   if (backend_name == "gloo") {

@@ -188,7 +188,10 @@ def netns_hosts():
     try:
         hs = create_hosts(2)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot create network-namespace test hosts: {e}")
+        reason = f"cannot create network-namespace test hosts: {e}"
+        if os.environ.get("FSDP_REQUIRE_NETNS") == "1":  # CI, where the tests must run (.ci/run)
+            pytest.fail(f"network namespaces are required (FSDP_REQUIRE_NETNS=1) but {reason}", pytrace=False)
+        pytest.skip(reason)
     try:
         yield hs
     finally:

@@ -320,15 +320,26 @@ class Supervisor {
     stopping_ = true;
   }
   /// Multi-node: another node failed or was lost (plan.peer_check, also while stopping: it carries this
-  /// node's heartbeat).
+  /// node's heartbeat). This node's workers are stopped kPeerFailureGrace later, not at once: a fault
+  /// that hits every host (a wrong GLOO_SOCKET_IFNAME, a bad flag) then makes this node's workers fail
+  /// with their own message too, instead of being stopped before they could say it.
   void check_peers() {
     if (!plan_.peer_check) return;
     std::string why = plan_.peer_check();
-    if (why.empty() || stopping_) return;
-    a_.stopped_for = why;
-    warn(why + ": stopping this node's workers");
-    stop(SIGTERM);
+    if (stopping_) return;
+    if (!why.empty() && !peer_failed_) {
+      peer_failed_ = true;
+      peer_stop_at_ = Clock::now() + kPeerFailureGrace;
+      a_.stopped_for = why;
+    }
+    if (peer_failed_ && Clock::now() >= peer_stop_at_) {
+      warn(a_.stopped_for + ": stopping this node's workers");
+      stop(SIGTERM);
+    }
   }
+  static constexpr std::chrono::milliseconds kPeerFailureGrace{2000};
+  bool peer_failed_ = false;
+  Clock::time_point peer_stop_at_{};
   void kill_all() {
     for (auto& w : a_.workers) signal_worker(w, SIGKILL);
     killed_ = true;
