@@ -40,14 +40,6 @@ struct IfAddr {
   bool up = false;
 };
 
-std::string ip_of(const sockaddr* sa) {
-  char buf[INET6_ADDRSTRLEN] = "?";
-  const void* a = sa->sa_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
-                                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
-  ::inet_ntop(sa->sa_family, a, buf, sizeof buf);
-  return buf;
-}
-
 /// This host's IPv4/IPv6 addresses in getifaddrs' order (the order Gloo picks from).
 std::vector<IfAddr> local_addresses() {
   std::vector<IfAddr> out;
@@ -254,6 +246,15 @@ std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin()
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
 }  // namespace
+
+std::string ip_of(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  const void* a = sa->sa_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
+                                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+  ::inet_ntop(sa->sa_family, a, buf, sizeof buf);
+  return buf;
+}
+
 
 void check_socket_ifname(const char* var) {
   const char* env = std::getenv(var);

@@ -9,7 +9,12 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+struct sockaddr;
+
 namespace fsdp::detail {
+
+/// The numeric address of an AF_INET or AF_INET6 socket address ("10.0.0.1", "::1"); "?" otherwise.
+std::string ip_of(const sockaddr* sa);
 
 /// Throws c10::Error if `var` (GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME, comma-separated) names an interface
 /// that this host lacks, that is down, or that has no IP address; the message names the variable, the

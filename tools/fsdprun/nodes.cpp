@@ -23,25 +23,17 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fsdprun.h"
+#include "network_check.h"
+#include "util.h"
 
 namespace fsdprun {
 namespace {
 
-std::string message_of(const std::exception& e) {
-  auto c10_error = dynamic_cast<const c10::Error*>(&e);
-  return c10_error ? c10_error->what_without_backtrace() : e.what();
-}
+using fsdp::detail::ip_of;
+using fsdp::detail::message_of;
 
 std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
-
-std::string ip_of(const sockaddr* sa) {
-  char buf[INET6_ADDRSTRLEN] = "?";
-  const void* a = sa->sa_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
-                                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
-  ::inet_ntop(sa->sa_family, a, buf, sizeof buf);
-  return buf;
-}
 
 /// The addresses `host` resolves to.
 std::vector<std::string> resolve(const std::string& host) {
