@@ -175,10 +175,12 @@ TEST_P(BufferPoolTraining, SteadyStateReusesEveryBlockAndTrainsBitIdentically) {
     // Steady state: the buffers come from idle blocks (a fresh one would be page-faulted in). Not
     // strictly all: Gloo's work releases a reduce-scatter's input and scratch when it is waited, so how
     // many blocks of a size are in use at once can differ by one between steps, and the pool then makes
-    // one more block (kept from then on). Allowed: 2 per rank over the steady steps, against some
-    // twenty buffers per step; a pool that does not reuse makes them all afresh.
+    // one more block (kept from then on); on a loaded machine this happened for three sizes in one run
+    // (CI: 3 fresh, 189 reused). Allowed: at most one fresh block per ten reused (a pool that does not
+    // reuse makes all some sixty afresh, and one that frees between steps shows as evictions below).
     const uint64_t fresh = w.end.misses - w.warm.misses, reused = w.end.hits - w.warm.hits;
-    EXPECT_LE(fresh, 2u) << "rank " << r << ": fresh blocks after the warm-up steps (" << reused << " reused)";
+    EXPECT_LE(10 * fresh, reused) << "rank " << r << ": fresh blocks after the warm-up steps (" << reused
+                                  << " reused)";
     EXPECT_GE(reused, 15u * kSteadySteps) << "rank " << r << ": the pool was not used";
     EXPECT_EQ(w.end.evictions, w.warm.evictions) << "rank " << r;
     EXPECT_LE(w.end.in_use_bytes + w.end.idle_bytes, 2 * w.end.high_water_bytes) << "rank " << r;

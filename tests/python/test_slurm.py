@@ -179,17 +179,28 @@ def test_wrong_master_addr_fails_every_rank_naming_it(slurm_cluster, tmp_path):
     assert elapsed < 30, f"took {elapsed:.0f} s\n{output(p)}"
 
 
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
 def test_cluster_fixture_cleans_up_even_when_the_test_fails():
     """The fixture's promise: daemons, steps and tasks ended, directory removed, also after an exception."""
     with pytest.raises(RuntimeError, match="test failure"):
         with running_slurm_cluster() as cluster:
             job = subprocess.Popen(["srun", "--ntasks", "2", "sleep", "300"], env=cluster.env(),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # squeue shows the job running before slurmstepd has started the tasks: wait for the tasks
+            # themselves (both sleeps), so the cleanup below is checked on a step with live tasks.
             deadline = time.monotonic() + 20
-            while "R" not in cluster.run(["squeue", "-h", "-o", "%t"]).stdout and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                running = cluster.leftover_pids()
+                if sum(_cmdline(pid) == ["sleep", "300"] for pid in running) >= 2:
+                    break
                 time.sleep(0.2)
             daemons = [p.pid for p in cluster.procs.values()]
-            running = cluster.leftover_pids()
             assert len(running) >= 5, running  # 2 daemons, srun, slurmstepd and the sleeps
             raise RuntimeError("test failure")
     assert job.wait(timeout=10) != 0
