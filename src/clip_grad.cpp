@@ -6,6 +6,7 @@
 
 #include "fsdp/collectives.h"
 #include "fsdp_state.h"
+#include "tp_ops.h"
 
 namespace fsdp {
 
@@ -13,9 +14,12 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
                               bool error_if_nonfinite, ProcessGroupPtr group, const torch::Tensor& also_sum) {
   TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive, got ", norm_type);
   const bool inf_norm = std::isinf(norm_type);
-  // Split the gradients into sharded ones (summed over the shard group) and replicated ones.
-  std::vector<torch::Tensor> sharded, replicated;
+  // Split the gradients by the groups their shards are summed over: FSDP's shard group (`group`), the
+  // TP group (tensor-parallel parameters, parallelize_module), both (FSDP over TP), or none (replicated:
+  // counted once, e.g. a norm's weight in a TP-only model, identical on every TP rank).
+  std::vector<torch::Tensor> sharded, sharded_tp, tp_only, replicated;
   std::vector<torch::Tensor> grads;
+  ProcessGroupPtr tp_group;
   torch::ScalarType dtype = torch::kFloat32;
   const auto owners = detail::param_owners();
   for (const auto& p : parameters) {
@@ -23,13 +27,21 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
     if (!g.defined()) continue;
     grads.push_back(g);
     if (g.scalar_type() == torch::kDouble) dtype = torch::kDouble;
+    const auto* tp = tp::detail::find_tp_param(p);
+    if (tp && !tp->placement.is_shard()) tp = nullptr;  // replicated by TP (a sequence-parallel norm): once
+    if (tp) {
+      const auto& pg = tp->mesh->get_group(0);
+      TORCH_CHECK(!tp_group || tp_group == pg, "clip_grad_norm_: the parameters are tensor-parallel over more than one ",
+                  "TP group; pass the parameters of one TP mesh");
+      tp_group = pg;
+    }
     auto it = owners.find(p.unsafeGetTensorImpl());
     if (it != owners.end()) {
       const auto& state = it->second;
       if (!group) group = state->group->mesh()->get_group(state->group->mesh()->ndim() - 1);
-      sharded.push_back(g);
+      (tp ? sharded_tp : sharded).push_back(g);
     } else {
-      replicated.push_back(g);
+      (tp ? tp_only : replicated).push_back(g);
     }
   }
   // On the gradients' device (CUDA: the norms stay on the GPU, and NCCL all-reduces device tensors).
@@ -62,24 +74,39 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, doub
     }
     return acc;
   };
-  auto total = partial(sharded);
+  // [sum over FSDP's group only, over FSDP's and TP's, over TP's only].
+  auto total = torch::cat({partial(sharded), partial(sharded_tp), partial(tp_only)});
   if (also_sum.defined()) {
     TORCH_CHECK(also_sum.is_contiguous(), "clip_grad_norm_: also_sum must be contiguous, got strides ",
                 also_sum.strides(), ". Fix: pass also_sum.contiguous() and read the result from that tensor");
   }
+  const ReduceOp op = inf_norm ? ReduceOp::MAX : ReduceOp::SUM;
+  // Over TP's group first: entries 1 and 2. Then entry 1 is folded into entry 0, which FSDP's group
+  // reduces (entry 2 must not take FSDP's sum, entry 0 not TP's). Without TP this is the one all-reduce
+  // of [partial norm, also_sum...] as before, to the bit.
+  if (tp_group && tp_group->size() > 1) {
+    auto tp_part = total.narrow(0, 1, 2).clone();
+    all_reduce(tp_part, *tp_group, op);
+    total = torch::cat({total.narrow(0, 0, 1), tp_part});
+  }
+  auto fsdp_part = inf_norm ? torch::maximum(total.narrow(0, 0, 1), total.narrow(0, 1, 1))
+                            : total.narrow(0, 0, 1) + total.narrow(0, 1, 1);
   const bool distributed = group && group->size() > 1;
   if (distributed && also_sum.defined() && !inf_norm && also_sum.scalar_type() == total.scalar_type() &&
       also_sum.device() == total.device()) {
     // One collective for both (issue 16, part 3): [partial norm, also_sum...].
-    auto packed = torch::cat({total, also_sum.reshape({-1})});
+    auto packed = torch::cat({fsdp_part, also_sum.reshape({-1})});
     all_reduce(packed, *group, ReduceOp::SUM);
-    total = packed.narrow(0, 0, 1);
+    fsdp_part = packed.narrow(0, 0, 1);
     torch::NoGradGuard no_grad;
     also_sum.view({-1}).copy_(packed.narrow(0, 1, also_sum.numel()));
   } else if (distributed) {
-    all_reduce(total, *group, inf_norm ? ReduceOp::MAX : ReduceOp::SUM);
+    fsdp_part = fsdp_part.clone();
+    all_reduce(fsdp_part, *group, op);
     if (also_sum.defined()) all_reduce(also_sum, *group, ReduceOp::SUM);
   }
+  total = torch::cat({fsdp_part, total.narrow(0, 2, 1)});
+  total = inf_norm ? total.max().reshape({1}) : total.sum().reshape({1});
   auto rep = partial(replicated);
   total = inf_norm ? torch::maximum(total, rep) : (total + rep).pow(1.0 / norm_type);
   total = total.reshape({});

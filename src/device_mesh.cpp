@@ -1,5 +1,6 @@
 #include "fsdp/device_mesh.h"
 
+#include <algorithm>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -40,7 +41,9 @@ DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape, std::v
   }
   std::vector<int64_t> strides(shape_.size(), 1);
   for (int64_t d = ndim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape_[d + 1];
-  uint64_t mesh_id = detail::ProcessGroupAccess::next_subgroup_id(*world_);
+  root_dims_.resize(shape_.size());
+  std::iota(root_dims_.begin(), root_dims_.end(), 0);
+  const uint64_t mesh_id = mesh_id_ = detail::ProcessGroupAccess::next_subgroup_id(*world_);
   for (int64_t d = 0; d < ndim(); ++d) {
     if (shape_.size() == 1) {
       groups_.push_back(world_);  // a 1-D mesh is the world itself: no new group
@@ -96,6 +99,80 @@ DeviceMeshPtr DeviceMesh::operator[](const std::string& dim_name) const {
   sub->ranks_ = groups_[d]->global_ranks();
   sub->coord_ = {coord_[d]};
   sub->groups_ = {groups_[d]};
+  sub->root_ = root_mesh();
+  sub->root_dims_ = {root_dims_[d]};
+  return sub;
+}
+
+DeviceMeshPtr DeviceMesh::root_mesh() const {
+  if (root_) return root_;
+  try {
+    return std::const_pointer_cast<DeviceMesh>(shared_from_this());
+  } catch (const std::bad_weak_ptr&) {
+    TORCH_CHECK(false, "DeviceMesh: root_mesh()/slice()/operator[] need the mesh to be owned by a std::shared_ptr "
+                "(build it with init_device_mesh or std::make_shared<DeviceMesh>)");
+  }
+}
+
+DeviceMeshPtr DeviceMesh::slice(const std::vector<std::string>& names) const {
+  auto root = root_mesh();
+  TORCH_CHECK(!names.empty(), "DeviceMesh::slice: expected at least one dimension name");
+  std::vector<int64_t> dims;
+  for (const auto& n : names) {
+    const int64_t d = root->dim_index(n);  // throws naming the known names
+    TORCH_CHECK(std::find(dims.begin(), dims.end(), d) == dims.end(), "DeviceMesh::slice: dimension '", n,
+                "' is named twice");
+    dims.push_back(d);
+  }
+  std::shared_ptr<DeviceMesh> sub(new DeviceMesh());
+  sub->root_ = root;
+  sub->root_dims_ = dims;
+  sub->dim_names_ = names;
+  for (int64_t d : dims) {
+    sub->shape_.push_back(root->shape_[d]);
+    sub->coord_.push_back(root->coord_[d]);
+    sub->groups_.push_back(root->groups_[d]);
+  }
+  // Ranks, row-major in the slice's order; the root's other dims fixed at this rank's coordinates.
+  std::vector<int64_t> root_strides(root->shape_.size(), 1);
+  for (int64_t d = root->ndim() - 2; d >= 0; --d) root_strides[d] = root_strides[d + 1] * root->shape_[d + 1];
+  int64_t base = 0;
+  for (int64_t d = 0; d < root->ndim(); ++d) {
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) base += root->coord_[d] * root_strides[d];
+  }
+  std::vector<int> members;  // group ranks in the root's world
+  std::vector<int64_t> idx(dims.size(), 0);
+  int64_t total = 1;
+  for (int64_t n : sub->shape_) total *= n;
+  for (int64_t n = 0; n < total; ++n) {
+    int64_t flat = base;
+    for (size_t k = 0; k < dims.size(); ++k) flat += idx[k] * root_strides[dims[k]];
+    members.push_back(static_cast<int>(flat));
+    sub->ranks_.push_back(root->ranks_[flat]);
+    for (int64_t k = static_cast<int64_t>(dims.size()) - 1; k >= 0; --k) {
+      if (++idx[k] < sub->shape_[k]) break;
+      idx[k] = 0;
+    }
+  }
+  if (dims.size() == root->shape_.size()) {
+    sub->world_ = root->world_;
+  } else if (dims.size() == 1) {
+    sub->world_ = root->groups_[dims[0]];
+  } else {
+    auto key = dims;
+    std::sort(key.begin(), key.end());
+    std::lock_guard<std::mutex> lock(root->slice_mu_);
+    auto& world = root->slice_worlds_[key];
+    if (!world) {
+      std::sort(members.begin(), members.end());
+      std::ostringstream name;
+      name << "mesh" << root->mesh_id_ << "/slice";
+      for (int64_t d : key) name << "/" << (root->dim_names_.empty() ? "dim" + std::to_string(d) : root->dim_names_[d]);
+      name << "/" << base;
+      world = new_group(root->world_, members, name.str());
+    }
+    sub->world_ = world;
+  }
   return sub;
 }
 

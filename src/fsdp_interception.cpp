@@ -150,8 +150,6 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (deferred_init_active()) return deferred_init_fallback(op, ks, stack);
-  // A tensor-parallel module's op (aten::linear / aten::embedding on a TP weight): run its style.
-  if (fsdp::tp::detail::tp_handle_op(op, ks, stack)) return;
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   const OpInfo& info = op_info(op);
   if (info.meta) return op.redispatchBoxed(ks & after, stack);
@@ -172,7 +170,13 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   }
   // The library's own ops (unshard, casts) and the op's decomposition run without interception.
   NoInterception no_interception;
-  if (found.empty()) return op.redispatchBoxed(ks & after, stack);
+  // A tensor-parallel module's op (linear / embedding on a TP weight) runs its style instead of the op,
+  // after FSDP's part below when the weight is also FSDP's (unshard first: see [Note: FSDP over TP]).
+  auto run = [&] {
+    fsdp::tp::detail::wrap_partial_grad_params(op, stack);
+    if (!fsdp::tp::detail::tp_handle_op(op, ks, stack)) op.redispatchBoxed(ks & after, stack);
+  };
+  if (found.empty()) return run();
 
   const bool grad_mode = torch::GradMode::is_enabled();
   std::vector<FSDPState*> forward_states;
@@ -207,12 +211,14 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     }
     break;  // one policy per op
   }
-  op.redispatchBoxed(ks & after, stack);
+  run();
   if (grad_mode && !forward_states.empty()) hook_outputs(forward_states, *stack, nret);
 }
 
 void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (!deferred_init_active() && fsdp::tp::detail::tp_handle_op(op, ks, stack)) return;
+  // A TP module's op goes through the fallback (FSDP's pre-forward, then the style); any other call
+  // decomposes below the key, and its ops reach the fallback one by one.
+  if (!deferred_init_active() && fsdp::tp::detail::is_tp_op(op, *stack)) return fallback(op, ks, stack);
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   op.redispatchBoxed(ks & after, stack);
 }

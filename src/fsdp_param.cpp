@@ -2,6 +2,7 @@
 #include "fsdp_param.h"
 
 #include "fsdp_interception.h"
+#include "tp_ops.h"
 
 #include <utility>
 
@@ -60,19 +61,25 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
     return;
   }
   if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
-  param.set_data(sharded_data);
+  if (const auto* tp = tp::detail::find_tp_param(param)) {
+    tp_mesh = tp->mesh;
+    tp_placement = tp->placement;
+    tp_global_shape = tp->global_shape;
+    sharded_intercepted = intercepted(sharded_data);
+  }
+  param.set_data(keyed() ? sharded_intercepted : sharded_data);
 }
 
 void FSDPParam::enable_interception() {
   intercept = true;
-  sharded_intercepted = intercepted(sharded_data);
+  if (!sharded_intercepted.defined()) sharded_intercepted = intercepted(sharded_data);
   param.set_data(sharded_intercepted);
 }
 
 void FSDPParam::disable_interception() {
   intercept = false;
-  param.set_data(sharded_data);
-  sharded_intercepted = unsharded_intercepted = torch::Tensor();
+  param.set_data(keyed() ? sharded_intercepted : sharded_data);
+  if (!keyed()) sharded_intercepted = unsharded_intercepted = torch::Tensor();
 }
 
 void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device, CommContext& comm) {
@@ -81,10 +88,8 @@ void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device, Comm
     shape[0] = shard_size * padded_rows;
     unsharded_padded = comm.empty(shape, param_dtype, device);
     unsharded_data = unsharded_padded.narrow(0, 0, orig_size[0]);
-    if (intercept) {
-      unsharded_intercepted = intercepted(unsharded_data);
-      register_param_storage(param, unsharded_padded, /*is_shard=*/false);
-    }
+    if (keyed()) unsharded_intercepted = intercepted(unsharded_data);
+    if (intercept) register_param_storage(param, unsharded_padded, /*is_shard=*/false);
   } else {
     resize_storage(unsharded_padded, unsharded_padded.numel() * unsharded_padded.element_size());
   }
@@ -99,7 +104,7 @@ void FSDPParam::to_unsharded(bool /*in_backward*/) {
   // even while the data is unsharded (an evaluation forward, a read); the first pre-backward moves it
   // to the stash before autograd accumulates an unsharded gradient (FSDPParamGroup::begin_backward).
   // During a backward .grad holds only this backward's unsharded gradient: it stays too.
-  param.set_data(intercept ? unsharded_intercepted : unsharded_data);
+  param.set_data(keyed() ? unsharded_intercepted : unsharded_data);
 }
 
 void FSDPParam::to_sharded(bool in_backward, int rank) {
@@ -109,7 +114,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
     // the sharded one). The group is resharded before every use produced its gradient (e.g. a
     // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
     accumulate(pending_grad, std::exchange(g, torch::Tensor()));
-    param.set_data(intercept ? sharded_intercepted : sharded_data);
+    param.set_data(keyed() ? sharded_intercepted : sharded_data);
     return;
   }
   // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
@@ -119,7 +124,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
               "shard is ", sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
               "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
               "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
-  param.set_data(intercept ? sharded_intercepted : sharded_data);
+  param.set_data(keyed() ? sharded_intercepted : sharded_data);
   accumulate(g, std::exchange(stashed_grad, torch::Tensor()));
 }
 
@@ -147,11 +152,54 @@ void FSDPParam::check_holds_fsdp_data(bool unsharded, const std::string& module_
               "torch::NoGradGuard");
 }
 
+// [Note: FSDP over TP]
+// torchtitan's recipe: parallelize_module(model, mesh["tp"], plan), then fully_shard(..., mesh["dp"]).
+// A TP parameter's data is then its TP-local shard, and FSDP shards that again on dim 0: rank (dp d,
+// tp t) holds chunk d (over dp) of chunk t (over tp) of the global tensor. FSDP itself only sees the
+// TP-local tensor (orig_size): it all-gathers over dp to the TP-local tensor, and the TP op runs on
+// that. For state dicts, DCP and full_tensor the parameter is described over the root mesh with its
+// dims in split order: (FSDP's replicate dim if HSDP, the other root dims (tp), FSDP's shard dim),
+// placements (Replicate(), the TP placement or Replicate(), Shard(0)). DTensor nests mesh dims left to
+// right, so tp splits the global tensor first and dp splits the tp chunk: exactly FSDP's layout, and
+// local_offsets()/full_tensor() put the rows in the right order. PyTorch keeps the (dp, tp) order and
+// marks the dp placement _StridedShard(0, split_factor=tp) instead; the two describe the same layout.
+// Every parameter of a model with TP parameters on the same root gets the root-spanning description
+// (replicated on tp when not TP-sharded), so a state dict has one world: the root's.
 DTensor FSDPParam::to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Tensor& local) const {
-  std::vector<Placement> placements;
-  if (mesh->ndim() == 2) placements.push_back(Replicate());
-  placements.push_back(Shard(0));
-  return DTensor(local.defined() ? local : sharded_data, mesh, placements, orig_size);
+  if (!dtensor_mesh_) {
+    auto root = mesh->root_mesh();
+    const bool spans_root = tp_mesh || (root->ndim() > mesh->ndim() && tp::detail::has_tp_params_on(root));
+    if (!spans_root) {
+      dtensor_mesh_ = mesh;
+      if (mesh->ndim() == 2) dtensor_placements_.push_back(Replicate());
+      dtensor_placements_.push_back(Shard(0));
+      dtensor_shape_ = orig_size;
+    } else {
+      TORCH_CHECK(!tp_mesh || tp_mesh->root_mesh() == root, "fully_shard: parameter '", fqn, "' is tensor-parallel on ",
+                  tp_mesh->str(), ", which is not a dimension of FSDP's mesh's root ", root->str(),
+                  ". Fix: slice both from one mesh, e.g. mesh = init_device_mesh(kCPU, {dp, tp}, {\"dp\", \"tp\"}); ",
+                  "parallelize_module(model, mesh[\"tp\"], plan); fully_shard(..., mesh[\"dp\"])");
+      const auto& fd = mesh->root_dims();
+      std::vector<std::string> names;
+      auto name_of = [&](int64_t d) { return root->dim_names()[d]; };
+      TORCH_CHECK(!root->dim_names().empty(), "fully_shard: the root mesh ", root->str(), " needs dim names");
+      for (size_t i = 0; i + 1 < fd.size(); ++i) {
+        names.push_back(name_of(fd[i]));
+        dtensor_placements_.push_back(Replicate());
+      }
+      for (int64_t d = 0; d < root->ndim(); ++d) {
+        if (std::find(fd.begin(), fd.end(), d) != fd.end()) continue;
+        names.push_back(name_of(d));
+        const bool is_tp_dim = tp_mesh && tp_mesh->root_dims().size() == 1 && tp_mesh->root_dims()[0] == d;
+        dtensor_placements_.push_back(is_tp_dim ? tp_placement : Replicate());
+      }
+      names.push_back(name_of(fd.back()));
+      dtensor_placements_.push_back(Shard(0));
+      dtensor_mesh_ = root->slice(names);
+      dtensor_shape_ = tp_mesh ? tp_global_shape : orig_size;
+    }
+  }
+  return DTensor(local.defined() ? local : sharded_data, dtensor_mesh_, dtensor_placements_, dtensor_shape_);
 }
 
 }  // namespace fsdp::detail

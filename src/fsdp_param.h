@@ -74,6 +74,13 @@ class FSDPParam {
   bool intercept = false;
   torch::Tensor sharded_intercepted;
   torch::Tensor unsharded_intercepted;
+  // A tensor-parallel parameter (parallelize_module ran before fully_shard): orig_size is its TP-local
+  // shape. Its data always carries the interception key, sharded or not, holder or implicit, so that
+  // tensor parallelism's op side sees the module's linear/embedding (tp_ops.cpp). See [Note: FSDP over TP].
+  DeviceMeshPtr tp_mesh;             // null unless TP
+  Placement tp_placement;            // on tp_mesh
+  std::vector<int64_t> tp_global_shape;
+  bool keyed() const { return intercept || tp_mesh != nullptr; }
 
   int64_t padded_numel() const { return padded_rows * row_numel; }
   bool requires_grad() const { return param.requires_grad(); }
@@ -102,8 +109,14 @@ class FSDPParam {
   /// unsharded tensor): a replacement after fully_shard would be silently undone by the next all-gather.
   void check_holds_fsdp_data(bool unsharded, const std::string& module_name, int rank) const;
   /// The sharded parameter as a DTensor over `mesh` (aliases the local shard), or `local` (a tensor of
-  /// the local shard's shape, e.g. its gradient) with the parameter's placements and global shape.
+  /// the local shard's shape, e.g. its gradient) with the parameter's placements and global shape. When
+  /// the model has TP parameters on `mesh`'s root, over the root's dims instead (see [Note: FSDP over TP]).
   DTensor to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Tensor& local = {}) const;
+
+ private:
+  mutable DeviceMeshPtr dtensor_mesh_;  // computed on first use
+  mutable std::vector<Placement> dtensor_placements_;
+  mutable std::vector<int64_t> dtensor_shape_;
 };
 
 }  // namespace fsdp::detail

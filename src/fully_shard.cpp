@@ -10,6 +10,7 @@
 #include "consistency.h"
 #include "fsdp_init.h"
 #include "fsdp_state.h"
+#include "tp_ops.h"
 
 namespace fsdp {
 // ---------------------------------------------------------------------------------------------------
@@ -150,6 +151,7 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   }
   auto mesh = detail::fully_shard_mesh(options);
   auto managed = detail::get_managed_params(modules, options, mesh->get_rank());
+  tp::detail::check_fully_shard_over_tp(managed.params, mesh, mesh->get_rank());
 
   auto state = std::make_shared<detail::FSDPState>(modules, options);
   state->mesh = mesh;

@@ -15,6 +15,7 @@
 
 #include "fsdp/collectives.h"
 #include "state_dict_impl.h"
+#include "tp_ops.h"
 #include "util.h"
 
 namespace fsdp {
@@ -109,10 +110,19 @@ ModelContext::ModelContext(const torch::nn::Module& model) {
     if (!s || !seen.insert(s.get()).second || !s->group) return;
     s->group->reshard();
     for (const auto& p : s->group->params()) layouts[p.param.unsafeGetTensorImpl()] = Layout{s->group.get(), &p};
-    if (!world) world = s->group->mesh()->world();
+    // The world of the parameters' DTensors: FSDP's mesh, or its root with TP ([Note: FSDP over TP]).
+    if (!world && !s->group->params().empty()) world = s->group->sharded_dtensor(s->group->params()[0]).device_mesh()->world();
   };
   visit(model);
   for (const auto& item : model.named_modules("", /*include_self=*/false)) visit(*item.value());
+  // Tensor-parallel parameters that no fully_shard manages (a TP-only model) are DTensors too.
+  for (const auto& p : model.parameters()) {
+    if (layouts.count(p.unsafeGetTensorImpl()) || !tp::detail::find_tp_param(p)) continue;
+    Layout l;
+    l.tp_param = p;
+    if (!world) world = l.dtensor().device_mesh()->world();
+    layouts.emplace(p.unsafeGetTensorImpl(), std::move(l));
+  }
   if (!world && is_initialized()) world = default_process_group();
   rank = world ? world->rank() : 0;
 }
@@ -302,7 +312,7 @@ ModelTargets model_targets(const torch::nn::Module& model, const ModelContext& c
       continue;
     }
     if (const auto* l = ctx.find(p)) {
-      out.targets.push_back({item.key(), l->param->sharded_data, l->dtensor()});
+      out.targets.push_back({item.key(), l->local(), l->dtensor()});
     } else {
       out.targets.push_back({item.key(), p.detach(), std::nullopt});
     }

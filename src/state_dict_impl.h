@@ -12,17 +12,21 @@
 #include <vector>
 
 #include "fsdp/state_dict.h"
+#include "fsdp/tensor_parallel.h"
 #include "fsdp_state.h"
 #include "validate_agree_apply.h"
 
 namespace fsdp::detail::sd {
 
-/// The FSDP layout of one sharded parameter.
+/// The layout of one sharded parameter: FSDP's (possibly over TP), or tensor parallelism's alone.
 struct Layout {
-  FSDPParamGroup* group = nullptr;
+  FSDPParamGroup* group = nullptr;  // an FSDP parameter: its group and FSDPParam
   const FSDPParam* param = nullptr;
+  torch::Tensor tp_param;           // else a parameter of parallelize_module that no fully_shard manages
   /// The parameter's sharded DTensor (aliases its local shard).
-  DTensor dtensor() const { return group->sharded_dtensor(*param); }
+  DTensor dtensor() const { return group ? group->sharded_dtensor(*param) : tp::tp_param_dtensor(tp_param); }
+  /// The local shard, to load into.
+  torch::Tensor local() const { return group ? param->sharded_data : tp_param.detach(); }
 };
 
 /// The FSDP layouts of a model's parameters and the group its state dicts communicate over.

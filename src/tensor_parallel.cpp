@@ -4,7 +4,9 @@
 
 #include <sstream>
 
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/linear.h>
 
 #include "fsdp_interception.h"
@@ -14,6 +16,10 @@ namespace fsdp::tp {
 
 std::string ParallelStyle::str() const {
   std::ostringstream os;
+  if (kind == Kind::SEQUENCE) {
+    os << "SequenceParallel(sequence_dim=" << input_layout.dim << ")";
+    return os.str();
+  }
   os << (kind == Kind::COLWISE ? "ColwiseParallel" : "RowwiseParallel") << "(input_layouts=" << input_layout.str()
      << ", output_layouts=" << output_layout.str() << ")";
   return os.str();
@@ -53,7 +59,12 @@ bool fqn_matches(const std::string& pattern, const std::string& fqn) {
 }
 
 const char* style_name(const ParallelStyle& s) {
-  return s.kind == ParallelStyle::Kind::COLWISE ? "ColwiseParallel" : "RowwiseParallel";
+  switch (s.kind) {
+    case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
+    case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
+    case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
+  }
+  return "?";
 }
 
 std::string in_quotes(const std::string& fqn) { return "'" + fqn + "'"; }
@@ -63,16 +74,41 @@ struct Work {
   std::string fqn;
   std::shared_ptr<torch::nn::Module> module;
   bool is_embedding = false;
+  bool is_norm = false;         // SequenceParallel on a LayerNorm (replicated weight and bias)
+  torch::Tensor partial_bias;   // a rowwise Linear's bias under a Shard(d) output (replicated, partial grad)
   ParallelStyle style;
   torch::Tensor weight, bias;   // bias undefined when absent or not sharded
   int64_t weight_dim = 0;       // the weight dim that is sharded
 };
+
+// SequenceParallel: LayerNorm (its affine parameters become replicated TP parameters) or Dropout.
+Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style) {
+  const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
+  Work w;
+  w.fqn = fqn;
+  w.module = m;
+  w.style = style;
+  TORCH_CHECK(style.input_layout.is_shard() && style.input_layout.dim >= 0, "parallelize_module: ", what,
+              ": expected a sequence_dim >= 0, got ", style.input_layout.str());
+  if (auto* ln = dynamic_cast<torch::nn::LayerNormImpl*>(m.get())) {
+    w.is_norm = true;
+    w.weight = ln->weight;
+    w.bias = ln->bias;
+    TORCH_CHECK(!(w.weight.defined() && tp::detail::find_tp_param(w.weight)), "parallelize_module: ", in_quotes(fqn),
+                " is already parallelised; plan each module once");
+  } else {
+    TORCH_CHECK(dynamic_cast<torch::nn::DropoutImpl*>(m.get()), "parallelize_module: ", what, " (a ", m->name(),
+                "): expected a torch::nn::LayerNorm or torch::nn::Dropout");
+  }
+  return w;
+}
 
 Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style,
                   int64_t tp) {
   const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
   TORCH_CHECK(style.use_local_output, "parallelize_module: ", what,
               ": use_local_output(false) is not supported: a LibTorch module returns a torch::Tensor, not a DTensor");
+  if (style.kind == ParallelStyle::Kind::SEQUENCE) return validate_sequence(fqn, m, style);
   Work w;
   w.fqn = fqn;
   w.module = m;
@@ -84,6 +120,8 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
     // bias stays whole and is added after the all-gather: F::linear adds it after matmul for inputs
     // of more than 2 dims, outside the op the interception sees.
     if (colwise && lin->bias.defined() && !style.output_layout.is_replicate()) w.bias = lin->bias;
+    // Rowwise with a sequence-sharded output: each rank adds the whole bias to its own positions.
+    if (!colwise && lin->bias.defined() && style.output_layout.is_shard()) w.partial_bias = lin->bias;
   } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
     w.is_embedding = true;
     w.weight = emb->weight;
@@ -98,18 +136,20 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
               ": expected a 2-D weight, got ", w.weight.defined() ? c10::str(w.weight.sizes()) : "none");
   TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
               " is already parallelised (its weight is a TP parameter); plan each module once");
-  // Layouts this session supports (sequence parallel inputs/outputs are not yet).
+  // Supported layouts. Shard(d >= 0) is a sequence-sharded activation (sequence parallelism).
   const auto& in = style.input_layout;
   const auto& out = style.output_layout;
   auto is_last = [](const Placement& p) { return p.is_shard() && p.dim == -1; };
+  auto is_seq = [](const Placement& p) { return p.is_shard() && p.dim >= 0; };
   if (colwise) {
-    TORCH_CHECK(in.is_replicate(), "parallelize_module: ", what, ": input_layouts ", in.str(),
-                " is not supported (sequence parallelism is not implemented yet); use Replicate()");
+    TORCH_CHECK(in.is_replicate() || (is_seq(in) && !w.is_embedding), "parallelize_module: ", what,
+                ": input_layouts ", in.str(), " is not supported; use Replicate(), or Shard(1) (a sequence-sharded ",
+                "input, Linear only)");
     TORCH_CHECK(is_last(out) || out.is_replicate(), "parallelize_module: ", what, ": output_layouts ", out.str(),
                 " is not supported; use Shard(-1) (local features) or Replicate() (all-gathered)");
   } else {
-    TORCH_CHECK(out.is_replicate(), "parallelize_module: ", what, ": output_layouts ", out.str(),
-                " is not supported (sequence parallelism is not implemented yet); use Replicate()");
+    TORCH_CHECK(out.is_replicate() || is_seq(out), "parallelize_module: ", what, ": output_layouts ", out.str(),
+                " is not supported; use Replicate() (all-reduced) or Shard(1) (reduce-scattered along the sequence)");
     TORCH_CHECK(w.is_embedding ? in.is_replicate() || is_last(in) : (is_last(in) || in.is_replicate()),
                 "parallelize_module: ", what, ": input_layouts ", in.str(),
                 " is not supported; use Shard(-1) (the local output of a colwise module) or Replicate()");
@@ -138,13 +178,39 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
   tp::detail::TPParam info;
   info.fqn = w.fqn;
   info.is_embedding = w.is_embedding;
+  info.is_norm = w.is_norm;
   info.style = w.style;
   info.mesh = mesh;
+  if (w.style.kind == ParallelStyle::Kind::SEQUENCE) {
+    // Replicated: whole data, tagged so that their uses all-reduce their gradients (partial sums over
+    // each rank's positions: tp_ops.h, wrap_partial_grad_params).
+    if (!w.is_norm) return;  // Dropout: each rank drops its own positions, nothing to change
+    info.placement = Replicate();
+    info.partial_grad = true;
+    for (auto t : {w.weight, w.bias}) {
+      if (!t.defined()) continue;
+      info.global_shape = t.sizes().vec();
+      info.is_weight = false;  // not a matrix the op side runs: only its gradient is handled
+      t.set_data(fsdp::detail::intercepted(t.detach().clone()));
+      tp::detail::register_tp_param(t, info);
+    }
+    return;
+  }
   info.placement = Shard(w.weight_dim);
   info.global_shape = w.weight.sizes().vec();
   auto weight = w.weight;  // the Parameter object the module and any optimizer hold: kept, data replaced
   weight.set_data(fsdp::detail::intercepted(chunk(weight, w.weight_dim, tp, rank)));
   tp::detail::register_tp_param(weight, info);
+  if (w.partial_bias.defined()) {  // replicated, tagged so that its uses all-reduce its gradient
+    auto bias = w.partial_bias;
+    auto binfo = info;
+    binfo.is_weight = false;
+    binfo.partial_grad = true;
+    binfo.placement = Replicate();
+    binfo.global_shape = bias.sizes().vec();
+    bias.set_data(fsdp::detail::intercepted(bias.detach().clone()));
+    tp::detail::register_tp_param(bias, binfo);
+  }
   if (w.bias.defined()) {  // colwise Linear: bias sharded with the output features, no interception needed
     auto bias = w.bias;
     info.is_weight = false;

@@ -4,6 +4,8 @@
 // fsdp_interception.cpp; see docs/TENSOR_PARALLEL.md section 2.
 #include "tp_ops.h"
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
@@ -95,8 +97,75 @@ struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
   }
 };
 
+// Sequence parallelism: the activation is split along dim `dim` (the sequence) over the TP group.
+// [T/tp] pieces rank-major along `dim`; both need `dim`'s size to divide evenly (checked by the callers).
+torch::Tensor gather_along(const torch::Tensor& x, int64_t dim, ProcessGroup& pg) {
+  auto front = x.movedim(dim, 0).contiguous();
+  auto shape = front.sizes().vec();
+  shape[0] *= pg.size();
+  auto out = torch::empty(shape, front.options());
+  all_gather_into_tensor(out, front, pg);
+  return out.movedim(0, dim).contiguous();
+}
+torch::Tensor reduce_scatter_along(const torch::Tensor& x, int64_t dim, ProcessGroup& pg) {
+  auto front = x.movedim(dim, 0).contiguous();
+  auto shape = front.sizes().vec();
+  shape[0] /= pg.size();
+  auto out = torch::empty(shape, front.options());
+  reduce_scatter_tensor(out, front, pg, ReduceOp::SUM);
+  return out.movedim(0, dim).contiguous();
+}
+
+// All-gather along the sequence forward (Shard(d) -> Replicate, the input of a column-parallel module
+// under sequence parallelism); reduce-scatter of the gradient backward: each rank's output features
+// contribute a part of every position's input gradient, and each rank keeps its positions' sum.
+struct GatherSeq : torch::autograd::Function<GatherSeq> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
+                               int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return gather_along(x, dim, *reinterpret_cast<ProcessGroup*>(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {reduce_scatter_along(grads[0], ctx->saved_data["dim"].toInt(), group_of(ctx)), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+// Reduce-scatter along the sequence forward (Partial -> Shard(d), the output of a row-parallel module
+// under sequence parallelism); all-gather of the gradient backward.
+struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
+                               int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return reduce_scatter_along(x, dim, *reinterpret_cast<ProcessGroup*>(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gather_along(grads[0], ctx->saved_data["dim"].toInt(), group_of(ctx)), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 const char* style_name(const ParallelStyle& s) {
-  return s.kind == ParallelStyle::Kind::COLWISE ? "ColwiseParallel" : "RowwiseParallel";
+  switch (s.kind) {
+    case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
+    case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
+    case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
+  }
+  return "?";
+}
+
+// A sequence-sharded layout's dim (for the input's rank), checked to exist and, for `full`, to divide.
+int64_t seq_dim(const TPParam& p, const Placement& layout, const torch::Tensor& x, bool full, int64_t tp) {
+  const int64_t d = layout.dim;
+  TORCH_CHECK(d < x.dim(), style_name(p.style), " on '", p.fqn, "': its sequence dim ", d, " does not exist in an input of shape ",
+              x.sizes());
+  TORCH_CHECK(!full || x.size(d) % tp == 0, style_name(p.style), " on '", p.fqn, "': the sequence (dim ", d, ") of ",
+              x.size(d), " positions is not divisible by the TP size ", tp,
+              "; sequence parallelism splits it evenly: use a sequence length that is a multiple of ", tp);
+  return d;
 }
 
 torch::Tensor tp_linear(const TPParam& p, const torch::Tensor& x, const torch::Tensor& w,
@@ -108,13 +177,17 @@ torch::Tensor tp_linear(const TPParam& p, const torch::Tensor& x, const torch::T
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_local, style_name(p.style), " on '", p.fqn,
                 "': expected a replicated input with in_features = ", in_local, " in its last dim, got ",
                 x.sizes());
+    // Sequence-sharded input: all-gathered (its gradient reduce-scattered, which also sums what copy_to_tp
+    // would); else replicated: copy_to_tp.
+    const auto& in = p.style.input_layout;
+    auto xf = in.is_shard() ? GatherSeq::apply(x, g, seq_dim(p, in, x, false, pg.size())) : CopyToTP::apply(x, g);
     if (p.style.output_layout.is_replicate()) {
       // The bias stays replicated for this layout (see apply_work): added after the all-gather.
-      auto y = GatherLastDim::apply(torch::linear(CopyToTP::apply(x, g), w), g);
+      auto y = GatherLastDim::apply(torch::linear(xf, w), g);
       if (bias && bias->defined()) y = y + *bias;
       return y;
     }
-    return torch::linear(CopyToTP::apply(x, g), w, bias);
+    return torch::linear(xf, w, bias);
   }
   torch::Tensor xi = x;
   if (p.style.input_layout.is_replicate()) {
@@ -127,6 +200,16 @@ torch::Tensor tp_linear(const TPParam& p, const torch::Tensor& x, const torch::T
                 "': expected this rank's shard of the input (input_layouts Shard(-1)): in_features / tp = ", in_local,
                 " in its last dim, got ", x.sizes(), (x.dim() >= 1 && x.size(-1) == in_local * pg.size()
                 ? "; this is the full input: use RowwiseParallel().input_layouts(Replicate())" : ""));
+  }
+  const auto& out = p.style.output_layout;
+  if (out.is_shard()) {
+    // Sequence-sharded output: reduce-scattered along the sequence. Each rank adds the bias to its own
+    // positions only, so the bias's gradient is a partial sum: all-reduced.
+    // (The bias is a partial_grad parameter: the fallback passed it through copy_to_tp already.)
+    auto y = torch::linear(xi, w);
+    y = ScatterSeq::apply(y, g, seq_dim(p, out, y, true, pg.size()));
+    if (bias && bias->defined()) y = y + *bias;
+    return y;
   }
   auto y = ReduceFromTP::apply(torch::linear(xi, w), g);
   if (bias && bias->defined()) y = y + *bias;  // once, after the reduction
@@ -150,6 +233,8 @@ torch::Tensor tp_embedding(const TPParam& p, const torch::Tensor& w, const torch
   const int64_t local_pad = padding_idx >= lo && padding_idx < lo + n ? padding_idx - lo : -1;
   auto y = torch::embedding(w, local_ids, local_pad, scale_grad_by_freq, sparse);
   y = y.masked_fill(outside.unsqueeze(-1), 0);
+  const auto& out = p.style.output_layout;
+  if (out.is_shard()) return ScatterSeq::apply(y, g, seq_dim(p, out, y, true, pg.size()));  // sequence-sharded
   return ReduceFromTP::apply(y, g);
 }
 
@@ -157,7 +242,11 @@ int64_t to_int(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt
 
 }  // namespace
 
+// Whether any partial_grad parameter was registered: ops of models without one skip the lookups.
+std::atomic<bool> any_partial_grad{false};
+
 void register_tp_param(const torch::Tensor& param, TPParam info) {
+  if (info.partial_grad) any_partial_grad = true;
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
   for (auto it = r.params.begin(); it != r.params.end();) it = it->second.impl.expired() ? r.params.erase(it) : std::next(it);
@@ -176,6 +265,33 @@ const TPParam* find_tp_param(const torch::Tensor& param) {
   return it == r.params.end() || it->second.impl.expired() ? nullptr : &it->second.info;
 }
 
+bool has_tp_params_on(const DeviceMeshPtr& root) {
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  for (const auto& [impl, e] : r.params) {
+    if (!e.impl.expired() && e.info.mesh->root_mesh() == root) return true;
+  }
+  return false;
+}
+
+void check_fully_shard_over_tp(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                               const DeviceMeshPtr& mesh, int rank) {
+  for (const auto& [name, t] : params) {
+    const TPParam* p = find_tp_param(t);
+    if (!p) continue;
+    const auto fix = std::string(". Fix: build one mesh and slice both from it: mesh = fsdp::init_device_mesh(torch::kCPU, ") +
+                     "{dp, tp}, {\"dp\", \"tp\"}); parallelize_module(model, mesh[\"tp\"], plan); then fully_shard(module, " +
+                     "FullyShardOptions().mesh(mesh[\"dp\"])) (HSDP: mesh.slice({\"dp_replicate\", \"dp_shard\"}))";
+    TORCH_CHECK(p->mesh->root_mesh() == mesh->root_mesh(), "fully_shard: parameter '", name, "' on rank ", rank,
+                " is tensor-parallel on ", p->mesh->str(), ", but FSDP's mesh ", mesh->str(),
+                " is not a slice of the same mesh, so the rows of its shards cannot be placed", fix);
+    const auto& fd = mesh->root_dims();
+    TORCH_CHECK(std::find(fd.begin(), fd.end(), p->mesh->root_dims()[0]) == fd.end(), "fully_shard: parameter '", name,
+                "' on rank ", rank, " is tensor-parallel on ", p->mesh->str(), ", and FSDP's mesh ", mesh->str(),
+                " contains that same dimension: a mesh dimension can shard a parameter only once", fix);
+  }
+}
+
 namespace {
 
 // If `t` is the transpose of a TP Linear weight (the view F::linear passes to addmm/mm/matmul), the
@@ -185,9 +301,15 @@ const TPParam* find_transposed_weight(const torch::Tensor& t, torch::Tensor* wei
   if (!t.defined() || t.dim() != 2 || !t.has_storage()) return nullptr;
   auto& r = registry();
   std::shared_lock<std::shared_mutex> lock(r.mu);
-  auto sit = r.storages.find(t.storage().unsafeGetStorageImpl());
-  if (sit == r.storages.end()) return nullptr;
-  auto pit = r.params.find(sit->second);
+  // The view's base is the weight itself (a view of a view has the root as base); the storage is the
+  // weight's only until fully_shard gives it storages of its own.
+  auto pit = r.params.end();
+  if (t.is_view()) pit = r.params.find(t._base().unsafeGetTensorImpl());
+  if (pit == r.params.end()) {
+    auto sit = r.storages.find(t.storage().unsafeGetStorageImpl());
+    if (sit == r.storages.end()) return nullptr;
+    pit = r.params.find(sit->second);
+  }
   if (pit == r.params.end() || pit->second.info.is_embedding) return nullptr;
   auto impl = pit->second.impl.lock();
   if (!impl) return nullptr;
@@ -202,46 +324,90 @@ const TPParam* find_transposed_weight(const torch::Tensor& t, torch::Tensor* wei
 
 }  // namespace
 
-bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+namespace {
+
+// What tp_handle_op would run: the TP record and weight of a TP module's op on the stack, or nullptr.
+struct TPOp {
+  const TPParam* p = nullptr;
+  torch::Tensor w;
+  enum class Kind { LINEAR, EMBEDDING, ADDMM, MATMUL } kind = Kind::LINEAR;
+};
+
+TPOp match_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   static const auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("aten::linear", "");
   static const auto embedding = c10::Dispatcher::singleton().findSchemaOrThrow("aten::embedding", "");
   static const auto addmm = c10::Dispatcher::singleton().findSchemaOrThrow("aten::addmm", "");
   static const auto mm = c10::Dispatcher::singleton().findSchemaOrThrow("aten::mm", "");
   static const auto matmul = c10::Dispatcher::singleton().findSchemaOrThrow("aten::matmul", "");
   const size_t nargs = op.schema().arguments().size();
-  const size_t base = stack->size() - nargs;
-  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };
-  torch::Tensor out;
+  const size_t base = stack.size() - nargs;
+  auto arg = [&](size_t i) -> const c10::IValue& { return stack[base + i]; };
+  TPOp m;
   if (op == linear || op == embedding) {
     const bool is_linear = op == linear;
     const auto& wv = arg(is_linear ? 1 : 0);
-    if (!wv.isTensor()) return false;
+    if (!wv.isTensor()) return m;
     const TPParam* p = find_tp_param(wv.toTensor());
-    if (!p || !p->is_weight || p->is_embedding == is_linear) return false;
-    // The collectives and the local op run without interception (they see the weight itself).
-    fsdp::detail::NoInterception no_interception;
-    if (is_linear) {
-      out = tp_linear(*p, arg(0).toTensor(), arg(1).toTensor(), arg(2).toOptional<torch::Tensor>());
-    } else {
-      out = tp_embedding(*p, arg(0).toTensor(), arg(1).toTensor(), to_int(arg(2)), arg(3).toBool(), arg(4).toBool());
-    }
+    if (!p || !p->is_weight || p->is_embedding == is_linear) return m;
+    m.p = p;
+    m.w = wv.toTensor();
+    m.kind = is_linear ? TPOp::Kind::LINEAR : TPOp::Kind::EMBEDDING;
   } else if (op == mm || op == addmm || op == matmul) {
     // LibTorch's F::linear: addmm(bias, x, weight.t()) for a 2-D input with a bias, else
     // matmul(x, weight.t()) followed by `+= bias` (matmul has a kernel of its own on the key, see
     // ensure_interception_registered; mm is what it decomposes to for 2-D inputs elsewhere).
     const bool is_addmm = op == addmm;
     const auto& wv = arg(is_addmm ? 2 : 1);
-    if (!wv.isTensor()) return false;
-    torch::Tensor w;
-    const TPParam* p = find_transposed_weight(wv.toTensor(), &w);
-    if (!p) return false;
-    if (is_addmm && (arg(3).toScalar().toDouble() != 1.0 || arg(4).toScalar().toDouble() != 1.0)) return false;
+    if (!wv.isTensor()) return m;
+    if (is_addmm && (arg(3).toScalar().toDouble() != 1.0 || arg(4).toScalar().toDouble() != 1.0)) return m;
+    m.p = find_transposed_weight(wv.toTensor(), &m.w);
+    m.kind = is_addmm ? TPOp::Kind::ADDMM : TPOp::Kind::MATMUL;
+  }
+  return m;
+}
+
+}  // namespace
+
+bool is_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) { return match_tp_op(op, stack).p; }
+
+void wrap_partial_grad_params(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!any_partial_grad || !torch::GradMode::is_enabled()) return;
+  const auto& args = op.schema().arguments();
+  const size_t base = stack->size() - args.size();
+  for (size_t a = 0; a < args.size(); ++a) {
+    auto& iv = (*stack)[base + a];
+    if (!iv.isTensor() || (args[a].alias_info() && args[a].alias_info()->isWrite())) continue;
+    const auto& t = iv.toTensor();
+    if (!t.defined() || !t.requires_grad()) continue;
+    const TPParam* p = find_tp_param(t);
+    if (!p || !p->partial_grad) continue;
     fsdp::detail::NoInterception no_interception;
-    c10::optional<torch::Tensor> bias;
-    if (is_addmm) bias = arg(0).toTensor();
-    out = tp_linear(*p, arg(is_addmm ? 1 : 0).toTensor(), w, bias);
-  } else {
-    return false;
+    iv = CopyToTP::apply(t, group_id(p->mesh));
+  }
+}
+
+bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const TPOp m = match_tp_op(op, *stack);
+  if (!m.p) return false;
+  const size_t nargs = op.schema().arguments().size();
+  const size_t base = stack->size() - nargs;
+  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };
+  // The collectives and the local op run without interception (they see the weight itself).
+  fsdp::detail::NoInterception no_interception;
+  torch::Tensor out;
+  switch (m.kind) {
+    case TPOp::Kind::LINEAR:
+      out = tp_linear(*m.p, arg(0).toTensor(), m.w, arg(2).toOptional<torch::Tensor>());
+      break;
+    case TPOp::Kind::EMBEDDING:
+      out = tp_embedding(*m.p, m.w, arg(1).toTensor(), to_int(arg(2)), arg(3).toBool(), arg(4).toBool());
+      break;
+    case TPOp::Kind::ADDMM:
+      out = tp_linear(*m.p, arg(1).toTensor(), m.w, arg(0).toTensor());
+      break;
+    case TPOp::Kind::MATMUL:
+      out = tp_linear(*m.p, arg(0).toTensor(), m.w, c10::nullopt);
+      break;
   }
   torch::jit::drop(*stack, nargs);
   torch::jit::push(*stack, std::move(out));

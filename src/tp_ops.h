@@ -4,6 +4,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/types.h>
@@ -16,7 +18,12 @@ namespace fsdp::tp::detail {
 struct TPParam {
   std::string fqn;            ///< module FQN in the model parallelize_module was given ("" = that module)
   bool is_embedding = false;  ///< else Linear
-  bool is_weight = true;      ///< else the (colwise) bias
+  bool is_weight = true;      ///< else the (colwise) bias, or a LayerNorm's bias
+  bool is_norm = false;       ///< a LayerNorm's weight or bias under SequenceParallel (Replicate())
+  /// Replicated, but used on sequence-sharded activations (a SequenceParallel norm's weight and bias, the
+  /// bias of a RowwiseParallel with a Shard(d) output): each rank's gradient is a partial sum over its
+  /// positions, all-reduced over the TP group (see wrap_partial_grad_params).
+  bool partial_grad = false;
   ParallelStyle style;
   DeviceMeshPtr mesh;                 ///< 1-D TP mesh (keeps the group alive for the autograd functions)
   Placement placement;                ///< of this parameter on the mesh
@@ -28,7 +35,25 @@ void register_tp_param(const torch::Tensor& param, TPParam info);
 /// The record of `param`, or nullptr.
 const TPParam* find_tp_param(const torch::Tensor& param);
 
-/// Called first by the interception fallback on every intercepted op. Runs the op the TP way and
+/// Whether any live TP parameter's mesh is a slice of `root` (fully_shard then describes its parameters
+/// over the root: see [Note: FSDP over TP] in fsdp_param.cpp).
+bool has_tp_params_on(const DeviceMeshPtr& root);
+
+/// fully_shard of TP parameters over `mesh`: throws c10::Error (naming the parameter, both meshes and the
+/// fix) unless the TP mesh and FSDP's mesh are slices of one root mesh and the TP dim is not one of FSDP's.
+void check_fully_shard_over_tp(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                               const DeviceMeshPtr& mesh, int rank);
+
+/// In a forward with grad mode on: replaces each argument of the op on the stack that is a partial_grad
+/// TP parameter by copy_to_tp(parameter) (identity forward, all-reduce of its gradient over the TP group),
+/// so that the sum of the ranks' partial gradients reaches the parameter. PyTorch gets the same from
+/// DTensor (a Replicate parameter meeting a Shard(1) activation gives a Partial gradient).
+void wrap_partial_grad_params(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+/// Whether tp_handle_op would run this op (on the stack) the TP way.
+bool is_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+
+/// Called by the interception fallback on every intercepted op. Runs the op the TP way and
 /// returns true when it is aten::linear or aten::embedding on a TP weight; else returns false and leaves
 /// the stack untouched.
 bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);

@@ -9,64 +9,10 @@
 
 #include "fsdp/fsdp.h"
 #include "multi_rank.h"
+#include "tp_test_model.h"
 
 namespace fsdp::testing {
 namespace {
-
-struct MLPImpl : torch::nn::Module {
-  MLPImpl(int64_t d, int64_t h)
-      : fc1(register_module("fc1", torch::nn::Linear(d, h))), fc2(register_module("fc2", torch::nn::Linear(h, d))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(MLP);
-
-// Unchanged model code: Embedding -> 2 residual MLP blocks -> head.
-struct NetImpl : torch::nn::Module {
-  NetImpl(int64_t vocab, int64_t d, int64_t h)
-      : emb(register_module("emb", torch::nn::Embedding(vocab, d))),
-        blocks(register_module("blocks", torch::nn::ModuleList(MLP(d, h), MLP(d, h)))),
-        head(register_module("head", torch::nn::Linear(d, vocab))) {
-    // Deterministic weights (no RNG: the ranks are threads of one process).
-    torch::NoGradGuard no_grad;
-    int i = 0;
-    for (auto& p : parameters()) {
-      p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat32) * 0.7 + i++).view_as(p) * 0.5);
-    }
-  }
-  torch::Tensor forward(const torch::Tensor& ids) {
-    auto x = emb(ids);
-    for (const auto& b : *blocks) x = x + b->as<MLPImpl>()->forward(x);
-    return head(x);
-  }
-  torch::nn::Embedding emb;
-  torch::nn::ModuleList blocks;
-  torch::nn::Linear head;
-};
-TORCH_MODULE(Net);
-
-constexpr int64_t kVocab = 8, kDim = 6, kHidden = 8;
-
-tp::ParallelizePlan default_plan() {
-  return {{"emb", tp::RowwiseParallel()},
-          {"blocks.*.fc1", tp::ColwiseParallel()},
-          {"blocks.*.fc2", tp::RowwiseParallel()},
-          {"head", tp::ColwiseParallel().output_layouts(Replicate())}};
-}
-
-// Replicated activations between fc1 and fc2 (all-gather after fc1, each rank takes its columns in fc2).
-tp::ParallelizePlan replicated_plan() {
-  return {{"emb", tp::RowwiseParallel()},
-          {"blocks.?.fc1", tp::ColwiseParallel().output_layouts(Replicate())},
-          {"blocks.*.fc2", tp::RowwiseParallel().input_layouts(Replicate())},
-          {"h*", tp::ColwiseParallel().output_layouts(Replicate())}};
-}
-
-void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
-  ASSERT_EQ(got.sizes(), want.sizes()) << what;
-  EXPECT_TRUE(torch::allclose(got, want, /*rtol=*/1e-5, /*atol=*/1e-6))
-      << what << ": max abs diff " << (got - want).abs().max().item<float>();
-}
 
 // This rank's piece of a reference (unsharded) tensor, as parameter `p` holds it.
 torch::Tensor local_piece(const torch::Tensor& p, const torch::Tensor& ref) {
@@ -77,7 +23,7 @@ torch::Tensor local_piece(const torch::Tensor& p, const torch::Tensor& ref) {
   return ref.narrow(dim, dt.device_mesh()->get_local_rank(0) * c, c);
 }
 
-void train_and_compare(int tp_size, const tp::ParallelizePlan& plan) {
+void train_and_compare(int tp_size, const tp::ParallelizePlan& plan, int64_t seq = 5) {
   run_ranks(tp_size, [&](ProcessGroupPtr) {
     auto mesh = init_device_mesh(torch::kCPU, {tp_size}, {"tp"});
     Net ref(kVocab, kDim, kHidden), model(kVocab, kDim, kHidden);
@@ -89,7 +35,7 @@ void train_and_compare(int tp_size, const tp::ParallelizePlan& plan) {
     auto ref_params = ref->named_parameters();
     auto params = model->named_parameters();
     for (int step = 0; step < 5; ++step) {
-      auto ids = (torch::arange(15, torch::kInt64) * 3 + step).remainder(kVocab).view({3, 5});
+      auto ids = (torch::arange(3 * seq, torch::kInt64) * 3 + step).remainder(kVocab).view({3, seq});
       auto targets = (ids * 5 + 1).remainder(kVocab).view({-1});
       auto loss_ref = torch::cross_entropy_loss(ref(ids).view({-1, kVocab}), targets);
       auto loss = torch::cross_entropy_loss(model(ids).view({-1, kVocab}), targets);
@@ -122,6 +68,26 @@ TEST(TensorParallel, TrainsLikeOneProcessTp2) { train_and_compare(2, default_pla
 TEST(TensorParallel, TrainsLikeOneProcessTp4) { train_and_compare(4, default_plan()); }
 TEST(TensorParallel, ReplicatedLayoutsTrainLikeOneProcessTp2) { train_and_compare(2, replicated_plan()); }
 TEST(TensorParallel, ReplicatedLayoutsTrainLikeOneProcessTp4) { train_and_compare(4, replicated_plan()); }
+TEST(TensorParallel, SequenceParallelTrainsLikeOneProcessTp2) { train_and_compare(2, sequence_parallel_plan(), 4); }
+TEST(TensorParallel, SequenceParallelTrainsLikeOneProcessTp4) { train_and_compare(4, sequence_parallel_plan(), 8); }
+
+TEST(TensorParallel, SequenceParallelNeedsASequenceDivisibleByTheTpSize) {
+  run_ranks(2, [](ProcessGroupPtr) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    Net model(kVocab, kDim, kHidden);
+    tp::parallelize_module(model, mesh, sequence_parallel_plan());
+    try {
+      model(torch::zeros({2, 5}, torch::kInt64));
+      ADD_FAILURE() << "expected a throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("RowwiseParallel on 'emb': the sequence (dim 1) of 5 positions is not "
+                                           "divisible by the TP size 2"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 
 // Runs `plan` on 4 ranks and expects every rank to throw the same message containing `expect`, with the
 // model unchanged (no parameter resized or turned into a TP parameter).
@@ -154,6 +120,12 @@ void expect_plan_error(const tp::ParallelizePlan& plan, const std::string& expec
   }
 }
 
+TEST(TensorParallel, SequenceParallelOnlyOnNormsAndDropout) {
+  expect_plan_error({{"head", tp::SequenceParallel()}},
+                    "SequenceParallel on 'head' (a torch::nn::LinearImpl): expected a torch::nn::LayerNorm or "
+                    "torch::nn::Dropout");
+}
+
 TEST(TensorParallel, UnknownFqnThrowsOnEveryRankBeforeAnyChange) {
   expect_plan_error({{"emb", tp::RowwiseParallel()}, {"blocks.*.fc3", tp::ColwiseParallel()}},
                     "plan key 'blocks.*.fc3' matches no module of the model (its modules: emb, blocks, blocks.0, "
@@ -178,8 +150,11 @@ TEST(TensorParallel, BadMeshAndLayoutsThrow) {
   expect_plan_error({{"head", tp::ColwiseParallel()}}, "expected a 1-D TP mesh", kHidden, {2, 2});
   expect_plan_error({{"blocks.*.fc1", tp::ColwiseParallel()}, {"blocks.0.fc1", tp::ColwiseParallel()}},
                     "module 'blocks.0.fc1' is matched by plan keys 'blocks.*.fc1' and 'blocks.0.fc1'");
-  expect_plan_error({{"head", tp::RowwiseParallel().output_layouts(Shard(0))}},
-                    "output_layouts Shard(dim=0) is not supported");
+  expect_plan_error({{"head", tp::RowwiseParallel().output_layouts(Shard(-1))}},
+                    "output_layouts Shard(dim=-1) is not supported");
+  expect_plan_error({{"emb", tp::ColwiseParallel().input_layouts(Shard(1))}},
+                    "input_layouts Shard(dim=1) is not supported; use Replicate(), or Shard(1) (a sequence-sharded "
+                    "input, Linear only)");
   run_ranks(4, [](ProcessGroupPtr) {
     auto mesh = init_device_mesh(torch::kCPU, {2, 2}, {"dp", "tp"});
     EXPECT_THROW((*mesh)["model"], c10::Error);  // a mesh dim name that does not exist

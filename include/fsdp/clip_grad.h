@@ -15,8 +15,10 @@ namespace fsdp {
 /// replicated parameters) so that their total norm over all ranks is at most `max_norm`, in place.
 /// The total norm is the single-process norm of the full gradients: the p-th powers of the local
 /// shards' norms are summed with one all-reduce over the shard group of the parameters' mesh (MAX for
-/// the inf-norm); parameters not managed by fully_shard count once (their gradients are assumed
-/// identical on every rank). Every rank gets the same norm and the same clip coefficient.
+/// the inf-norm); those of tensor-parallel parameters (fsdp::tp::parallelize_module) also over their TP
+/// group, one more all-reduce (so on a dp x tp mesh every element counts once, and parameters that TP
+/// replicates, such as norms, are not counted tp times); parameters managed by neither count once
+/// (their gradients are assumed identical on every rank). Every rank gets the same norm and the same clip coefficient.
 /// Parameters without a gradient are skipped.
 /// Returns the total norm: a 0-dim float32 tensor (float64 if gradients are float64).
 /// Throws c10::Error when `error_if_nonfinite` and the norm is nan or inf ("clip_grad_norm_: the

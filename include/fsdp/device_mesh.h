@@ -4,7 +4,9 @@
 // Mirrors torch.distributed.device_mesh.{DeviceMesh, init_device_mesh}.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -19,7 +21,7 @@ using DeviceMeshPtr = std::shared_ptr<DeviceMesh>;
 /// A row-major array of global ranks. For shape {R, S}, rank g sits at (g / S, g % S); the group of
 /// dimension 1 ("shard") holds the ranks of this rank's row, the group of dimension 0 ("replicate")
 /// those of its column.
-class DeviceMesh {
+class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
  public:
   /// Builds the groups of every dimension for this rank, over `world` (its store). Collective over
   /// the world: every rank must call it with the same arguments.
@@ -45,8 +47,23 @@ class DeviceMesh {
   const ProcessGroupPtr& get_group(const std::string& dim_name) const;
   /// Index of a named dimension; throws naming the known names when absent.
   int64_t dim_index(const std::string& dim_name) const;
-  /// The 1-D sub-mesh of a named dimension, e.g. mesh["shard"]. Mirrors DeviceMesh.__getitem__.
+  /// The 1-D sub-mesh of a named dimension, e.g. mesh["shard"]. Its world() is that dimension's group;
+  /// root_mesh() is this mesh's root. Mirrors DeviceMesh.__getitem__.
   DeviceMeshPtr operator[](const std::string& dim_name) const;
+  /// The sub-mesh of several named dimensions of this mesh's root, in the order given, e.g.
+  /// mesh.slice({"dp_replicate", "dp_shard"}) for HSDP inside a 3-D (dp_replicate, dp_shard, tp) mesh.
+  /// Its world() is the group of the ranks it spans (one group per distinct sub-mesh, built on first
+  /// use: collective over the root's world unless every dimension is named); with every root dimension
+  /// named it is the root's world. An order other than the root's gives a transposed view: fully_shard
+  /// uses one, (tp, dp), to describe a parameter sharded first by TP, then by FSDP (see
+  /// docs/TENSOR_PARALLEL.md section 3). Throws c10::Error for an unknown or repeated name (listing the
+  /// known ones). Mirrors DeviceMesh.__getitem__ with a tuple of names (which requires the root's order).
+  DeviceMeshPtr slice(const std::vector<std::string>& dim_names) const;
+  /// The mesh this one was sliced from (itself for a mesh built by init_device_mesh).
+  /// Mirrors torch's _mesh_resources.get_root_mesh(mesh).
+  DeviceMeshPtr root_mesh() const;
+  /// For each dimension of this mesh, its index in root_mesh() (0, 1, ... for a root).
+  const std::vector<int64_t>& root_dims() const { return root_dims_; }
   /// The world group the mesh was built over.
   const ProcessGroupPtr& world() const { return world_; }
   torch::Device device() const { return world_->device(); }
@@ -64,6 +81,12 @@ class DeviceMesh {
   std::vector<int> ranks_;
   std::vector<int64_t> coord_;
   std::vector<ProcessGroupPtr> groups_;  // one per dimension: the group containing this rank
+  DeviceMeshPtr root_;              // null for a root
+  std::vector<int64_t> root_dims_;  // per dimension: its index in the root
+  uint64_t mesh_id_ = 0;            // names the root's groups in the store
+  // Root only: the world groups of slices over some (not all) of its dims, by root dims (built once).
+  mutable std::mutex slice_mu_;
+  mutable std::map<std::vector<int64_t>, ProcessGroupPtr> slice_worlds_;
 };
 
 std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh);

@@ -1,6 +1,6 @@
 // Tensor parallelism: shard the matrices of Linear and Embedding modules across a TP group, with the
-// model's code unchanged. Mirrors torch.distributed.tensor.parallel.{parallelize_module,
-// ColwiseParallel, RowwiseParallel}. Design and what is left: docs/TENSOR_PARALLEL.md.
+// model's code unchanged; sequence parallelism for the norms between them. Mirrors
+// torch.distributed.tensor.parallel.{parallelize_module, ColwiseParallel, RowwiseParallel, SequenceParallel}. Design and what is left: docs/TENSOR_PARALLEL.md.
 //
 //   auto tp_mesh = fsdp::init_device_mesh(torch::kCPU, {world});          // or mesh["tp"] of a 2-D mesh
 //   fsdp::tp::parallelize_module(model, tp_mesh, {{"blocks.*.fc1", fsdp::tp::ColwiseParallel()},
@@ -29,17 +29,20 @@
 
 namespace fsdp::tp {
 
-/// How one module is parallelised. Build it with ColwiseParallel() or RowwiseParallel() and adjust
-/// the layouts with the setters, as PyTorch's keyword arguments.
+/// How one module is parallelised. Build it with ColwiseParallel(), RowwiseParallel() or
+/// SequenceParallel() and adjust the layouts with the setters, as PyTorch's keyword arguments.
 struct ParallelStyle {
-  enum class Kind { COLWISE, ROWWISE };
+  enum class Kind { COLWISE, ROWWISE, SEQUENCE };
   Kind kind = Kind::COLWISE;
-  /// Layout the module's input has on the TP mesh. Colwise: Replicate() (the only one supported
-  /// yet; Shard(0)/Shard(1) inputs of sequence parallelism are not). Rowwise: Shard(-1) (the local
-  /// output of a colwise module, the default) or Replicate() (each rank takes its columns).
+  /// Layout the module's input has on the TP mesh. Colwise: Replicate() (default) or Shard(d) with
+  /// d >= 0, a sequence-sharded activation (sequence parallelism: all-gathered along d first, its
+  /// gradient reduce-scattered). Rowwise: Shard(-1) (the local output of a colwise module, the default)
+  /// or Replicate() (each rank takes its columns). Sequence: Shard(sequence_dim).
   Placement input_layout = Replicate();
   /// Layout the module's output must have. Colwise: Shard(-1) (default: each rank keeps its
-  /// features) or Replicate() (all-gathered along the last dim). Rowwise: Replicate() (all-reduced).
+  /// features) or Replicate() (all-gathered along the last dim). Rowwise: Replicate() (all-reduced,
+  /// default) or Shard(d) with d >= 0 (reduce-scattered along d: the sequence-sharded activation of
+  /// sequence parallelism; its gradient is all-gathered). Sequence: Shard(sequence_dim).
   Placement output_layout = Shard(-1);
   /// Must stay true: a LibTorch module returns a torch::Tensor, not a DTensor. Kept for PyTorch's
   /// spelling; false throws at parallelize_module.
@@ -69,6 +72,17 @@ inline ParallelStyle RowwiseParallel() {
   return ParallelStyle{ParallelStyle::Kind::ROWWISE, Shard(-1), Replicate(), true};
 }
 
+/// LayerNorm (or Dropout) on a sequence-sharded activation: each rank normalises its own positions
+/// (dim `sequence_dim` of the input, e.g. 1 for [batch, seq, features]) with the whole, replicated
+/// weight and bias, whose gradients, partial sums over each rank's positions, are all-reduced over the
+/// TP group in backward. Put it between a RowwiseParallel().output_layouts(Shard(1)) and a
+/// ColwiseParallel().input_layouts(Shard(1)); the sequence length must be divisible by the TP size.
+/// Only torch::nn::LayerNorm and torch::nn::Dropout (nothing to do: each rank drops its own positions)
+/// are accepted. Mirrors torch.distributed.tensor.parallel.SequenceParallel(sequence_dim).
+inline ParallelStyle SequenceParallel(int64_t sequence_dim = 1) {
+  return ParallelStyle{ParallelStyle::Kind::SEQUENCE, Shard(sequence_dim), Shard(sequence_dim), true};
+}
+
 /// Module FQN pattern -> style, applied in order. A pattern is split on '.', each segment matched
 /// against one path segment with '*' (any characters) and '?' (one character), e.g. "blocks.*.fc1".
 /// Mirrors the dict parallelize_plan of parallelize_module.
@@ -85,7 +99,7 @@ using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
 /// model and plan everywhere, the same error on every rank) for: a mesh that is not 1-D, a pattern
 /// that matches no module (the message lists the model's module names), a module matched by two
 /// patterns or already parallelised, a module that is neither torch::nn::Linear nor
-/// torch::nn::Embedding (the message names its type), a sharded dimension not divisible by the TP
+/// torch::nn::Embedding (LayerNorm or Dropout for SequenceParallel; the message names its type), a sharded dimension not divisible by the TP
 /// size (naming the module, the dimension and a fix), an unsupported layout, use_local_output(false).
 /// Mirrors torch.distributed.tensor.parallel.parallelize_module (which returns the module).
 void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
