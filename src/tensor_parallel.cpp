@@ -277,6 +277,19 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
   apply_work(validate_one("", module, style, tp_mesh->size(0)), tp_mesh);
 }
 
+torch::Tensor distribute_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim) {
+  return tp::detail::chunk_sequence(x, tp_mesh, dim);
+}
+
+torch::Tensor gather_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim) {
+  return tp::detail::unchunk_sequence(x, tp_mesh, dim);
+}
+
+std::vector<torch::Tensor> local_heads_of_fused(const torch::Tensor& local, const DeviceMeshPtr& tp_mesh,
+                                                int64_t n_fused) {
+  return tp::detail::fused_heads(local, tp_mesh, n_fused);
+}
+
 DTensor tp_param_dtensor(const torch::Tensor& param) {
   const auto* p = tp::detail::find_tp_param(param);
   TORCH_CHECK(p, "tp_param_dtensor: expected a parameter parallelised by parallelize_module, got a tensor of shape ",

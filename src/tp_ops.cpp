@@ -148,6 +148,52 @@ struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
   }
 };
 
+// All-gather along the last dim forward; reduce-scatter of the gradient backward: each rank uses a
+// different part of the gathered tensor (local_heads_of_fused), so the gradient's pieces are summed.
+struct GatherFeaturesRS : torch::autograd::Function<GatherFeaturesRS> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return gather_along(x, x.dim() - 1, *reinterpret_cast<ProcessGroup*>(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {reduce_scatter_along(grads[0], grads[0].dim() - 1, group_of(ctx)), torch::Tensor()};
+  }
+};
+
+// Replicate -> Shard(dim): this rank's chunk forward; all-gather of the gradient backward.
+struct ChunkSeq : torch::autograd::Function<ChunkSeq> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
+                               int64_t dim) {
+    auto& pg = *reinterpret_cast<ProcessGroup*>(group);
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    const int64_t c = x.size(dim) / pg.size();
+    return x.narrow(dim, pg.rank() * c, c).contiguous();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gather_along(grads[0], ctx->saved_data["dim"].toInt(), group_of(ctx)), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// Shard(dim) -> Replicate: all-gather forward; this rank's chunk of the (replicated) gradient backward.
+struct UnchunkSeq : torch::autograd::Function<UnchunkSeq> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
+                               int64_t dim) {
+    auto& pg = *reinterpret_cast<ProcessGroup*>(group);
+    ctx->saved_data["rank"] = static_cast<int64_t>(pg.rank());
+    ctx->saved_data["chunk"] = x.size(dim);
+    ctx->saved_data["dim"] = dim;
+    return gather_along(x, dim, pg);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const int64_t c = ctx->saved_data["chunk"].toInt(), r = ctx->saved_data["rank"].toInt();
+    return {grads[0].narrow(ctx->saved_data["dim"].toInt(), r * c, c).contiguous(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 const char* style_name(const ParallelStyle& s) {
   switch (s.kind) {
     case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
@@ -369,6 +415,46 @@ TPOp match_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
 }  // namespace
 
 bool is_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) { return match_tp_op(op, stack).p; }
+
+int64_t tp_group_id(const DeviceMeshPtr& mesh, const char* api) {
+  TORCH_CHECK(mesh && mesh->ndim() == 1, api, ": expected a 1-D TP mesh (e.g. mesh[\"tp\"]), got ",
+              mesh ? mesh->str() : std::string("null"));
+  return group_id(mesh);
+}
+
+torch::Tensor chunk_sequence(const torch::Tensor& x, const DeviceMeshPtr& mesh, int64_t dim) {
+  const int64_t g = tp_group_id(mesh, "distribute_sequence");
+  const int64_t tp = mesh->size(0);
+  if (dim < 0) dim += x.dim();
+  TORCH_CHECK(dim >= 0 && dim < x.dim() && x.size(dim) % tp == 0, "distribute_sequence: dim ", dim, " of an input of shape ",
+              x.sizes(), " must exist and divide by the TP size ", tp,
+              "; sequence parallelism splits the sequence evenly: use a length that is a multiple of ", tp);
+  fsdp::detail::NoInterception no_interception;
+  return ChunkSeq::apply(x, g, dim);
+}
+
+torch::Tensor unchunk_sequence(const torch::Tensor& x, const DeviceMeshPtr& mesh, int64_t dim) {
+  const int64_t g = tp_group_id(mesh, "gather_sequence");
+  if (dim < 0) dim += x.dim();
+  TORCH_CHECK(dim >= 0 && dim < x.dim(), "gather_sequence: dim ", dim, " out of range for shape ", x.sizes());
+  fsdp::detail::NoInterception no_interception;
+  return UnchunkSeq::apply(x, g, dim);
+}
+
+std::vector<torch::Tensor> fused_heads(const torch::Tensor& local, const DeviceMeshPtr& mesh, int64_t n_fused) {
+  const int64_t g = tp_group_id(mesh, "local_heads_of_fused");
+  const int64_t tp = mesh->size(0), t = mesh->get_local_rank(0);
+  const int64_t full = local.size(-1) * tp;
+  TORCH_CHECK(n_fused >= 1 && full % n_fused == 0 && (full / n_fused) % tp == 0, "local_heads_of_fused: a local output of ",
+              local.size(-1), " features on ", tp, " TP ranks is ", full, " features, which does not split into ", n_fused,
+              " parts of a size divisible by ", tp);
+  fsdp::detail::NoInterception no_interception;
+  auto gathered = GatherFeaturesRS::apply(local, g);
+  const int64_t c = full / n_fused, mine = c / tp;
+  std::vector<torch::Tensor> out;
+  for (int64_t j = 0; j < n_fused; ++j) out.push_back(gathered.narrow(-1, j * c + t * mine, mine));
+  return out;
+}
 
 void wrap_partial_grad_params(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!any_partial_grad || !torch::GradMode::is_enabled()) return;

@@ -50,6 +50,11 @@ void check_fully_shard_over_tp(const std::vector<std::pair<std::string, torch::T
 /// DTensor (a Replicate parameter meeting a Shard(1) activation gives a Partial gradient).
 void wrap_partial_grad_params(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+/// The autograd functions behind tp::distribute_sequence, tp::gather_sequence, tp::local_heads_of_fused.
+torch::Tensor chunk_sequence(const torch::Tensor& x, const DeviceMeshPtr& mesh, int64_t dim);
+torch::Tensor unchunk_sequence(const torch::Tensor& x, const DeviceMeshPtr& mesh, int64_t dim);
+std::vector<torch::Tensor> fused_heads(const torch::Tensor& local, const DeviceMeshPtr& mesh, int64_t n_fused);
+
 /// Whether tp_handle_op would run this op (on the stack) the TP way.
 bool is_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
 

@@ -59,13 +59,15 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
 /// Mean loss over the fixed evaluation batches of the validation split, averaged over ranks.
 /// Every rank runs the same number of forwards (the blocks all-gather their parameters in each).
 template <typename Model>
-double evaluate(Model& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+double evaluate(Model& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size, int tp,
                 fsdp::ProcessGroup& pg) {
   model->eval();
   torch::NoGradGuard no_grad;
   auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(pg.device()));
   for (int64_t b = 0; b < num_batches; ++b) {
-    auto [x, y] = val.get(eval_indices(b, batch_size, pg.rank(), pg.size()));
+    // The ranks of a TP group evaluate the same windows (each computes the same loss: the sum over all
+    // ranks is tp x the data-parallel sum, and so is the divisor below).
+    auto [x, y] = val.get(eval_indices(b, batch_size, pg.rank() / tp, pg.size() / tp));
     sum += lm_loss(model(x.to(pg.device())), y.to(pg.device())).to(torch::kDouble);
   }
   fsdp::all_reduce(sum, pg, fsdp::ReduceOp::SUM);
@@ -124,6 +126,7 @@ struct Training {
   std::optional<BatchRecorder>& recorder;  // --dump-batches
   std::vector<torch::Tensor> params;       // local shards: what clipping sees
   bool foreach_optimizer;
+  fsdp::ProcessGroupPtr replicate_group = nullptr;  // HSDP (--dp-replicate > 1): the replicas of this shard group
 };
 
 /// This rank's model states, bytes: the parameters' storage (a sharded parameter's is FSDP's padded
@@ -206,7 +209,9 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   // The loss of the global batch: the mean of the ranks' means (equal batch sizes); sharded runs summed
   // it over the ranks with the gradient norm above.
   if (o.no_shard) fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
-  return {loss_sum.item<double>() / t.pg.size(), norm, states};
+  // HSDP: the norm's group is the shard group; the replicas' losses are summed too.
+  if (t.replicate_group) fsdp::all_reduce(loss_sum, *t.replicate_group, fsdp::ReduceOp::SUM);
+  return {loss_sum.item<double>() / (t.pg.size() / t.s.parallel.tp), norm, states};
 }
 
 template <typename Model>
@@ -215,7 +220,8 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   const int rank = pg->rank(), world = pg->size();
   if (o.threads > 0) torch::set_num_threads(o.threads);
   const torch::Device device = pg->device();
-  auto mesh = fsdp::init_device_mesh(device.type(), {world});
+  auto mesh = make_mesh(device.type(), world, s.parallel);  // 1-D, or (dp_replicate, dp_shard, tp)
+  const int tp = s.parallel.tp, data_rank = rank / tp, data_world = world / tp;  // a TP group shares its data
 
   // Identical initial weights on every rank (and for every world size): one seed. Sharded runs build the
   // model with fsdp::deferred_init (no rank ever holds the full model: each fills only its rows, with the
@@ -223,7 +229,8 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   // in full, on the CPU, and move it to the device.
   const double rss_before = current_rss_mb();
   torch::manual_seed(o.seed);
-  const bool sharded_init = !o.no_shard && o.save_init.empty();
+  // (Tensor parallelism shards the eagerly built model: deferred_init knows FSDP's rows only.)
+  const bool sharded_init = !o.no_shard && o.save_init.empty() && tp == 1;
   Model model = sharded_init ? fsdp::deferred_init([&] { return Model(s.cfg); }) : Model(s.cfg);
   const DecayGroups groups = decay_groups(*model);  // on the full shapes, before sharding
   Reporter report(s, model->num_params(), pg);
@@ -247,10 +254,11 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   // skips the same steps (the inf/nan check is all-reduced). bf16 has fp32's range and needs none.
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
-  DistributedSampler sampler(s.train.size(), o.batch_size, rank, world, o.seed);
+  DistributedSampler sampler(s.train.size(), o.batch_size, data_rank, data_world, o.seed);
   // fp16's scaler steps torch::optim::AdamW itself.
   Training<Model> t{s, *pg, model, optimizer, scaler, sampler, recorder, model->unique_parameters(),
-             !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda()))};
+             !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda())),
+             s.parallel.dp_replicate > 1 ? mesh->get_group("dp_replicate") : nullptr};
   const auto kill_at = kill_after_checkpoint(plan.restart);
   report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
 
@@ -265,7 +273,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   }
   report.open_metrics(plan.resume ? start_step : -1);
   auto run_eval = [&](int64_t step) {
-    const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, *pg);
+    const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg);
     report.eval(step, loss);
     return loss;
   };

@@ -133,13 +133,18 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head(
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1), C = x.size(2);
-  auto qkv = linear(c_attn, x).split(C, /*dim=*/2);  // 3 x [B, T, C]
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
+  const auto B = x.size(0), C = x.size(2);
+  // 3 x [B, T, C]; under TP 3 x [B, T, C / tp], this rank's heads (T: the whole sequence, also when x is
+  // sequence-sharded: the column-parallel c_attn gathers it).
+  auto qkv = tp_mesh ? fsdp::tp::local_heads_of_fused(linear(c_attn, x), tp_mesh)
+                     : linear(c_attn, x).split(C, /*dim=*/2);
+  const auto T = qkv[0].size(1), local_C = qkv[0].size(2);
+  const int64_t heads_here = n_head * local_C / C;
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, heads_here, C / n_head}).transpose(1, 2); };
   // [B, H, T, D]; is_causal masks the future (no explicit mask tensor).
   auto y = torch::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
                                                /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
-  y = y.transpose(1, 2).contiguous().view({B, T, C});
+  y = y.transpose(1, 2).contiguous().view({B, T, local_C});
   return resid_dropout(linear(c_proj, y));
 }
 
@@ -190,7 +195,9 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
   auto pos = torch::arange(T, idx.options());
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
+  if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   for (auto& b : blocks) x = b(x);     // through FSDP: unshard before, reshard after each block
+  if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
   return lm_head(ln_f(x));             // [B, T, vocab]
 }
 

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace train_gpt {
 
@@ -58,6 +59,9 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::nn::Dropout resid_dropout{nullptr};
   int64_t n_head;
   double dropout;
+  /// Set by parallelize() under tensor parallelism (--tp): c_attn is column-parallel, and this rank
+  /// computes n_head / tp heads (fsdp::tp::local_heads_of_fused), which the row-parallel c_proj sums.
+  fsdp::DeviceMeshPtr tp_mesh;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -112,6 +116,9 @@ struct GPTImpl : torch::nn::Module {
   std::vector<fsdp::FSDPModule<Block>> blocks;   // the same modules, called through FSDP
   torch::nn::LayerNorm ln_f{nullptr};
   LMHead lm_head{nullptr};
+  /// Set by parallelize() with --sequence-parallel: the residual stream is split along the sequence over
+  /// this TP mesh between the first and the last block (PyTorch's PrepareModuleInput/Output there).
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
   int64_t num_params_ = 0;

@@ -42,11 +42,13 @@ torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
   auto pos = torch::arange(T, idx.options());
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
+  if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   for (const auto& m : *h) {
     auto* block = m->as<PlainBlock>();
     x = activation_checkpointing ? fsdp::checkpoint([block](torch::Tensor t) { return block->forward(t); }, x)
                                  : block->forward(x);
   }
+  if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
   return lm_head(ln_f(x));  // [B, T, vocab]
 }
 

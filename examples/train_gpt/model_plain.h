@@ -47,6 +47,8 @@ struct PlainGPTImpl : torch::nn::Module {
   torch::nn::ModuleList h;  // the blocks, "h.0", "h.1", ...: what parallelize() shards one by one
   torch::nn::LayerNorm ln_f{nullptr};
   LMHead lm_head{nullptr};
+  /// As GPTImpl::sequence_parallel_mesh (--sequence-parallel).
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
   int64_t num_params_ = 0;

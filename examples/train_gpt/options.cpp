@@ -156,6 +156,11 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str();
   g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
+  add_integer(g, "--tp", o.tp, "Tensor-parallel ranks: each block's heads and MLP columns split across them; "
+              "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
+  add_integer(g, "--dp-replicate", o.dp_replicate, "HSDP: replicas of the FSDP group (Default: 1)", int(1));
+  g->add_flag("--sequence-parallel", o.sequence_parallel,
+              "With --tp: LayerNorms and residuals on sequence-sharded activations (less activation memory)");
   g->add_flag("--estimate-memory", o.estimate_memory,
               "Print the predicted per-rank peak memory (fsdp::estimate_memory, one row per component) for "
               "this model, world size and options, and exit without training");
@@ -288,13 +293,43 @@ fsdp::ReshardAfterForward parse_reshard_after_forward(const std::string& s, int 
 namespace {
 
 /// The compute dtype and the sharding of the blocks, from the flags. Throws UsageError.
-ParallelOptions parallel_options(const Options& o, int world_size) {
+ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int world_size) {
   ParallelOptions p;
   if (o.mixed_precision == "bf16") p.param_dtype = torch::kBFloat16;
   if (o.mixed_precision == "fp16") p.param_dtype = torch::kHalf;
   p.activation_checkpointing = o.activation_checkpointing;
-  p.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, world_size);
   p.cpu_offload = o.cpu_offload;
+  p.tp = o.tp;
+  p.dp_replicate = o.dp_replicate;
+  p.sequence_parallel = o.sequence_parallel;
+  const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate;
+  if (world_size % tp_x_rep != 0) {
+    throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by --dp-replicate(" +
+                     std::to_string(o.dp_replicate) + ") x --tp(" + std::to_string(o.tp) + ") = " +
+                     std::to_string(tp_x_rep) + ": the ranks form a dp_replicate x dp_shard x tp mesh. Fix: a " +
+                     "--tp and --dp-replicate whose product divides the number of ranks");
+  }
+  p.dp_shard = static_cast<int>(world_size / tp_x_rep);
+  if (o.sequence_parallel && o.tp == 1) throw UsageError("--sequence-parallel needs --tp > 1");
+  if (o.tp > 1) {
+    auto need = [&](bool ok, const std::string& what) {
+      if (!ok) throw UsageError("--tp " + std::to_string(o.tp) + ": " + what);
+    };
+    need(cfg.n_head % o.tp == 0, "the " + std::to_string(cfg.n_head) + " heads (--n-head) do not split evenly; use a " +
+                                     "--tp that divides them");
+    need(cfg.dropout == 0.0, "--dropout > 0 is not supported with tensor parallelism yet (the TP ranks would drop "
+                             "different elements of the same activation). Fix: --dropout 0");
+    need(!o.cpu_offload && !o.activation_checkpointing && o.mixed_precision != "fp16",
+         "--cpu-offload, --activation-checkpointing and --mixed-precision fp16 are not supported with tensor "
+         "parallelism yet. Fix: drop them or --tp 1");
+    need(!o.sequence_parallel || cfg.block_size % o.tp == 0,
+         "--sequence-parallel splits the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) " +
+             "evenly; use a --tp that divides it");
+    need(!o.sequence_parallel || o.sample_tokens == 0,
+         "--sequence-parallel cannot sample (a prompt's length is rarely a multiple of --tp). Fix: --sample-tokens 0");
+  }
+  // reshard_after_forward's int counts ranks of the FSDP (shard) group.
+  p.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, p.dp_shard);
   return p;
 }
 
@@ -302,7 +337,7 @@ ParallelOptions parallel_options(const Options& o, int world_size) {
 
 RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   const GPTConfig cfg = model_config(o);
-  const ParallelOptions parallel = parallel_options(o, env.world_size);
+  const ParallelOptions parallel = parallel_options(o, cfg, env.world_size);
   if (o.min_lr > o.lr) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
                      ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");
@@ -319,15 +354,17 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   auto split = split_text(corpus.text, o.val_fraction, 8 * (T + 1));
   RunSetup s{o, cfg, parallel, TokenWindows(split.train, T), TokenWindows(split.val, T), 0, corpus.name,
              static_cast<int64_t>(corpus.text.size())};
-  const int64_t global_batch = o.batch_size * env.world_size;
+  // The data-parallel ranks (a TP group shares its batch): rank / tp of world / tp.
+  const int data_world = env.world_size / o.tp;
+  const int64_t global_batch = o.batch_size * data_world;
   if (s.train.size() < global_batch) {
-    DistributedSampler(s.train.size(), o.batch_size, env.rank, env.world_size, o.seed);  // throws the message
+    DistributedSampler(s.train.size(), o.batch_size, env.rank / o.tp, data_world, o.seed);  // throws the message
   }
   s.eval_batches = std::min(o.eval_batches, s.val.size() / global_batch);
   if (s.eval_batches == 0) {
     throw UsageError("the validation split has " + std::to_string(s.val.size()) + " windows of " +
                      std::to_string(T + 1) + " bytes but one evaluation batch needs --batch-size(" +
-                     std::to_string(o.batch_size) + ") x ranks(" + std::to_string(env.world_size) +
+                     std::to_string(o.batch_size) + ") x data-parallel ranks(" + std::to_string(data_world) +
                      ") = " + std::to_string(global_batch) + ": more ranks than batches. Fix: more text, a larger "
                      "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");
   }

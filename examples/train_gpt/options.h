@@ -53,6 +53,9 @@ struct Options {
   bool activation_checkpointing = false;
   bool cpu_offload = false;
   bool estimate_memory = false;  // print fsdp::estimate_memory's per-rank breakdown and exit (issue 14)
+  int tp = 1;                      // tensor-parallel ranks per block (issue 15): heads split across them
+  int dp_replicate = 1;            // HSDP: replicas of the FSDP group; WORLD_SIZE = dp_replicate x dp_shard x tp
+  bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
   int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
   // Output.
   int64_t log_every = 10;

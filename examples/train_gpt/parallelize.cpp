@@ -13,11 +13,54 @@ fsdp::FullyShardOptions shard_options(const fsdp::DeviceMeshPtr& mesh, const Par
   return opts;
 }
 
+/// The blocks' tensor-parallel plan: Megatron-LM's layout. Each block starts and ends with a
+/// replicated activation (or, with sequence parallelism, one sharded on the sequence, dim 1).
+/// `mlp_seq_dim`: the sequence's dim at the MLP (PlainBlock runs its MLP on [B * T, C]: dim 0; a
+/// position-wise MLP does not mind that the gathered rows come rank by rank).
+fsdp::tp::ParallelizePlan block_plan(bool sp, int64_t mlp_seq_dim) {
+  using namespace fsdp::tp;
+  const auto seq = sp ? fsdp::Shard(1) : fsdp::Replicate();
+  const auto mlp_seq = sp ? fsdp::Shard(mlp_seq_dim) : fsdp::Replicate();
+  ParallelizePlan plan = {{"h.*.attn.c_attn", ColwiseParallel().input_layouts(seq)},
+                          {"h.*.attn.c_proj", RowwiseParallel().output_layouts(seq)},
+                          {"h.*.mlp.c_fc", ColwiseParallel().input_layouts(mlp_seq)},
+                          {"h.*.mlp.c_proj", RowwiseParallel().output_layouts(mlp_seq)}};
+  if (sp) {
+    plan.push_back({"h.*.ln_1", SequenceParallel()});
+    plan.push_back({"h.*.ln_2", SequenceParallel()});
+  }
+  return plan;
+}
+
 }  // namespace
 
+fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p) {
+  if (p.tp == 1 && p.dp_replicate == 1) return fsdp::init_device_mesh(device, {world});
+  return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.tp}, {"dp_replicate", "dp_shard", "tp"});
+}
+
+fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (mesh->ndim() == 1) return mesh;
+  return p.dp_replicate > 1 ? mesh->slice({"dp_replicate", "dp_shard"}) : (*mesh)["dp_shard"];
+}
+
+void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, const fsdp::DeviceMeshPtr& mesh,
+              const ParallelOptions& p, fsdp::DeviceMeshPtr* sequence_parallel_mesh) {
+  auto tp_mesh = (*mesh)["tp"];
+  const bool plain = blocks->size() > 0 && blocks->ptr(0)->as<PlainBlockImpl>() != nullptr;
+  fsdp::tp::parallelize_module(model.shared_from_this(), tp_mesh, block_plan(p.sequence_parallel, plain ? 0 : 1));
+  for (const auto& b : *blocks) {
+    for (const auto& m : b->modules(/*include_self=*/false)) {
+      if (auto* attn = m->as<CausalSelfAttentionImpl>()) attn->tp_mesh = tp_mesh;
+    }
+  }
+  if (p.sequence_parallel) *sequence_parallel_mesh = tp_mesh;
+}
+
 void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   if (p.activation_checkpointing) apply_activation_checkpointing(model);
-  apply_fsdp(model, mesh, p);
+  apply_fsdp(model, fsdp_mesh(mesh, p), p);
 }
 
 void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model) {
@@ -35,8 +78,9 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 }
 
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   model->activation_checkpointing = p.activation_checkpointing;
-  const auto opts = shard_options(mesh, p);
+  const auto opts = shard_options(fsdp_mesh(mesh, p), p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);
   for (auto& block : *model->h) fsdp::fully_shard(block, block_opts);  // the ModuleList's shared_ptrs

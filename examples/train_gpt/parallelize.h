@@ -15,9 +15,26 @@ struct ParallelOptions {
   fsdp::ReshardAfterForward reshard_after_forward = true;  ///< for the blocks
   bool activation_checkpointing = false;
   bool cpu_offload = false;
+  int tp = 1;             ///< tensor-parallel ranks (the mesh's "tp" dim)
+  int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
+  int dp_shard = 1;       ///< FSDP ranks (the mesh's "dp_shard" dim)
+  bool sequence_parallel = false;
 };
 
-/// Applies FSDP2 to the full model, built identically on every rank, in this order:
+/// The device mesh of a run: 1-D over every rank for FSDP alone, else (dp_replicate, dp_shard, tp) with
+/// those names (sizes of 1 allowed). Collective over the world.
+fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p);
+/// FSDP's mesh: the whole 1-D mesh, mesh["dp_shard"], or the (dp_replicate, dp_shard) slice for HSDP.
+fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// Applies FSDP2 (with --tp, tensor parallelism first) to the full model, built identically on every
+/// rank, in this order:
+///   -1. with tp > 1, apply_tp: in each block, c_attn and mlp.c_fc column-parallel, attn.c_proj and
+///      mlp.c_proj row-parallel over mesh["tp"] (each TP rank computes H / tp heads and 4C / tp MLP
+///      features; one all-reduce after each projection, in forward and backward); with
+///      sequence_parallel, ln_1 and ln_2 on sequence-sharded activations (the all-reduces become
+///      all-gathers and reduce-scatters). The root's modules (wte, wpe, ln_f, lm_head) are not
+///      tensor-parallel: every TP rank computes them, FSDP shards them over dp;
 ///   0. activation checkpointing of each block (apply_activation_checkpointing);
 ///   1. each block becomes a fully_shard group of its own: in forward and backward only one block's
 ///      parameters (plus the prefetched next one) are gathered at a time;
@@ -28,6 +45,13 @@ struct ParallelOptions {
 /// Mixed precision: parameters are gathered and used in `param_dtype`, gradients reduced in fp32, the
 /// sharded parameters and the optimizer state stay fp32.
 void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// Step -1 (tp > 1): parallelize_module over mesh["tp"] with the plan above, then each block's attention
+/// is told its TP mesh (it computes its local heads: CausalSelfAttentionImpl::tp_mesh) and, with
+/// sequence parallelism, the model its TP mesh (the residual stream is split along the sequence before
+/// the first block and gathered after the last: sequence_parallel_mesh). Works on either model.
+void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, const fsdp::DeviceMeshPtr& mesh,
+              const ParallelOptions& p, fsdp::DeviceMeshPtr* sequence_parallel_mesh);
 
 /// Step 0: each block keeps only its input in forward and is recomputed in backward, after FSDP's
 /// pre-backward all-gather of that block (nothing extra is gathered).

@@ -177,13 +177,20 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << " on " << device_.str() << ")\n"
      << "model: " << o_.model << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
      << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "")
+     << (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1
+             ? " (dp_replicate x dp_shard x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
+                   std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +
+                   (s_.parallel.sequence_parallel ? ", sequence parallel)" : ")")
+             : std::string())
      << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"
      << "data: " << s_.data_name << ", " << s_.data_bytes << " bytes: train " << s_.train.size()
      << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " bytes; "
      << steps_per_epoch << " steps per epoch\n"
      << "batch: " << o_.batch_size << " x " << s_.cfg.block_size << " tokens x " << o_.grad_accum_steps
-     << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << world << " ranks = "
-     << tokens_per_step_ * world << " tokens per step\n"
+     << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << world / s_.parallel.tp
+     << (s_.parallel.tp > 1 ? " data-parallel ranks (x " + std::to_string(s_.parallel.tp) + " tensor-parallel)"
+                            : std::string(" ranks"))
+     << " = " << tokens_per_step_ * (world / s_.parallel.tp) << " tokens per step\n"
      << "optim: AdamW lr " << fmt("%.2e", o_.lr) << " -> " << fmt("%.2e", o_.min_lr) << " (warmup "
      << o_.warmup_steps << ", cosine), weight decay " << o_.weight_decay << ", clip "
      << (o_.clip_grad > 0 ? fmt("%g", o_.clip_grad) : std::string("off"))
@@ -322,7 +329,7 @@ void Reporter::summary(int64_t start_step, int64_t last_step, double wall_second
   std::ostringstream os;
   os << "done: " << steps_run << " steps in " << fmt("%.1f", wall_seconds) << " s ("
      << fmt("%.0f", 1e3 * train_seconds_ / std::max<int64_t>(steps_run, 1)) << " ms/step, "
-     << fmt("%.0f", tokens / seconds) << " tok/s/rank, " << fmt("%.0f", tokens * pg_->size() / seconds)
+     << fmt("%.0f", tokens / seconds) << " tok/s/rank, " << fmt("%.0f", tokens * (pg_->size() / s_.parallel.tp) / seconds)
      << " tok/s in all)\n";
   if (device_.is_cuda()) {
     os << "gpu: peak " << fmt("%.0f", peak_gpu_mem_mb(device_)) << " MiB allocated (rank 0), MFU "

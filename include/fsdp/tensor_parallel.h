@@ -118,6 +118,28 @@ void parallelize_module(const torch::nn::ModuleHolder<T>& holder, const DeviceMe
   parallelize_module(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), tp_mesh, plan);
 }
 
+/// Sequence parallelism at a model's boundaries, where LibTorch has no module hooks to do it (PyTorch's
+/// PrepareModuleInput / PrepareModuleOutput on the first and last sequence-parallel modules):
+/// distribute_sequence keeps this rank's chunk of a replicated activation along `dim` (Replicate() ->
+/// Shard(dim); backward all-gathers the gradient); gather_sequence all-gathers a sequence-sharded one
+/// (Shard(dim) -> Replicate(); backward keeps this rank's chunk of the gradient, which every rank holds
+/// in full). Both are collectives over `tp_mesh` (1-D) in backward or forward; `dim`'s size must divide
+/// by the TP size (distribute_sequence throws c10::Error naming the sizes otherwise).
+torch::Tensor distribute_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim = 1);
+torch::Tensor gather_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim = 1);
+
+/// This rank's heads of a fused projection such as GPT-2's c_attn (a Linear(C, n_fused * C) whose
+/// output is [q; k; v] along the last dim) under ColwiseParallel: `local` is the module's local output,
+/// [..., n_fused * C / tp] (contiguous output features, which mix q, k and v of different heads); the
+/// result is n_fused tensors [..., C / tp]: q, k and v of heads [t * H / tp, (t + 1) * H / tp) for TP
+/// rank t, ready for attention with H / tp heads and a RowwiseParallel output projection. It all-gathers
+/// the local output along the last dim (backward: reduce-scatter), one activation collective per call
+/// that separate q, k and v projections (torchtitan's layout) would not need; it keeps the fused
+/// parameter, and so GPT-2's checkpoints, unchanged. Throws c10::Error when C is not divisible by the TP
+/// size. No PyTorch counterpart (PyTorch users split the projection).
+std::vector<torch::Tensor> local_heads_of_fused(const torch::Tensor& local, const DeviceMeshPtr& tp_mesh,
+                                                int64_t n_fused = 3);
+
 /// The DTensor view of a parameter parallelised by parallelize_module (its local shard, the TP mesh,
 /// its placement and its global shape), e.g. to call full_tensor(). Throws c10::Error when `param` is
 /// not one. Mirrors reading a TP parameter in PyTorch (which is a DTensor).

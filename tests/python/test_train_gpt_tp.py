@@ -1,0 +1,90 @@
+"""train_gpt with tensor parallelism (issue 15; CTest labels tensor_parallel, train_gpt).
+
+4 ranks through fsdprun, tiny preset (2 heads, context 32), 10 AdamW steps, fp32. The global batch is
+the same in every layout (8 sequences: --batch-size is per data-parallel rank, and a TP group shares
+its batch), so every layout must train like FSDP alone on 4 ranks: losses, evaluation losses and
+gradient norms within 1e-5 (relative; TP sums the blocks' matmuls in another order). Layouts: --tp 2
+(dp_shard 2), --tp 2 --sequence-parallel, HSDP + TP (--dp-replicate 2 --tp 2), and the unchanged model
+(--model-impl plain) with sequence parallelism. Checkpoints move between layouts; bad layouts fail
+with the flag to change.
+
+FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
+"""
+
+import pytest
+
+from test_train_gpt import binaries, metrics, run, show, text_files  # noqa: F401 (fixtures)
+
+RTOL = 1e-5
+STEPS = 10
+
+
+def args(text_files, tmp_path, name, *extra, steps=STEPS):
+    return ["--model", "tiny", "--data", *text_files, "--seed", "7", "--threads", "1", "--steps", str(steps),
+            "--log-every", "1", "--eval-every", "5", "--warmup-steps", "2", "--sample-tokens", "0",
+            "--metrics", tmp_path / f"{name}.jsonl", *extra]
+
+
+def by_step(path):
+    return {r["step"]: r for r in metrics(path)}
+
+
+def assert_same_training(got, ref, what, steps=None):
+    steps = steps or sorted(ref)
+    for s in steps:
+        for k in ("loss", "eval_loss", "grad_norm"):
+            a, b = got[s].get(k), ref[s].get(k)
+            if b is None:
+                continue
+            assert a is not None, f"{what}: step {s} has no {k}"
+            assert abs(a - b) <= RTOL * abs(b), f"{what}: step {s} {k} {a} vs {b} (FSDP alone)"
+
+
+@pytest.fixture(scope="module")
+def fsdp_alone(text_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fsdp_alone")
+    p = run(args(text_files, d, "m", "--batch-size", "2"), nproc=4)
+    assert p.returncode == 0, show(p)
+    return by_step(d / "m.jsonl")
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("tp2", ["--tp", "2"]),
+    ("tp2_sp", ["--tp", "2", "--sequence-parallel"]),
+    ("hsdp_tp2", ["--tp", "2", "--dp-replicate", "2"]),
+    ("plain_tp2_sp", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain"]),
+])
+def test_tensor_parallel_layouts_train_like_fsdp_alone(text_files, tmp_path, fsdp_alone, name, extra):
+    p = run(args(text_files, tmp_path, name, "--batch-size", "4", *extra), nproc=4)
+    assert p.returncode == 0, show(p)
+    assert "x 2 tensor-parallel" in p.stdout, p.stdout[-2000:]
+    got = by_step(tmp_path / f"{name}.jsonl")
+    assert sorted(got) == sorted(fsdp_alone), (sorted(got), sorted(fsdp_alone))
+    assert_same_training(got, fsdp_alone, name)
+
+
+def test_checkpoints_move_between_tensor_parallel_layouts(text_files, tmp_path, fsdp_alone):
+    # Saved at step 5 under TP with sequence parallelism, resumed under FSDP alone; and the other way.
+    for first, then in ((["--tp", "2", "--sequence-parallel", "--batch-size", "4"], ["--batch-size", "2"]),
+                        (["--batch-size", "2"], ["--tp", "2", "--batch-size", "4"])):
+        ck = tmp_path / f"ck_{len(first)}"
+        p = run(args(text_files, tmp_path, "first", *first, "--ckpt-dir", ck, "--ckpt-every", "5", "--stop-at", "5"),
+                nproc=4)
+        assert p.returncode == 0, show(p)
+        p = run(args(text_files, tmp_path, "then", *then, "--ckpt-dir", ck, "--resume", "always"), nproc=4)
+        assert p.returncode == 0, show(p)
+        assert "resume: " in p.stdout and "continuing at step 6/10" in p.stdout, p.stdout[-2000:]
+        got = by_step(tmp_path / "then.jsonl")
+        assert_same_training(got, fsdp_alone, f"{first} -> {then}", steps=[s for s in range(6, STEPS + 1)])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tp", "3"], "WORLD_SIZE 4 is not divisible by --dp-replicate(1) x --tp(3) = 3"),
+    (["--tp", "4"], "--tp 4: the 2 heads (--n-head) do not split evenly"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--tp", "2", "--dropout", "0.1"], "--dropout > 0 is not supported with tensor parallelism yet"),
+])
+def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
+    p = run(args(text_files, tmp_path, "bad", "--batch-size", "2", *extra, steps=2), nproc=4)
+    assert p.returncode != 0, show(p)
+    assert message in p.stdout + p.stderr, show(p)
