@@ -71,6 +71,34 @@ TEST(TensorParallel, ReplicatedLayoutsTrainLikeOneProcessTp4) { train_and_compar
 TEST(TensorParallel, SequenceParallelTrainsLikeOneProcessTp2) { train_and_compare(2, sequence_parallel_plan(), 4); }
 TEST(TensorParallel, SequenceParallelTrainsLikeOneProcessTp4) { train_and_compare(4, sequence_parallel_plan(), 8); }
 
+// The boundary helpers: Replicate -> Shard(1) -> Replicate is the identity, forward and backward; the
+// fused-projection helper gives each rank its heads' q, k, v and sums the gradient pieces back.
+TEST(TensorParallel, SequenceBoundariesAndFusedHeadsRoundTrip) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto x = torch::arange(24, torch::kFloat32).view({2, 4, 3}).requires_grad_(true);
+    auto local = tp::distribute_sequence(x, mesh);
+    EXPECT_TRUE(torch::equal(local, x.detach().narrow(1, 2 * pg->rank(), 2)));
+    auto back = tp::gather_sequence(local, mesh);
+    EXPECT_TRUE(torch::equal(back, x.detach()));
+    auto w = torch::arange(24, torch::kFloat32).view({2, 4, 3}) * 0.5;
+    (back * w).sum().backward();
+    EXPECT_TRUE(torch::equal(x.grad(), w)) << x.grad();
+    EXPECT_THROW(tp::distribute_sequence(torch::zeros({2, 5, 3}), mesh), c10::Error);
+    // Fused [q; k; v] of C = 4 (2 heads of 2): rank r's contiguous local output is features [6r, 6r + 6).
+    auto full = torch::arange(12, torch::kFloat32).view({1, 1, 12});
+    auto mine = full.narrow(-1, 6 * pg->rank(), 6).clone().requires_grad_(true);
+    auto qkv = tp::local_heads_of_fused(mine, mesh);
+    ASSERT_EQ(qkv.size(), 3u);
+    for (int64_t j = 0; j < 3; ++j) {
+      EXPECT_TRUE(torch::equal(qkv[j], full.narrow(-1, 4 * j + 2 * pg->rank(), 2))) << j << ": " << qkv[j];
+    }
+    // d(sum of every rank's q, k, v)/d(features) = 1 for every feature, summed onto its owner.
+    (qkv[0].sum() + qkv[1].sum() + qkv[2].sum()).backward();
+    EXPECT_TRUE(torch::equal(mine.grad(), torch::ones({1, 1, 6}))) << mine.grad();
+  });
+}
+
 TEST(TensorParallel, SequenceParallelNeedsASequenceDivisibleByTheTpSize) {
   run_ranks(2, [](ProcessGroupPtr) {
     auto mesh = init_device_mesh(torch::kCPU, {2});
