@@ -272,6 +272,11 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
     report.say(r.message);
   }
   report.open_metrics(plan.resume ? start_step : -1);
+  if (mesh->ndim() > 1) {  // FSDP's and TP's collectives run on the mesh's dims, not on the world group
+    report.watch_groups({{"dp_replicate", mesh->get_group("dp_replicate")},
+                         {"dp_shard", mesh->get_group("dp_shard")},
+                         {"tp", mesh->get_group("tp")}});
+  }
   auto run_eval = [&](int64_t step) {
     const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg);
     report.eval(step, loss);

@@ -247,6 +247,13 @@ void Reporter::mark_interval() {
   marks_ = {static_cast<double>(pg_->comm_stats().sent()),
             static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")),
             static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")), minor_faults()};
+  group_marks_.clear();
+  for (const auto& [name, g] : groups_) group_marks_.push_back(g->comm_stats());
+}
+
+void Reporter::watch_groups(std::vector<std::pair<std::string, fsdp::ProcessGroupPtr>> groups) {
+  groups_ = std::move(groups);
+  mark_interval();
 }
 
 void Reporter::initial_metrics(double eval_loss) {
@@ -306,6 +313,25 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
        << "%";
   }
   say(os.str());
+  if (!groups_.empty()) {
+    nlohmann::json per_group = nlohmann::json::object();
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const auto& now = groups_[i].second->comm_stats();
+      const auto& then = group_marks_[i];
+      nlohmann::json kinds = nlohmann::json::object();
+      auto add = [&](const char* kind, const fsdp::CommBytes& a, const fsdp::CommBytes& b) {
+        if (a.count == b.count) return;
+        kinds[kind] = {{"count", static_cast<double>(a.count - b.count) / steps_d},
+                       {"sent", static_cast<double>(a.sent - b.sent) / steps_d}};
+      };
+      add("all_gather_into_tensor", now.all_gather_into_tensor, then.all_gather_into_tensor);
+      add("reduce_scatter_tensor", now.reduce_scatter_tensor, then.reduce_scatter_tensor);
+      add("all_reduce", now.all_reduce, then.all_reduce);
+      add("broadcast", now.broadcast, then.broadcast);
+      per_group[groups_[i].first] = kinds;
+    }
+    line["comm_per_step"] = per_group;
+  }
   if (eval_now) line["eval_loss"] = evaluate();
   metrics_.write(line);
   mark_interval();

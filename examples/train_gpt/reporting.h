@@ -74,6 +74,9 @@ class Reporter {
   void banner(int64_t steps_per_epoch, bool foreach_optimizer);
   /// Opens --metrics; a resumed run keeps the lines through `keep_through_step` (see MetricsWriter).
   void open_metrics(int64_t keep_through_step);
+  /// Also report, per step, each of these groups' collectives ("comm_per_step": {name: {kind: {count,
+  /// sent}}}; a multi-dimensional mesh's dims: FSDP's and TP's collectives run on them, not on the world).
+  void watch_groups(std::vector<std::pair<std::string, fsdp::ProcessGroupPtr>> groups);
   /// The run's first evaluation, restored from a checkpoint (null: none).
   void restore_first_eval(const nlohmann::json& first_eval);
   /// The run's first evaluation as a checkpoint saves it: {step, loss}, or null.
@@ -122,6 +125,9 @@ class Reporter {
     double sent = 0, all_gather = 0, reduce_scatter = 0;
     long minor_faults = 0;
   } marks_;
+  /// The mesh's groups (watch_groups) and their counters at the start of the interval.
+  std::vector<std::pair<std::string, fsdp::ProcessGroupPtr>> groups_;
+  std::vector<fsdp::CommStats> group_marks_;
   /// Starts a log interval: reads the counters after the reporting's own collectives (peaks, evaluation),
   /// so that the per-step figures in the metrics count the training step's collectives only.
   void mark_interval();
