@@ -91,7 +91,14 @@ std::string generate(Model& model, const std::string& prompt, int64_t num_tokens
   for (int64_t i = 0; i < num_tokens; ++i) {
     const auto begin = tokens.size() > static_cast<size_t>(context) ? tokens.end() - context : tokens.begin();
     auto idx = torch::tensor(std::vector<int64_t>(begin, tokens.end()), torch::kLong).unsqueeze(0);  // [1, T]
-    auto logits = model(idx.to(pg.device())).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32);  // [vocab]
+    const int64_t T = idx.size(1);
+    // Sequence parallelism splits the sequence evenly over the TP ranks: pad on the right to a multiple
+    // of tp (block_size is one). Exact: attention is causal, so no real position sees the padding.
+    if (const auto& sp = model->sequence_parallel_mesh) {
+      const int64_t tp = sp->size(0), padded = (T + tp - 1) / tp * tp;
+      idx = torch::cat({idx, torch::zeros({1, padded - T}, torch::kLong)}, 1);
+    }
+    auto logits = model(idx.to(pg.device())).select(1, T - 1).squeeze(0).to(torch::kCPU, torch::kFloat32);  // [vocab]
     auto next = torch::zeros({1}, torch::kLong);
     if (pg.rank() == 0) {
       if (temperature == 0.0) {

@@ -325,8 +325,6 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     need(!o.sequence_parallel || cfg.block_size % o.tp == 0,
          "--sequence-parallel splits the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) " +
              "evenly; use a --tp that divides it");
-    need(!o.sequence_parallel || o.sample_tokens == 0,
-         "--sequence-parallel cannot sample (a prompt's length is rarely a multiple of --tp). Fix: --sample-tokens 0");
   }
   // reshard_after_forward's int counts ranks of the FSDP (shard) group.
   p.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, p.dp_shard);

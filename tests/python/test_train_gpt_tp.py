@@ -81,6 +81,19 @@ def test_bf16_tensor_parallel_tracks_fsdp_alone_in_bf16(text_files, tmp_path):
                     assert abs(got[s][k] - ref[s][k]) <= 5e-3 * abs(ref[s][k]), (name, s, k, got[s][k], ref[s][k])
 
 
+def test_sequence_parallel_samples_the_same_text(text_files, tmp_path):
+    # Sampling pads the context on the right to a multiple of --tp (exact: attention is causal).
+    texts = []
+    for extra in (["--batch-size", "2"], ["--tp", "2", "--sequence-parallel", "--batch-size", "4"]):
+        # (the later --sample-tokens wins)
+        p = run(args(text_files, tmp_path, "s", *extra, steps=3) + ["--sample-tokens", "12", "--temperature", "0"],
+                nproc=4)
+        assert p.returncode == 0, show(p)
+        texts.append(p.stdout.split("sample (")[1].split("----")[1])
+        assert len(texts[-1].strip()) > 12, p.stdout[-1000:]
+    assert texts[0] == texts[1], texts
+
+
 def test_checkpoints_move_between_tensor_parallel_layouts(text_files, tmp_path, fsdp_alone):
     # Saved at step 5 under TP with sequence parallelism, resumed under FSDP alone; and the other way.
     for first, then in ((["--tp", "2", "--sequence-parallel", "--batch-size", "4"], ["--batch-size", "2"]),
