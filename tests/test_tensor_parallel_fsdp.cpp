@@ -365,6 +365,10 @@ TEST(DeviceMeshSlice, TransposedAndPartialSlicesOfThreeDims) {
     all_reduce(x, *dp->world(), ReduceOp::SUM);
     EXPECT_EQ(x.item<float>(), static_cast<float>(0 + 2 + 4 + 6 + 4 * coord[2]));
     EXPECT_EQ((*dp)["shard"]->root_mesh(), mesh);
+    // The global rank on every slice (messages name it), not the rank in the slice's group.
+    EXPECT_EQ(dp->get_rank(), pg->rank());
+    EXPECT_EQ((*mesh)["tp"]->get_rank(), pg->rank());
+    EXPECT_EQ(t->get_rank(), pg->rank());
     EXPECT_THROW(mesh->slice({"rep", "rep"}), c10::Error);
     EXPECT_THROW(mesh->slice({"pp"}), c10::Error);
   });

@@ -40,8 +40,9 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   int64_t get_local_rank(int64_t dim = 0) const;
   /// This rank's coordinate, one entry per dimension.
   std::vector<int64_t> get_coordinate() const;
-  /// Global rank of this process.
-  int get_rank() const { return world_->rank(); }
+  /// Global rank of this process (also on a sub-mesh, whose world() is a sub-group).
+  /// Mirrors DeviceMesh.get_rank().
+  int get_rank() const { return world_->global_ranks()[world_->rank()]; }
   /// The process group of dimension `dim` that contains this rank. Throws if dim is out of range.
   const ProcessGroupPtr& get_group(int64_t dim = 0) const;
   const ProcessGroupPtr& get_group(const std::string& dim_name) const;
