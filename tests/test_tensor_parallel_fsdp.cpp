@@ -108,6 +108,52 @@ INSTANTIATE_TEST_SUITE_P(Layouts, FsdpOverTp,
                                            Layout{1, 2, 2, true, true}),
                          layout_name);
 
+// The neighbours of the parity test: blocks kept unsharded after forward, gradient accumulation over
+// two microbatches with the first one's reduction skipped (set_requires_gradient_sync(false)), and the
+// same block called twice in one forward. dp 2 x tp 2, 3 AdamW steps, fp32, rtol 1e-5.
+TEST(FsdpOverTpFeatures, NoReshardGradientAccumulationAndABlockCalledTwice) {
+  run_ranks(4, [](ProcessGroupPtr) {
+    auto mesh = init_device_mesh(torch::kCPU, {2, 2}, {"dp", "tp"});
+    const int64_t d = mesh->get_local_rank(0);
+    Net ref(kVocab, kFsdpDim, kHidden), net(kVocab, kFsdpDim, kHidden);
+    tp::parallelize_module(net, (*mesh)["tp"], default_plan());
+    for (const auto& b : *net->blocks) fully_shard(b, FullyShardOptions().mesh((*mesh)["dp"]).reshard_after_forward(false));
+    auto root = fully_shard(net.ptr(), FullyShardOptions().mesh((*mesh)["dp"]));
+    // forward with block 0 applied twice (a shared block), as the reference does.
+    auto twice = [](Net& m, const torch::Tensor& ids) {
+      auto x = m->emb(ids);
+      auto* b0 = m->blocks[0]->as<MLPImpl>();
+      x = x + b0->forward(x);
+      x = x + b0->forward(x);
+      x = x + m->blocks[1]->as<MLPImpl>()->forward(x);
+      return m->head(m->ln(x));
+    };
+    torch::optim::AdamW opt_ref(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto params = net->named_parameters();
+    for (int step = 0; step < 3; ++step) {
+      for (int micro = 0; micro < 2; ++micro) {
+        auto ids = (torch::arange(16, torch::kInt64) * 3 + step * 2 + micro).remainder(kVocab).view({4, 4});
+        auto targets = (ids * 5 + 1).remainder(kVocab);
+        (torch::cross_entropy_loss(twice(ref, ids).view({-1, kVocab}), targets.view({-1})) / 2).backward();
+        root.set_requires_gradient_sync(micro == 1);
+        (torch::cross_entropy_loss(twice(net, ids.narrow(0, 2 * d, 2)).view({-1, kVocab}),
+                                   targets.narrow(0, 2 * d, 2).reshape({-1})) / 2)
+            .backward();
+      }
+      for (const auto& item : ref->named_parameters()) {
+        auto g = sharded_grad(params[item.key()]);
+        ASSERT_TRUE(g.has_value()) << item.key();
+        expect_close(g->full_tensor(), item.value().grad(), "grad of " + item.key() + " at step " + std::to_string(step));
+      }
+      opt_ref.step();
+      opt.step();
+      opt_ref.zero_grad();
+      opt.zero_grad();
+    }
+  });
+}
+
 // Rows in order: TP splits the 4 rows first ([0, 1] | [2, 3]), FSDP then splits each TP shard, so
 // rank (dp d, tp t) holds row 2t + d, and full_tensor gathers them back as [0, 1, 2, 3].
 TEST(FsdpOverTpPlacement, EmbeddingRowsComeBackInOrder) {
