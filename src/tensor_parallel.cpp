@@ -58,14 +58,7 @@ bool fqn_matches(const std::string& pattern, const std::string& fqn) {
   return true;
 }
 
-const char* style_name(const ParallelStyle& s) {
-  switch (s.kind) {
-    case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
-    case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
-    case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
-  }
-  return "?";
-}
+using tp::detail::style_name;
 
 std::string in_quotes(const std::string& fqn) { return "'" + fqn + "'"; }
 

@@ -74,29 +74,6 @@ struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
   }
 };
 
-// All-gather along the last dim forward (Shard(-1) -> Replicate, equal chunks); backward keeps this
-// rank's chunk of the gradient.
-struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group) {
-    auto& pg = *reinterpret_cast<ProcessGroup*>(group);
-    const int64_t k = pg.size();
-    ctx->saved_data["rank"] = static_cast<int64_t>(pg.rank());
-    ctx->saved_data["chunk"] = x.size(-1);
-    auto front = x.movedim(-1, 0).contiguous();  // [c, ...]
-    auto shape = front.sizes().vec();
-    shape[0] *= k;
-    auto gathered = torch::empty(shape, front.options());  // [k * c, ...], rank-major
-    all_gather_into_tensor(gathered, front, pg);
-    return gathered.movedim(0, -1).contiguous();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const int64_t c = ctx->saved_data["chunk"].toInt();
-    const int64_t r = ctx->saved_data["rank"].toInt();
-    return {grads[0].narrow(-1, r * c, c).contiguous(), torch::Tensor()};
-  }
-};
-
 // Sequence parallelism: the activation is split along dim `dim` (the sequence) over the TP group.
 // [T/tp] pieces rank-major along `dim`; both need `dim`'s size to divide evenly (checked by the callers).
 torch::Tensor gather_along(const torch::Tensor& x, int64_t dim, ProcessGroup& pg) {
@@ -116,9 +93,10 @@ torch::Tensor reduce_scatter_along(const torch::Tensor& x, int64_t dim, ProcessG
   return out.movedim(0, dim).contiguous();
 }
 
-// All-gather along the sequence forward (Shard(d) -> Replicate, the input of a column-parallel module
-// under sequence parallelism); reduce-scatter of the gradient backward: each rank's output features
-// contribute a part of every position's input gradient, and each rank keeps its positions' sum.
+// All-gather along `dim` forward; reduce-scatter of the gradient backward, for a gathered tensor that each
+// rank uses differently: the input of a column-parallel module under sequence parallelism (each rank's
+// output features contribute a part of every position's input gradient, and each rank keeps its
+// positions' sum), or a fused projection's output of which each rank takes its heads (fused_heads).
 struct GatherSeq : torch::autograd::Function<GatherSeq> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
                                int64_t dim) {
@@ -148,19 +126,6 @@ struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
   }
 };
 
-// All-gather along the last dim forward; reduce-scatter of the gradient backward: each rank uses a
-// different part of the gathered tensor (local_heads_of_fused), so the gradient's pieces are summed.
-struct GatherFeaturesRS : torch::autograd::Function<GatherFeaturesRS> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return gather_along(x, x.dim() - 1, *reinterpret_cast<ProcessGroup*>(group));
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {reduce_scatter_along(grads[0], grads[0].dim() - 1, group_of(ctx)), torch::Tensor()};
-  }
-};
-
 // Replicate -> Shard(dim): this rank's chunk forward; all-gather of the gradient backward.
 struct ChunkSeq : torch::autograd::Function<ChunkSeq> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
@@ -177,7 +142,9 @@ struct ChunkSeq : torch::autograd::Function<ChunkSeq> {
   }
 };
 
-// Shard(dim) -> Replicate: all-gather forward; this rank's chunk of the (replicated) gradient backward.
+// Shard(dim) -> Replicate: all-gather forward; this rank's chunk of the gradient backward, for a gathered
+// tensor that every rank uses alike (its gradient is replicated): the sequence after the last
+// sequence-parallel block, or a column-parallel output with output_layouts(Replicate()) (dim -1).
 struct UnchunkSeq : torch::autograd::Function<UnchunkSeq> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
                                int64_t dim) {
@@ -194,14 +161,6 @@ struct UnchunkSeq : torch::autograd::Function<UnchunkSeq> {
   }
 };
 
-const char* style_name(const ParallelStyle& s) {
-  switch (s.kind) {
-    case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
-    case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
-    case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
-  }
-  return "?";
-}
 
 // A sequence-sharded layout's dim (for the input's rank), checked to exist and, for `full`, to divide.
 int64_t seq_dim(const TPParam& p, const Placement& layout, const torch::Tensor& x, bool full, int64_t tp) {
@@ -229,7 +188,7 @@ torch::Tensor tp_linear(const TPParam& p, const torch::Tensor& x, const torch::T
     auto xf = in.is_shard() ? GatherSeq::apply(x, g, seq_dim(p, in, x, false, pg.size())) : CopyToTP::apply(x, g);
     if (p.style.output_layout.is_replicate()) {
       // The bias stays replicated for this layout (see apply_work): added after the all-gather.
-      auto y = GatherLastDim::apply(torch::linear(xf, w), g);
+      auto y = UnchunkSeq::apply(torch::linear(xf, w), g, xf.dim() - 1);
       if (bias && bias->defined()) y = y + *bias;
       return y;
     }
@@ -268,7 +227,7 @@ torch::Tensor tp_embedding(const TPParam& p, const torch::Tensor& w, const torch
   const auto& pg = *p.mesh->get_group(0);
   if (p.style.kind == ParallelStyle::Kind::COLWISE) {
     auto y = torch::embedding(w, ids, padding_idx, scale_grad_by_freq, sparse);
-    if (p.style.output_layout.is_replicate()) y = GatherLastDim::apply(y, g);
+    if (p.style.output_layout.is_replicate()) y = UnchunkSeq::apply(y, g, y.dim() - 1);
     return y;
   }
   // Rowwise: this rank owns ids [lo, lo + n); the others look up row 0 and are zeroed before the sum.
@@ -290,6 +249,15 @@ int64_t to_int(const c10::IValue& v) { return v.isInt() ? v.toInt() : v.toSymInt
 
 // Whether any partial_grad parameter was registered: ops of models without one skip the lookups.
 std::atomic<bool> any_partial_grad{false};
+
+const char* style_name(const ParallelStyle& s) {
+  switch (s.kind) {
+    case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
+    case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
+    case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
+  }
+  return "?";
+}
 
 void register_tp_param(const torch::Tensor& param, TPParam info) {
   if (info.partial_grad) any_partial_grad = true;
@@ -449,7 +417,7 @@ std::vector<torch::Tensor> fused_heads(const torch::Tensor& local, const DeviceM
               local.size(-1), " features on ", tp, " TP ranks is ", full, " features, which does not split into ", n_fused,
               " parts of a size divisible by ", tp);
   fsdp::detail::NoInterception no_interception;
-  auto gathered = GatherFeaturesRS::apply(local, g);
+  auto gathered = GatherSeq::apply(local, g, local.dim() - 1);
   const int64_t c = full / n_fused, mine = c / tp;
   std::vector<torch::Tensor> out;
   for (int64_t j = 0; j < n_fused; ++j) out.push_back(gathered.narrow(-1, j * c + t * mine, mine));

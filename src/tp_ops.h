@@ -30,6 +30,9 @@ struct TPParam {
   std::vector<int64_t> global_shape;  ///< before sharding
 };
 
+/// "ColwiseParallel", "RowwiseParallel" or "SequenceParallel" (for messages).
+const char* style_name(const ParallelStyle& s);
+
 /// Records a parallelised parameter (by its TensorImpl, which set_data keeps).
 void register_tp_param(const torch::Tensor& param, TPParam info);
 /// The record of `param`, or nullptr.
