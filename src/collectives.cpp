@@ -9,6 +9,7 @@
 
 #include "fsdp_buffer_pool.h"
 #include "process_group_access.h"
+#include "shm_transport.h"
 
 namespace fsdp {
 namespace {
@@ -200,6 +201,11 @@ void count_broadcast(ProcessGroup& g, int src, uint64_t bytes) {
   add_bytes(detail::ProcessGroupAccess::comm_stats(g).broadcast, sends * bytes, v == 0 ? 0 : bytes);
 }
 
+// The group's shared-memory transport when it can carry `t` (a CPU tensor of a one-host Gloo group).
+detail::ShmTransport* shm_for(ProcessGroup& g, const torch::Tensor& t) {
+  return t.is_cpu() ? detail::ProcessGroupAccess::shm(g) : nullptr;
+}
+
 // Records, checks (debug mode), publishes progress, then runs `issue` and wraps it as a Work.
 // World size 1 never reaches here: the callers return early.
 template <typename Issue>
@@ -378,9 +384,10 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
   const uint64_t ag_bytes = input.nbytes() * static_cast<uint64_t>(group.size() - 1);
   add_bytes(detail::ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
   return launch(group, "all_gather_into_tensor", seq, output.nbytes(), desc, async_op, &input, &output, 0, [&] {
-    c10d::AllgatherOptions opts;
     auto out = output.view({-1});
     auto in = input.view({-1});
+    if (auto* shm = shm_for(group, input)) return shm->all_gather(out, in, header("all_gather_into_tensor", group, seq));
+    c10d::AllgatherOptions opts;
     return group.backend()->_allgather_base(out, in, opts);
   });
 }
@@ -426,6 +433,9 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
         static_cast<int64_t>(op),
         [&] {
           auto in = input.view({-1});
+          if (auto* shm = shm_for(group, input)) {
+            return shm->all_to_all(gathered, in, header("reduce_scatter_tensor", group, seq));
+          }
           std::vector<int64_t> equal_splits;  // empty: n equal chunks
           return group.backend()->alltoall_base(gathered, in, equal_splits, equal_splits, c10d::AllToAllOptions());
         },

@@ -21,6 +21,7 @@
 #include "process_group_access.h"
 #include "slurm_env.h"
 #include "progress_publisher.h"
+#include "shm_transport.h"
 #include "util.h"
 
 namespace fsdp {
@@ -295,7 +296,9 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
                 "names a reachable interface");
   }
   auto group = std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
-                                              timeout, std::move(name));
+                                              timeout, name);
+  // One host: all-gathers and reduce-scatters through shared memory (src/shm_transport.h).
+  detail::ProcessGroupAccess::set_shm(*group, detail::ShmTransport::create(store, rank, size, timeout, name));
   if (debug_mode() && size > 1) {
     // A side group for fingerprints: its collectives never interleave with the checked ones.
     auto side_opts = c10d::ProcessGroupGloo::Options::create(timeout);

@@ -29,6 +29,9 @@ struct ProcessGroupAccess {
   static void set_debug_backend(ProcessGroup& g, c10::intrusive_ptr<c10d::Backend> b) {
     g.debug_backend_ = std::move(b);
   }
+  /// The shared-memory transport of a one-host Gloo group (null otherwise): src/shm_transport.h.
+  static ShmTransport* shm(ProcessGroup& g) { return g.shm_.get(); }
+  static void set_shm(ProcessGroup& g, std::shared_ptr<ShmTransport> t) { g.shm_ = std::move(t); }
   /// Publishes in the store that this rank reached collective `seq` (read by lagging_ranks()).
   static void note_progress(ProcessGroup& g, uint64_t seq) { g.note_progress(seq); }
 };

@@ -246,7 +246,7 @@ long minor_faults() {
 void Reporter::mark_interval() {
   marks_ = {static_cast<double>(pg_->comm_stats().sent()),
             static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")),
-            static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")), minor_faults()};
+            static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")), pg_->wait_seconds(), minor_faults()};
   group_marks_.clear();
   for (const auto& [name, g] : groups_) group_marks_.push_back(g->comm_stats());
 }
@@ -296,13 +296,15 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
   const nlohmann::json ratio_to_min =
       n > 1 && payload > 0 ? nlohmann::json(sent / ((n - 1) / n * payload)) : nlohmann::json(nullptr);
   const double faults = static_cast<double>(minor_faults() - marks_.minor_faults) / steps_d;
+  // Exposed communication: how long this rank blocked in collectives' waits (the part not overlapped).
+  const double comm_wait_ms = 1e3 * (pg_->wait_seconds() - marks_.wait_seconds) / steps_d;
   const double peak = global_peak_mb();
   const double peak_gpu = global_peak_gpu_mb();
   nlohmann::json line = {{"step", step},          {"loss", mean_loss},    {"lr", lr},
                          {"grad_norm", grad_norm}, {"tokens_per_s", tps},  {"step_ms", step_ms},
                          {"peak_rss_mb", peak},   {"peak_gpu_mem_mb", peak_gpu}, {"mfu", mfu(tps)},
                          {"bytes_per_step", sent}, {"bytes_ratio_to_min", ratio_to_min},
-                         {"minor_faults_per_step", faults}};
+                         {"minor_faults_per_step", faults}, {"comm_wait_ms", comm_wait_ms}};
   std::ostringstream os;
   os << "step " << std::setw(std::to_string(o_.steps).size()) << step << "/" << o_.steps << " | loss "
      << fmt("%.4f", mean_loss) << " | lr " << fmt("%.2e", lr) << " | grad norm " << fmt("%.3f", grad_norm)

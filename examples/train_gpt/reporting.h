@@ -122,7 +122,7 @@ class Reporter {
   int64_t steps_timed_ = 0;  // steps of this run so far (the ETA's denominator)
   /// Communication and page-fault counters at the start of the current log interval (see mark_interval).
   struct Marks {
-    double sent = 0, all_gather = 0, reduce_scatter = 0;
+    double sent = 0, all_gather = 0, reduce_scatter = 0, wait_seconds = 0;
     long minor_faults = 0;
   } marks_;
   /// The mesh's groups (watch_groups) and their counters at the start of the interval.

@@ -53,6 +53,9 @@ class Work {
 /// Gathers `input` (any shape, contiguous) of every rank into `output`, rank-major along dim 0.
 /// Requires output.numel() == group.size() * input.numel() and equal dtypes; `input` may be a view
 /// of `output` (in-place all-gather). Throws c10::Error naming the shapes otherwise.
+/// On a Gloo group whose ranks share one host the bytes go through shared memory instead of Gloo's
+/// sockets (the same result; `FSDP_SHM_TRANSPORT=0` turns it off; see make_gloo_group). Mirrors
+/// torch.distributed.all_gather_into_tensor.
 Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                             bool async_op = false);
 
@@ -63,7 +66,9 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 /// _reduce_scatter_base, which all-reduces the whole input and moves twice as many bytes). `input` must
 /// stay unchanged until wait(); a scratch buffer of input's size lives from the call to the end of
 /// wait(). `FSDP_GLOO_REDUCE_SCATTER=allreduce` selects Gloo's _reduce_scatter_base
-/// instead (read once per process). NCCL and MPI run their own reduce-scatter.
+/// instead (read once per process). On one host the all-to-all goes through shared memory, as
+/// all_gather_into_tensor's bytes. NCCL and MPI run their own reduce-scatter. Mirrors
+/// torch.distributed.reduce_scatter_tensor.
 Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                            ReduceOp op = ReduceOp::SUM, bool async_op = false);
 

@@ -24,6 +24,7 @@ namespace fsdp {
 namespace detail {
 struct ProcessGroupAccess;  // src/process_group_access.h
 class ProgressPublisher;    // src/progress_publisher.h
+class ShmTransport;         // src/shm_transport.h
 }  // namespace detail
 
 /// Who launched us and where this process sits, as read from the environment.
@@ -102,6 +103,8 @@ struct CommBytes {
 /// - all_reduce: Gloo's ring all-reduce (a reduce-scatter then an all-gather, in segments): about
 ///   2(N-1)/N of the tensor each way, computed segment by segment as Gloo cuts it;
 /// - broadcast: Gloo's binomial tree: a non-root receives the tensor once; a rank sends it once per child.
+/// On a one-host Gloo group the all-gathers and the reduce-scatter's all-to-all go through shared memory
+/// (see make_gloo_group): counted the same, as the bytes each rank copies to and from the other ranks.
 /// NCCL and MPI groups are counted with the nominal figures of the ring algorithms (the same as above for
 /// all-gather and reduce-scatter, 2(N-1)/N for all-reduce, a chain for broadcast: every rank but the last
 /// sends the tensor once): those libraries choose their algorithm at run time and do not report bytes.
@@ -199,6 +202,7 @@ class ProcessGroup {
   std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
   std::shared_ptr<detail::ProgressPublisher> progress_;  // made on the first note_progress
   c10::intrusive_ptr<c10d::Backend> debug_backend_;
+  std::shared_ptr<detail::ShmTransport> shm_;  // one-host Gloo groups: see [Note: shared-memory transport]
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 
@@ -218,6 +222,14 @@ ProcessGroupPtr init_process_group(const InitOptions& options = {});
 
 /// Builds a Gloo group of `size` ranks over `store` (e.g. an in-memory c10d::HashStore shared by
 /// threads, as the test harness does). Used by init_process_group and new_group.
+/// When all ranks run on one host (same boot id, hostname and ipc/mnt/net/pid namespaces), the group's
+/// all_gather_into_tensor and reduce_scatter_tensor move their bytes through a shared-memory segment
+/// (/dev/shm, 2 x 2 MiB per rank, reserved at creation) on a worker thread instead of Gloo's loopback
+/// sockets; everything else stays on Gloo. Results are identical; a rank that skips or disagrees on such
+/// a collective, or whose process exits, makes the others fail (after the timeout, at once, or within a
+/// fraction of a second). `FSDP_SHM_TRANSPORT=0` keeps the bytes on Gloo; if the segment cannot be made
+/// (e.g. /dev/shm full) the group warns and stays on Gloo. Throws c10::Error when the rendezvous fails or
+/// FSDP_SHM_TRANSPORT is neither 0 nor 1.
 ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                 std::chrono::milliseconds timeout, std::vector<int> global_ranks = {},
                                 std::string name = "default", int threads = 2);

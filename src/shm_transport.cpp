@@ -1,0 +1,408 @@
+#include "shm_transport.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+namespace fsdp::detail {
+
+// The segment: a header line, one control line per rank, then (page-aligned) per rank two slot buffers.
+struct alignas(64) RankControl {
+  std::atomic<uint64_t> written;  // rounds this rank has written into its slot
+  std::atomic<uint64_t> read;     // rounds this rank has read out of every slot
+  std::atomic<int32_t> pid;
+  std::atomic<uint32_t> failed;   // 0 ok, 1 its transport failed, 2 its group was destroyed
+  // What this rank's round in buffer b belongs to: (kind << 56 | index of the collective on this transport)
+  // and the collective's bytes. Compared by every reader, so ranks that disagree on a collective fail
+  // instead of exchanging mismatched bytes.
+  std::atomic<uint64_t> op[2];
+  std::atomic<uint64_t> op_bytes[2];
+};
+static_assert(sizeof(RankControl) == 64);
+
+struct ShmTransport::Segment {
+  std::atomic<uint32_t> bell;  // incremented at every state change; the futex waiters sleep on
+  uint32_t size;
+  char pad[56];
+  RankControl ranks[1];  // `size` of them (the segment is sized for it)
+};
+
+namespace {
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "the control blocks are shared between processes: lock-free atomics only");
+
+uint64_t control_bytes(int size) {
+  const uint64_t raw = 64 + 64 * static_cast<uint64_t>(size);
+  return (raw + 4095) / 4096 * 4096;
+}
+uint64_t segment_bytes(int size) { return control_bytes(size) + 2 * static_cast<uint64_t>(size) * ShmTransport::kSlotBytes; }
+
+std::string read_file(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+std::string ns_inode(const char* ns) {
+  struct stat st {};
+  std::string path = std::string("/proc/self/ns/") + ns;
+  if (::stat(path.c_str(), &st) != 0) return "?";
+  return std::to_string(st.st_ino);
+}
+
+// Identifies "one host" for this purpose: processes that can map the same /dev/shm object and see each
+// other's pids. Network namespaces count as separate hosts (the multi-node tests build hosts from them).
+std::string host_key() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return read_file("/proc/sys/kernel/random/boot_id") + "/" + host + "/" + ns_inode("ipc") + "/" + ns_inode("mnt") +
+         "/" + ns_inode("net") + "/" + ns_inode("pid");
+}
+
+// FSDP_SHM_TRANSPORT: unset or 1 = on (where possible), 0 = off.
+bool enabled_by_env() {
+  const char* v = std::getenv("FSDP_SHM_TRANSPORT");
+  if (!v || !*v) return true;
+  const std::string s(v);
+  TORCH_CHECK(s == "0" || s == "1", "init_process_group: FSDP_SHM_TRANSPORT=", s,
+              " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers and reduce-scatters "
+              "through shared memory) or 0 (through Gloo's sockets)");
+  return s == "1";
+}
+
+bool pid_alive(int32_t pid) {
+  if (pid <= 0 || pid == ::getpid()) return true;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A zombie (exited, not yet reaped by its launcher) still answers kill().
+  std::string stat = read_file(("/proc/" + std::to_string(pid) + "/stat").c_str());
+  auto paren = stat.rfind(')');
+  if (paren != std::string::npos && paren + 2 < stat.size()) {
+    const char state = stat[paren + 2];
+    if (state == 'Z' || state == 'X') return false;
+  }
+  return true;
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::milliseconds slice) {
+  timespec ts{static_cast<time_t>(slice.count() / 1000), static_cast<long>(slice.count() % 1000) * 1000000L};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Maps `name`; creates (and sizes, with the pages reserved so that a full /dev/shm fails here rather than
+// with SIGBUS at the first copy) when `create`. Returns null with `error` set on failure.
+void* map_segment(const std::string& name, uint64_t bytes, bool create, std::string& error) {
+  int fd = ::shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) {
+    error = std::string("shm_open(") + name + "): " + std::strerror(errno);
+    return nullptr;
+  }
+  if (create) {
+    int rc = ::ftruncate(fd, static_cast<off_t>(bytes));
+    if (rc == 0) rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    else rc = errno;
+    if (rc != 0) {
+      error = "reserving " + std::to_string(bytes) + " bytes of " + name + " in /dev/shm: " + std::strerror(rc);
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+      return nullptr;
+    }
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    error = std::string("mmap of ") + name + ": " + std::strerror(errno);
+    if (create) ::shm_unlink(name.c_str());
+    return nullptr;
+  }
+  return p;
+}
+
+class ShmWork : public c10d::Work {
+ public:
+  void done(std::exception_ptr e) { finish(std::move(e)); }
+};
+
+}  // namespace
+
+std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                   std::chrono::milliseconds timeout, const std::string& name) {
+  if (size < 2 || !store) return nullptr;
+  // Keys of this setup: one generation per group built on this store (every rank of a group adds once,
+  // and a rank reaches the next group's setup only after the next Gloo rendezvous, i.e. after all ranks
+  // added for this one).
+  const int64_t arrival = store->add("fsdp_shm/arrivals", 1) - 1;
+  const std::string prefix = "fsdp_shm/" + std::to_string(arrival / size) + "/";
+  auto put = [&](const std::string& key, const std::string& v) {
+    store->set(prefix + key, std::vector<uint8_t>(v.begin(), v.end()));
+  };
+  auto get = [&](const std::string& key) {
+    auto v = store->get(prefix + key);
+    return std::string(v.begin(), v.end());
+  };
+  put("host/" + std::to_string(rank), enabled_by_env() ? host_key() : "off");
+  std::string seg_name;
+  void* base = nullptr;
+  std::string error;
+  const uint64_t bytes = segment_bytes(size);
+  if (rank == 0) {
+    const std::string mine = get("host/0");
+    bool one_host = mine != "off";
+    for (int r = 1; r < size && one_host; ++r) one_host = get("host/" + std::to_string(r)) == mine;
+    if (one_host) {
+      std::random_device rd;
+      std::ostringstream os;
+      os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
+      seg_name = os.str();
+      base = map_segment(seg_name, bytes, /*create=*/true, error);
+      if (base) {
+        auto* seg = new (base) Segment();
+        seg->size = static_cast<uint32_t>(size);
+      } else {
+        TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go through "
+                   "Gloo's sockets: ", error);
+        seg_name.clear();
+      }
+    }
+    put("segment", seg_name.empty() ? "-" : seg_name);
+  } else {
+    seg_name = get("segment");
+    if (seg_name == "-") return nullptr;
+    base = map_segment(seg_name, bytes, /*create=*/false, error);
+    if (!base) TORCH_WARN("group '", name, "' rank ", rank, ": cannot map the shared-memory transport: ", error);
+  }
+  if (rank == 0 && !base) return nullptr;  // "-" published: nobody maps
+  put("ok/" + std::to_string(rank), base ? "1" : "0");
+  bool all_ok = true;
+  for (int r = 0; r < size; ++r) all_ok = get("ok/" + std::to_string(r)) == "1" && all_ok;
+  // Every rank has opened it (or failed to): the name can go, the memory stays until the last unmap.
+  if (rank == 0) ::shm_unlink(seg_name.c_str());
+  if (!all_ok) {
+    if (base) ::munmap(base, bytes);
+    return nullptr;
+  }
+  return std::shared_ptr<ShmTransport>(new ShmTransport(base, bytes, rank, size, timeout));
+}
+
+ShmTransport::ShmTransport(void* base, uint64_t bytes, int rank, int size, std::chrono::milliseconds timeout)
+    : base_(base), bytes_(bytes), seg_(static_cast<Segment*>(base)), rank_(rank), size_(size), timeout_(timeout) {
+  seg_->ranks[rank_].pid.store(::getpid());
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+ShmTransport::~ShmTransport() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  seg_->ranks[rank_].failed.store(2);
+  ring_bell();
+  ::munmap(base_, bytes_);
+}
+
+char* ShmTransport::slot(int r, uint64_t round) const {
+  return static_cast<char*>(base_) + control_bytes(size_) + (2 * static_cast<uint64_t>(r) + round % 2) * kSlotBytes;
+}
+
+void ShmTransport::ring_bell() {
+  seg_->bell.fetch_add(1);
+  futex_wake_all(&seg_->bell);
+}
+
+void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono::steady_clock::time_point deadline,
+                            const std::string& what, const char* stage) {
+  auto check_peers = [&] {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || ready(r)) continue;
+      const uint32_t f = seg_->ranks[r].failed.load();
+      TORCH_CHECK(f == 0, "rank ", r, (f == 1 ? "'s shared-memory transport failed (see that rank's error)"
+                                              : " destroyed its process group"),
+                  " before ", stage, " ", what);
+      const int32_t pid = seg_->ranks[r].pid.load();
+      TORCH_CHECK(pid_alive(pid), "rank ", r, " (pid ", pid, ") exited before ", stage, " ", what,
+                  " (shared-memory transport)");
+    }
+  };
+  for (int spin = 0;; ++spin) {
+    const uint32_t seen = seg_->bell.load();
+    bool all = true;
+    for (int r = 0; r < size_ && all; ++r) all = ready(r);
+    if (all) return;
+    if (spin < 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!stop_, "the process group was destroyed while ", what, " was in flight");
+    }
+    check_peers();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < size_; ++r) {
+        if (!ready(r)) missing.push_back(r);
+      }
+      TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms in the shared-memory transport waiting for ranks [",
+                  c10::Join(", ", missing), "] to ", stage, " ", what);
+    }
+    futex_wait(&seg_->bell, seen, std::chrono::milliseconds(50));
+  }
+}
+
+namespace {
+const char* kind_name(uint64_t kind) { return kind == 1 ? "an all-gather" : kind == 2 ? "an all-to-all" : "?"; }
+}  // namespace
+
+void ShmTransport::round(uint64_t kind, uint64_t bytes, const std::function<void(char*)>& write,
+                         const std::function<void(int, const char*)>& read,
+                         std::chrono::steady_clock::time_point deadline, const std::string& what) {
+  const uint64_t c = rounds_;
+  const uint64_t op = kind << 56 | collectives_;
+  const std::string piece = what + " (round " + std::to_string(c) + ")";
+  // Buffer c % 2 last held round c - 2: free once every rank has read that round.
+  if (c >= 2) {
+    wait_all([&](int r) { return seg_->ranks[r].read.load(std::memory_order_acquire) >= c - 1; }, deadline, piece,
+             "finish reading the previous use of the buffer of");
+  }
+  write(slot(rank_, c));
+  seg_->ranks[rank_].op[c % 2].store(op, std::memory_order_relaxed);
+  seg_->ranks[rank_].op_bytes[c % 2].store(bytes, std::memory_order_relaxed);
+  seg_->ranks[rank_].written.store(c + 1, std::memory_order_release);
+  ring_bell();
+  wait_all([&](int r) { return seg_->ranks[r].written.load(std::memory_order_acquire) >= c + 1; }, deadline, piece,
+           "write their part of");
+  for (int r = 0; r < size_; ++r) {
+    const uint64_t their = seg_->ranks[r].op[c % 2].load(std::memory_order_relaxed);
+    const uint64_t their_bytes = seg_->ranks[r].op_bytes[c % 2].load(std::memory_order_relaxed);
+    TORCH_CHECK(their == op && their_bytes == bytes, "ranks disagree on ", what, ": this rank (", rank_, ") runs ",
+                kind_name(kind), " of ", bytes, " bytes per rank as its collective #", collectives_,
+                " on the shared-memory transport, rank ", r, " ", kind_name(their >> 56), " of ", their_bytes,
+                " bytes as its #", (their & ((1ull << 56) - 1)), ". Every rank must issue the same collectives in "
+                "the same order with the same shapes and dtypes (FSDP_DEBUG=DETAIL names the calls)");
+  }
+  for (int r = 0; r < size_; ++r) read(r, slot(r, c));
+  seg_->ranks[rank_].read.store(c + 1, std::memory_order_release);
+  ring_bell();
+  rounds_ = c + 1;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::enqueue(std::function<void()> run) {
+  auto work = c10::make_intrusive<ShmWork>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stop_, "the process group's shared-memory transport is shut down");
+    queue_.push_back([this, work, run = std::move(run)]() mutable {
+      std::exception_ptr error;
+      try {
+        TORCH_CHECK(broken_.empty(), "an earlier collective of this group failed in the shared-memory transport (",
+                    broken_, "); the group cannot be used any more");
+        run();
+      } catch (const c10::Error& e) {
+        if (broken_.empty()) broken_ = e.what_without_backtrace();
+        error = std::current_exception();
+      } catch (const std::exception& e) {
+        if (broken_.empty()) broken_ = e.what();
+        error = std::current_exception();
+      }
+      run = nullptr;  // release the tensors before completing: the caller may reuse them at once
+      if (error) {
+        seg_->ranks[rank_].failed.store(1);
+        ring_bell();
+      }
+      work->done(error);
+    });
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void ShmTransport::worker_loop() {
+  ::pthread_setname_np(::pthread_self(), "fsdp_shm");
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();  // with stop_ set it fails at its first wait (unless its peers are already there)
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::Tensor input, std::string what) {
+  return enqueue([this, output = std::move(output), input = std::move(input), what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t n = input.nbytes();
+    const char* src = static_cast<const char*>(input.data_ptr());
+    char* dst = static_cast<char*>(output.data_ptr());
+    uint64_t off = 0;
+    do {  // at least one round, so that ranks compare even an empty collective
+      const uint64_t len = std::min(kSlotBytes, n - off);
+      round(1, n, [&](char* mine) { std::memcpy(mine, src + off, len); },
+            [&](int r, const char* theirs) {
+              char* to = dst + static_cast<uint64_t>(r) * n + off;
+              const char* from = r == rank_ ? src + off : theirs;
+              if (to != from) std::memcpy(to, from, len);  // in place: this rank's part is already there
+            },
+            deadline, what);
+      off += len;
+    } while (off < n);
+    ++collectives_;
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::Tensor input, std::string what) {
+  return enqueue([this, output = std::move(output), input = std::move(input), what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t m = input.nbytes() / static_cast<uint64_t>(size_);  // bytes per destination
+    const uint64_t region = kSlotBytes / static_cast<uint64_t>(size_) / 64 * 64;  // per destination per round
+    const char* src = static_cast<const char*>(input.data_ptr());
+    char* dst = static_cast<char*>(output.data_ptr());
+    uint64_t off = 0;
+    do {
+      const uint64_t len = std::min(region, m - off);
+      round(
+          2, m,
+          [&](char* mine) {
+            for (int j = 0; j < size_; ++j) {
+              if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
+            }
+          },
+          [&](int r, const char* theirs) {
+            char* to = dst + r * m + off;
+            const char* from = r == rank_ ? src + rank_ * m + off : theirs + rank_ * region;
+            if (to != from) std::memcpy(to, from, len);
+          },
+          deadline, what);
+      off += len;
+    } while (off < m);
+    ++collectives_;
+  });
+}
+
+}  // namespace fsdp::detail

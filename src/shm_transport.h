@@ -1,0 +1,107 @@
+// Shared-memory transport for the bulk collectives of a Gloo group whose ranks share one host (issue 16).
+//
+// [Note: shared-memory transport]
+// On one host Gloo moves every byte through loopback TCP: per byte a copy into the kernel, a copy out, and
+// the protocol's work, on CPUs that FSDP's compute also needs. On the `wide` benchmark config (76 MB sent
+// per rank per step) ranks spent ~100 ms of a ~300 ms step blocked in collectives. Here the ranks of a
+// group map one shared-memory segment instead: a collective is a copy of this rank's bytes into its slot
+// and a copy of the other ranks' slots out, done by one worker thread per group, in issue order, as
+// Gloo's own worker does. It carries all_gather_into_tensor and the all-to-all of libfsdp's reduce-scatter
+// ([Note: Gloo reduce-scatter] in collectives.cpp), whose results are the same bytes as Gloo's (an
+// all-gather and an all-to-all only move bytes, so nothing changes in the arithmetic). Everything else
+// (all_reduce, broadcast, barrier, the debug fingerprints) stays on Gloo.
+//
+// When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
+// namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
+// tests are separate hosts), unless FSDP_SHM_TRANSPORT=0. Every rank reaches the same decision (rank 0
+// decides and publishes it in the store); when a segment cannot be created or mapped on any rank, the
+// whole group stays on Gloo.
+//
+// Protocol: the segment holds, per rank, a control block (rounds written, rounds read, pid, failed flag)
+// and two slot buffers of kSlotBytes. A collective is cut into rounds of at most kSlotBytes per rank
+// (every rank cuts it the same way: the sizes are the same on every rank). Round c writes into buffer
+// c % 2 once every rank has read round c - 2 out of it, and reads once every rank has written round c.
+// Waiting is a futex on one shared counter that every state change increments.
+//
+// Failures never hang: a wait gives up after the group timeout ("timed out"), at once when a peer's
+// process is gone (its pid no longer runs, or is a zombie) or a peer's transport has failed. After a
+// failure the transport refuses every later collective, naming the first cause. Work::wait in
+// collectives.cpp adds the lagging ranks and the flight recorder as for Gloo's failures.
+//
+// No PyTorch counterpart: ProcessGroupGloo has no shared-memory transport (NCCL has one inside a node).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace fsdp::detail {
+
+class ShmTransport {
+ public:
+  /// Bytes per rank per round (each rank has two such buffers in the segment).
+  static constexpr uint64_t kSlotBytes = 2ull << 20;
+
+  /// Collective over `store` (all ranks of the group call it, after the group's Gloo rendezvous): returns
+  /// the transport, or null on every rank when the ranks are not on one host, FSDP_SHM_TRANSPORT=0, or a
+  /// rank could not create or map the segment. `name` is the group's, for messages.
+  static std::shared_ptr<ShmTransport> create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                              std::chrono::milliseconds timeout, const std::string& name);
+  /// Stops the worker thread (collectives still queued fail) and unmaps the segment.
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  /// Queues an all-gather: `output` (contiguous CPU, size x input's bytes) gets rank r's `input` at byte
+  /// r * input.nbytes(). `what` names the collective in errors. Returns a Work that completes (or fails)
+  /// when this rank's output is written.
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor output, at::Tensor input, std::string what);
+  /// Queues an all-to-all of equal splits: `input` (contiguous CPU) is `size` chunks; chunk j goes to rank j;
+  /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
+  c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor output, at::Tensor input, std::string what);
+
+ private:
+  struct Segment;
+  ShmTransport(void* base, uint64_t bytes, int rank, int size, std::chrono::milliseconds timeout);
+  using Task = std::function<void()>;
+  c10::intrusive_ptr<c10d::Work> enqueue(std::function<void()> run);
+  void worker_loop();
+  // One round of a collective of `kind` (1 all-gather, 2 all-to-all) moving `bytes` per rank: copy-in by
+  // `write` into this rank's slot, then (every rank written, and agreeing on the collective) `read` from
+  // every slot.
+  void round(uint64_t kind, uint64_t bytes, const std::function<void(char* my_slot)>& write,
+             const std::function<void(int r, const char* slot)>& read,
+             std::chrono::steady_clock::time_point deadline, const std::string& what);
+  // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer.
+  void wait_all(const std::function<bool(int r)>& ready, std::chrono::steady_clock::time_point deadline,
+                const std::string& what, const char* stage);
+  void ring_bell();
+  char* slot(int r, uint64_t round) const;
+
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  Segment* seg_ = nullptr;
+  int rank_ = 0, size_ = 1;
+  std::chrono::milliseconds timeout_;
+  uint64_t rounds_ = 0;       // rounds this rank has completed (worker thread only)
+  uint64_t collectives_ = 0;  // collectives this rank has completed (worker thread only)
+  std::string broken_;   // the first failure's cause (worker thread only)
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,249 @@
+// The shared-memory transport of one-host Gloo groups (src/shm_transport.h, issue 16; part of the
+// test_comm_bytes binary, label fully_shard): who gets it, results equal to Gloo's bit for bit over several
+// rounds, in place and out of order, and failures that never hang: a rank that skips, ranks that disagree,
+// a rank whose process is gone.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
+#include "fsdp/collectives.h"
+#include "multi_rank.h"
+#include "process_group_access.h"
+
+namespace fsdp::testing {
+namespace {
+
+bool has_shm(ProcessGroup& g) { return detail::ProcessGroupAccess::shm(g) != nullptr; }
+
+bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+// All-gathers equal Gloo's _allgather_base bit for bit, for sizes of no bytes, under one round and over
+// several (2 MiB per round and rank), in fp32 and bf16, in place (input = this rank's part of the output),
+// and with several collectives in flight at once, waited in reverse order (the transport runs them in
+// issue order on its worker, and its two buffers alternate between rounds).
+class ShmTransport : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmTransport, AllGatherEqualsGlooBitForBit) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(has_shm(*pg)) << "ranks of one process are on one host";
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{777}, int64_t{1300001}}) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + pg->rank());
+        auto input = torch::randn({m}, gen).to(dtype);
+        auto ours = torch::full({n * m}, -1.0, input.options());
+        all_gather_into_tensor(ours, input, *pg);
+        auto gloo = torch::empty({n * m}, input.options());
+        auto in = input.clone();
+        pg->backend()->_allgather_base(gloo, in, c10d::AllgatherOptions())->wait();
+        EXPECT_TRUE(bitwise_equal(ours, gloo)) << "N=" << n << " " << dtype << " m=" << m;
+        // In place.
+        auto buf = torch::zeros({n * m}, input.options());
+        auto mine = buf.narrow(0, pg->rank() * m, m);
+        mine.copy_(input);
+        all_gather_into_tensor(buf, mine, *pg);
+        EXPECT_TRUE(bitwise_equal(buf, gloo)) << "in place, N=" << n << " " << dtype << " m=" << m;
+      }
+    }
+    // Five in flight (sizes from 1 to 3 rounds), waited last first.
+    std::vector<torch::Tensor> ins, outs;
+    std::vector<Work> works;
+    for (int k = 0; k < 5; ++k) {
+      const int64_t m = 1 + k * 300000;
+      ins.push_back(torch::full({m}, static_cast<float>(100 * pg->rank() + k)));
+      outs.push_back(torch::empty({n * m}));
+      works.push_back(all_gather_into_tensor(outs.back(), ins.back(), *pg, /*async_op=*/true));
+    }
+    for (int k = 4; k >= 0; --k) {
+      works[k].wait();
+      const int64_t m = ins[k].numel();
+      for (int r = 0; r < n; ++r) {
+        EXPECT_TRUE(outs[k].narrow(0, r * m, m).eq(static_cast<float>(100 * r + k)).all().item<bool>())
+            << "collective " << k << ", part of rank " << r;
+      }
+    }
+  });
+}
+
+// The reduce-scatter's all-to-all through shared memory gives Gloo's _reduce_scatter_base's bits (the
+// reduction order is test_comm_bytes.cpp's subject; here: several rounds, AVG, in place).
+TEST_P(ShmTransport, ReduceScatterEqualsGlooBitForBit) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(has_shm(*pg));
+    for (int64_t m : {int64_t{3}, int64_t{700001}}) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(11 + pg->rank());
+      auto input = torch::randn({n * m}, gen);
+      auto ours = torch::empty({m});
+      reduce_scatter_tensor(ours, input, *pg, ReduceOp::AVG);
+      auto gloo = torch::empty({m});
+      auto in = input.clone();
+      c10d::ReduceScatterOptions opts;
+      pg->backend()->_reduce_scatter_base(gloo, in, opts)->wait();
+      gloo.div_(n);
+      EXPECT_TRUE(bitwise_equal(ours, gloo)) << "N=" << n << " m=" << m;
+      auto buf = input.clone();
+      auto mine = buf.narrow(0, pg->rank() * m, m);
+      reduce_scatter_tensor(mine, buf, *pg, ReduceOp::AVG);
+      EXPECT_TRUE(bitwise_equal(mine, gloo)) << "in place, N=" << n << " m=" << m;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShmTransport, ::testing::Values(2, 3, 4));
+
+// FSDP_SHM_TRANSPORT=0 keeps every group on Gloo's sockets (the results are the same); a bad value is
+// refused naming the variable and the values it takes.
+TEST(ShmTransportEnv, ZeroTurnsItOffAndBadValuesAreRefused) {
+  setenv("FSDP_SHM_TRANSPORT", "0", 1);
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    EXPECT_FALSE(has_shm(*pg));
+    auto out = torch::empty({4});
+    all_gather_into_tensor(out, torch::full({2}, static_cast<float>(pg->rank())), *pg);
+    EXPECT_TRUE(out.equal(torch::tensor({0.f, 0.f, 1.f, 1.f})));
+  });
+  setenv("FSDP_SHM_TRANSPORT", "yes", 1);
+  auto errors = run_ranks_collect(2, [](ProcessGroupPtr) {});
+  unsetenv("FSDP_SHM_TRANSPORT");
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("FSDP_SHM_TRANSPORT=yes is invalid: expected 1"), std::string::npos) << e;
+  }
+}
+
+// A rank that never reaches an all-gather: the others fail after the group timeout, naming the
+// collective and the missing rank; the skipping rank is unharmed.
+TEST(ShmTransportErrors, SkippedAllGatherTimesOutNamingTheMissingRank) {
+  const auto timeout = std::chrono::seconds(2);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<double> failed_after(3, 0);
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        ASSERT_TRUE(has_shm(*pg));
+        if (pg->rank() == 2) {
+          std::this_thread::sleep_for(timeout + std::chrono::seconds(3));
+          return;
+        }
+        auto out = torch::empty({3 * 5});
+        try {
+          all_gather_into_tensor(out, torch::ones({5}), *pg);
+        } catch (...) {
+          failed_after[pg->rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          throw;
+        }
+      },
+      std::chrono::seconds(60), timeout);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("all_gather_into_tensor #0"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("input [5] Float, output [15] Float"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("timed out after 2000 ms in the shared-memory transport waiting for ranks [2]"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("ranks that have not reached it: [2]"), std::string::npos) << errors[r];
+    EXPECT_GT(failed_after[r], 1.9);
+    EXPECT_LT(failed_after[r], 2.0 + 5.0);
+  }
+  EXPECT_EQ(errors[2], "");
+}
+
+// Ranks that disagree on a collective's size fail at once on every rank, each naming both sides, instead
+// of exchanging mismatched bytes (Gloo fails too, on a size check); the group refuses later collectives.
+TEST(ShmTransportErrors, RanksThatDisagreeOnTheSizeFailAtOnce) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks_collect(
+      2,
+      [&](ProcessGroupPtr pg) {
+        const int64_t m = pg->rank() == 0 ? 10 : 20;
+        auto out = torch::empty({2 * m});
+        std::string first;
+        try {
+          all_gather_into_tensor(out, torch::ones({m}), *pg);
+        } catch (const c10::Error& e) {
+          first = e.what_without_backtrace();
+        }
+        EXPECT_NE(first.find("ranks disagree on all_gather_into_tensor #0"), std::string::npos) << first;
+        EXPECT_NE(first.find("an all-gather of 40 bytes"), std::string::npos) << first;
+        EXPECT_NE(first.find("an all-gather of 80 bytes"), std::string::npos) << first;
+        auto again = torch::empty({4});
+        all_gather_into_tensor(again, torch::ones({2}), *pg);  // throws: the transport is broken
+      },
+      std::chrono::seconds(60), std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 15.0);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("an earlier collective of this group failed in the shared-memory transport"), std::string::npos)
+        << e;
+  }
+}
+
+// A rank whose process is gone (exited, still a zombie of its parent) makes the other fail within
+// seconds, naming the rank and its pid, not after the group timeout (60 s here). Two forked processes
+// over a FileStore: each test runs in its own process under ctest, before any thread exists.
+TEST(ShmTransportErrors, ExitedPeerProcessFailsTheOthersFast) {
+  auto dir = std::filesystem::temp_directory_path() / ("fsdp_shm_dead_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string store_path = (dir / "store").string(), result = (dir / "result").string();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      int code = 0;
+      try {
+        auto store = c10::make_intrusive<c10d::FileStore>(store_path, 2);
+        auto pg = make_gloo_group(store, rank, 2, std::chrono::seconds(60));
+        if (!has_shm(*pg)) std::_Exit(10);
+        barrier(*pg);
+        if (rank == 1) std::_Exit(0);  // gone before the all-gather
+        auto out = torch::empty({8});
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          all_gather_into_tensor(out, torch::ones({4}), *pg);
+          code = 11;
+        } catch (const c10::Error& e) {
+          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          FILE* f = std::fopen(result.c_str(), "w");
+          std::fprintf(f, "%.3f\n%s", s, e.what_without_backtrace());
+          std::fclose(f);
+        }
+      } catch (...) {
+        code = 12;
+      }
+      std::_Exit(code);
+    }
+    pids.push_back(pid);
+  }
+  // Rank 1 stays a zombie until rank 0 is done: reap rank 0 first.
+  int status = 0;
+  ASSERT_EQ(::waitpid(pids[0], &status, 0), pids[0]);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank 0's status " << status;
+  ::waitpid(pids[1], &status, 0);
+  std::ifstream in(result);
+  double seconds = 1e9;
+  in >> seconds;
+  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_LT(seconds, 10.0) << message;
+  EXPECT_NE(message.find("rank 1 (pid " + std::to_string(pids[1]) + ") exited before"), std::string::npos) << message;
+  EXPECT_NE(message.find("all_gather_into_tensor #1"), std::string::npos) << message;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
