@@ -386,7 +386,7 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
   return launch(group, "all_gather_into_tensor", seq, output.nbytes(), desc, async_op, &input, &output, 0, [&] {
     auto out = output.view({-1});
     auto in = input.view({-1});
-    if (auto* shm = shm_for(group, input)) return shm->all_gather(out, in, header("all_gather_into_tensor", group, seq));
+    if (auto* shm = shm_for(group, input)) return shm->all_gather(out, in, seq, header("all_gather_into_tensor", group, seq));
     c10d::AllgatherOptions opts;
     return group.backend()->_allgather_base(out, in, opts);
   });
@@ -434,7 +434,7 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
         [&] {
           auto in = input.view({-1});
           if (auto* shm = shm_for(group, input)) {
-            return shm->all_to_all(gathered, in, header("reduce_scatter_tensor", group, seq));
+            return shm->all_to_all(gathered, in, seq, header("reduce_scatter_tensor", group, seq));
           }
           std::vector<int64_t> equal_splits;  // empty: n equal chunks
           return group.backend()->alltoall_base(gathered, in, equal_splits, equal_splits, c10d::AllToAllOptions());

@@ -28,7 +28,7 @@ struct alignas(64) RankControl {
   std::atomic<uint64_t> read;     // rounds this rank has read out of every slot
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> failed;   // 0 ok, 1 its transport failed, 2 its group was destroyed
-  // What this rank's round in buffer b belongs to: (kind << 56 | index of the collective on this transport)
+  // What this rank's round in buffer b belongs to: (kind << 56 | the collective's number in the group)
   // and the collective's bytes. Compared by every reader, so ranks that disagree on a collective fail
   // instead of exchanging mismatched bytes.
   std::atomic<uint64_t> op[2];
@@ -77,15 +77,16 @@ std::string host_key() {
          "/" + ns_inode("net") + "/" + ns_inode("pid");
 }
 
-// FSDP_SHM_TRANSPORT: unset or 1 = on (where possible), 0 = off.
-bool enabled_by_env() {
+// FSDP_SHM_TRANSPORT: unset or 1 = on (where possible), 0 = off. Returns "on", "off", or the error for a
+// bad value (published to the other ranks before it is thrown, so that they fail too instead of waiting).
+std::string mode_from_env() {
   const char* v = std::getenv("FSDP_SHM_TRANSPORT");
-  if (!v || !*v) return true;
+  if (!v || !*v) return "on";
   const std::string s(v);
-  TORCH_CHECK(s == "0" || s == "1", "init_process_group: FSDP_SHM_TRANSPORT=", s,
-              " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers and reduce-scatters "
-              "through shared memory) or 0 (through Gloo's sockets)");
-  return s == "1";
+  if (s == "0" || s == "1") return s == "1" ? "on" : "off";
+  return "FSDP_SHM_TRANSPORT=" + s +
+         " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers and reduce-scatters "
+         "through shared memory) or 0 (through Gloo's sockets)";
 }
 
 bool pid_alive(int32_t pid) {
@@ -148,6 +149,8 @@ class ShmWork : public c10d::Work {
 
 std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                    std::chrono::milliseconds timeout, const std::string& name) {
+  // A round splits a slot into `size` regions of whole cache lines (all_to_all): bounded group size.
+  constexpr int kMaxRanks = 256;
   if (size < 2 || !store) return nullptr;
   // Keys of this setup: one generation per group built on this store (every rank of a group adds once,
   // and a rank reaches the next group's setup only after the next Gloo rendezvous, i.e. after all ranks
@@ -161,63 +164,103 @@ std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
     auto v = store->get(prefix + key);
     return std::string(v.begin(), v.end());
   };
-  put("host/" + std::to_string(rank), enabled_by_env() ? host_key() : "off");
+  const std::string mode = mode_from_env();
+  const bool bad_env = mode != "on" && mode != "off";
+  put("host/" + std::to_string(rank), mode == "on" ? host_key() : mode == "off" ? "off" : "!" + mode);
+  if (bad_env) {
+    if (rank == 0) put("segment", "!" + mode + " (rank 0)");  // the others wait for rank 0's decision
+    TORCH_CHECK(false, "init_process_group: ", mode, " (rank ", rank, ")");
+  }
   std::string seg_name;
   void* base = nullptr;
   std::string error;
   const uint64_t bytes = segment_bytes(size);
-  if (rank == 0) {
-    const std::string mine = get("host/0");
-    bool one_host = mine != "off";
-    for (int r = 1; r < size && one_host; ++r) one_host = get("host/" + std::to_string(r)) == mine;
-    if (one_host) {
-      std::random_device rd;
-      std::ostringstream os;
-      os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
-      seg_name = os.str();
-      base = map_segment(seg_name, bytes, /*create=*/true, error);
-      if (base) {
-        auto* seg = new (base) Segment();
-        seg->size = static_cast<uint32_t>(size);
-      } else {
-        TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go through "
-                   "Gloo's sockets: ", error);
-        seg_name.clear();
-      }
-    }
-    put("segment", seg_name.empty() ? "-" : seg_name);
-  } else {
-    seg_name = get("segment");
-    if (seg_name == "-") return nullptr;
-    base = map_segment(seg_name, bytes, /*create=*/false, error);
-    if (!base) TORCH_WARN("group '", name, "' rank ", rank, ": cannot map the shared-memory transport: ", error);
-  }
-  if (rank == 0 && !base) return nullptr;  // "-" published: nobody maps
-  put("ok/" + std::to_string(rank), base ? "1" : "0");
-  bool all_ok = true;
-  for (int r = 0; r < size; ++r) all_ok = get("ok/" + std::to_string(r)) == "1" && all_ok;
-  // Every rank has opened it (or failed to): the name can go, the memory stays until the last unmap.
-  if (rank == 0) ::shm_unlink(seg_name.c_str());
-  if (!all_ok) {
+  // Whatever happens from here (a store timeout because a rank died, a failed thread creation), the
+  // segment's name and this rank's mapping are released: /dev/shm keeps nothing of a group.
+  auto release = [&] {
     if (base) ::munmap(base, bytes);
-    return nullptr;
+    base = nullptr;
+    if (rank == 0 && !seg_name.empty()) ::shm_unlink(seg_name.c_str());
+  };
+  try {
+    if (rank == 0) {
+      const std::string mine = get("host/0");
+      bool one_host = mine != "off" && size <= kMaxRanks;
+      std::string refused;
+      for (int r = 1; r < size; ++r) {
+        const std::string theirs = get("host/" + std::to_string(r));
+        if (refused.empty() && !theirs.empty() && theirs[0] == '!') refused = theirs + " (rank " + std::to_string(r) + ")";
+        one_host = one_host && theirs == mine;
+      }
+      if (!refused.empty()) {
+        put("segment", refused);
+        TORCH_CHECK(false, "init_process_group: ", refused.substr(1));
+      }
+      if (one_host) {
+        std::random_device rd;
+        std::ostringstream os;
+        os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
+        seg_name = os.str();
+        base = map_segment(seg_name, bytes, /*create=*/true, error);
+        if (base) {
+          auto* seg = new (base) Segment();
+          seg->size = static_cast<uint32_t>(size);
+        } else {
+          TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go ",
+                     "through Gloo's sockets: ", error);
+          seg_name.clear();
+        }
+      }
+      put("segment", seg_name.empty() ? "-" : seg_name);
+    } else {
+      const std::string published = get("segment");
+      TORCH_CHECK(published.empty() || published[0] != '!', "init_process_group: ", published.substr(1));
+      if (published == "-") return nullptr;
+      base = map_segment(published, bytes, /*create=*/false, error);
+      if (!base) TORCH_WARN("group '", name, "' rank ", rank, ": cannot map the shared-memory transport: ", error);
+    }
+    if (rank == 0 && !base) return nullptr;  // "-" published: nobody maps
+    put("ok/" + std::to_string(rank), base ? "1" : "0");
+    bool all_ok = true;
+    for (int r = 0; r < size; ++r) all_ok = get("ok/" + std::to_string(r)) == "1" && all_ok;
+    // Every rank has opened it (or failed to): the name can go, the memory stays until the last unmap.
+    if (rank == 0) ::shm_unlink(seg_name.c_str());
+    seg_name.clear();
+    if (!all_ok) {
+      release();
+      return nullptr;
+    }
+    std::shared_ptr<ShmTransport> t(new ShmTransport(base, bytes, rank, size, timeout));
+    base = nullptr;  // the transport owns the mapping
+    return t;
+  } catch (...) {
+    release();
+    throw;
   }
-  return std::shared_ptr<ShmTransport>(new ShmTransport(base, bytes, rank, size, timeout));
 }
 
 ShmTransport::ShmTransport(void* base, uint64_t bytes, int rank, int size, std::chrono::milliseconds timeout)
-    : base_(base), bytes_(bytes), seg_(static_cast<Segment*>(base)), rank_(rank), size_(size), timeout_(timeout) {
+    : base_(base), bytes_(bytes), seg_(static_cast<Segment*>(base)), rank_(rank), size_(size), timeout_(timeout),
+      owner_pid_(::getpid()) {
   seg_->ranks[rank_].pid.store(::getpid());
-  worker_ = std::thread([this] { worker_loop(); });
+  q_->worker = std::thread([this] { worker_loop(); });
 }
 
 ShmTransport::~ShmTransport() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+  if (::getpid() != owner_pid_) {
+    // A forked child (e.g. a data-loader worker exiting): the worker thread and the peers are the
+    // parent's. Mark nothing in the segment (that would fail the parent's peers) and lock nothing (the
+    // parent's worker may have held the mutex at the fork).
+    (void)q_.release();  // leaked: destroying a condition variable the parent's worker waited on blocks
+    ::munmap(base_, bytes_);
+    return;
   }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  {
+    std::lock_guard<std::mutex> lock(q_->mutex);
+    q_->stop = true;
+  }
+  q_->cv.notify_all();
+  if (q_->worker.joinable()) q_->worker.join();
   seg_->ranks[rank_].failed.store(2);
   ring_bell();
   ::munmap(base_, bytes_);
@@ -255,10 +298,6 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
       std::this_thread::yield();
       continue;
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!stop_, "the process group was destroyed while ", what, " was in flight");
-    }
     check_peers();
     if (std::chrono::steady_clock::now() >= deadline) {
       std::vector<int> missing;
@@ -276,11 +315,11 @@ namespace {
 const char* kind_name(uint64_t kind) { return kind == 1 ? "an all-gather" : kind == 2 ? "an all-to-all" : "?"; }
 }  // namespace
 
-void ShmTransport::round(uint64_t kind, uint64_t bytes, const std::function<void(char*)>& write,
+void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char*)>& write,
                          const std::function<void(int, const char*)>& read,
                          std::chrono::steady_clock::time_point deadline, const std::string& what) {
   const uint64_t c = rounds_;
-  const uint64_t op = kind << 56 | collectives_;
+  const uint64_t op = kind << 56 | (seq & ((1ull << 56) - 1));
   const std::string piece = what + " (round " + std::to_string(c) + ")";
   // Buffer c % 2 last held round c - 2: free once every rank has read that round.
   if (c >= 2) {
@@ -298,10 +337,10 @@ void ShmTransport::round(uint64_t kind, uint64_t bytes, const std::function<void
     const uint64_t their = seg_->ranks[r].op[c % 2].load(std::memory_order_relaxed);
     const uint64_t their_bytes = seg_->ranks[r].op_bytes[c % 2].load(std::memory_order_relaxed);
     TORCH_CHECK(their == op && their_bytes == bytes, "ranks disagree on ", what, ": this rank (", rank_, ") runs ",
-                kind_name(kind), " of ", bytes, " bytes per rank as its collective #", collectives_,
-                " on the shared-memory transport, rank ", r, " ", kind_name(their >> 56), " of ", their_bytes,
-                " bytes as its #", (their & ((1ull << 56) - 1)), ". Every rank must issue the same collectives in "
-                "the same order with the same shapes and dtypes (FSDP_DEBUG=DETAIL names the calls)");
+                kind_name(kind), " of ", bytes, " bytes per rank as the group's collective #", seq,
+                ", rank ", r, " ", kind_name(their >> 56), " of ", their_bytes, " bytes as its #",
+                (their & ((1ull << 56) - 1)), " (shared-memory transport). Every rank must issue the same collectives "
+                "in the same order with the same shapes and dtypes (FSDP_DEBUG=DETAIL names the calls)");
   }
   for (int r = 0; r < size_; ++r) read(r, slot(r, c));
   seg_->ranks[rank_].read.store(c + 1, std::memory_order_release);
@@ -310,11 +349,13 @@ void ShmTransport::round(uint64_t kind, uint64_t bytes, const std::function<void
 }
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::enqueue(std::function<void()> run) {
+  TORCH_CHECK(::getpid() == owner_pid_, "a process group cannot be used in a process forked after its creation ",
+              "(pid ", ::getpid(), ", created in ", owner_pid_, "): create the group in the child");
   auto work = c10::make_intrusive<ShmWork>();
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stop_, "the process group's shared-memory transport is shut down");
-    queue_.push_back([this, work, run = std::move(run)]() mutable {
+    std::lock_guard<std::mutex> lock(q_->mutex);
+    TORCH_CHECK(!q_->stop, "the process group's shared-memory transport is shut down");
+    q_->tasks.push_back([this, work, run = std::move(run)]() mutable {
       std::exception_ptr error;
       try {
         TORCH_CHECK(broken_.empty(), "an earlier collective of this group failed in the shared-memory transport (",
@@ -335,7 +376,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::enqueue(std::function<void()> run) 
       work->done(error);
     });
   }
-  cv_.notify_one();
+  q_->cv.notify_one();
   return work;
 }
 
@@ -344,18 +385,19 @@ void ShmTransport::worker_loop() {
   for (;;) {
     Task task;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(q_->mutex);
+      q_->cv.wait(lock, [&] { return q_->stop || !q_->tasks.empty(); });
+      if (q_->tasks.empty()) return;  // stopping, nothing left
+      task = std::move(q_->tasks.front());
+      q_->tasks.pop_front();
     }
-    task();  // with stop_ set it fails at its first wait (unless its peers are already there)
+    task();  // still run when stopping (draining, as Gloo's worker): each within its own deadline
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::Tensor input, std::string what) {
-  return enqueue([this, output = std::move(output), input = std::move(input), what = std::move(what)] {
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::Tensor input, uint64_t seq,
+                                                        std::string what) {
+  return enqueue([this, output = std::move(output), input = std::move(input), seq, what = std::move(what)] {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     const uint64_t n = input.nbytes();
     const char* src = static_cast<const char*>(input.data_ptr());
@@ -363,21 +405,23 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::T
     uint64_t off = 0;
     do {  // at least one round, so that ranks compare even an empty collective
       const uint64_t len = std::min(kSlotBytes, n - off);
-      round(1, n, [&](char* mine) { std::memcpy(mine, src + off, len); },
+      round(1, seq, n, [&](char* mine) { std::memcpy(mine, src + off, len); },
             [&](int r, const char* theirs) {
               char* to = dst + static_cast<uint64_t>(r) * n + off;
-              const char* from = r == rank_ ? src + off : theirs;
-              if (to != from) std::memcpy(to, from, len);  // in place: this rank's part is already there
+              // In place (`input` is this rank's part of `output`) the bytes are already there. This rank's
+              // own part otherwise comes from its slot, not from `input`: an `input` inside another rank's
+              // part has been overwritten by then.
+              if (!(r == rank_ && to == src + off)) std::memcpy(to, theirs, len);
             },
             deadline, what);
       off += len;
     } while (off < n);
-    ++collectives_;
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::Tensor input, std::string what) {
-  return enqueue([this, output = std::move(output), input = std::move(input), what = std::move(what)] {
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::Tensor input, uint64_t seq,
+                                                        std::string what) {
+  return enqueue([this, output = std::move(output), input = std::move(input), seq, what = std::move(what)] {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     const uint64_t m = input.nbytes() / static_cast<uint64_t>(size_);  // bytes per destination
     const uint64_t region = kSlotBytes / static_cast<uint64_t>(size_) / 64 * 64;  // per destination per round
@@ -387,7 +431,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::T
     do {
       const uint64_t len = std::min(region, m - off);
       round(
-          2, m,
+          2, seq, m,
           [&](char* mine) {
             for (int j = 0; j < size_; ++j) {
               if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
@@ -401,7 +445,6 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::T
           deadline, what);
       off += len;
     } while (off < m);
-    ++collectives_;
   });
 }
 

@@ -15,7 +15,10 @@
 // namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
 // tests are separate hosts), unless FSDP_SHM_TRANSPORT=0. Every rank reaches the same decision (rank 0
 // decides and publishes it in the store); when a segment cannot be created or mapped on any rank, the
-// whole group stays on Gloo.
+// whole group stays on Gloo, with a warning. Cost: each group holds 4 MiB x its size of /dev/shm (two 2 MiB
+// slots per rank, reserved at creation) and one thread per rank; a 64 MiB /dev/shm (Docker's default)
+// holds the world group of 8 ranks and its sub-groups, and groups beyond it fall back. Groups of more than
+// 256 ranks stay on Gloo.
 //
 // Protocol: the segment holds, per rank, a control block (rounds written, rounds read, pid, failed flag)
 // and two slot buffers of kSlotBytes. A collective is cut into rounds of at most kSlotBytes per rank
@@ -41,6 +44,8 @@
 #include <string>
 #include <thread>
 
+#include <sys/types.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -57,18 +62,23 @@ class ShmTransport {
   /// rank could not create or map the segment. `name` is the group's, for messages.
   static std::shared_ptr<ShmTransport> create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                               std::chrono::milliseconds timeout, const std::string& name);
-  /// Stops the worker thread (collectives still queued fail) and unmaps the segment.
+  /// Runs the collectives still queued (each within the group timeout, as ProcessGroupGloo drains its
+  /// queue), stops the worker thread and unmaps the segment. In a process forked after creation it only
+  /// unmaps: the worker and the peers belong to the parent.
   ~ShmTransport();
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
   /// Queues an all-gather: `output` (contiguous CPU, size x input's bytes) gets rank r's `input` at byte
-  /// r * input.nbytes(). `what` names the collective in errors. Returns a Work that completes (or fails)
+  /// r * input.nbytes() (`input` may be this rank's part of `output`). `seq` is the collective's number in
+  /// the group (the same on every rank: compared, so a rank that skipped or reordered a collective fails
+  /// the others at once); `what` names the collective in errors. Returns a Work that completes (or fails)
   /// when this rank's output is written.
-  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor output, at::Tensor input, std::string what);
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor output, at::Tensor input, uint64_t seq, std::string what);
   /// Queues an all-to-all of equal splits: `input` (contiguous CPU) is `size` chunks; chunk j goes to rank j;
   /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
-  c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor output, at::Tensor input, std::string what);
+  /// `seq` and `what` as for all_gather.
+  c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor output, at::Tensor input, uint64_t seq, std::string what);
 
  private:
   struct Segment;
@@ -76,10 +86,10 @@ class ShmTransport {
   using Task = std::function<void()>;
   c10::intrusive_ptr<c10d::Work> enqueue(std::function<void()> run);
   void worker_loop();
-  // One round of a collective of `kind` (1 all-gather, 2 all-to-all) moving `bytes` per rank: copy-in by
+  // One round of collective `seq` of `kind` (1 all-gather, 2 all-to-all) moving `bytes` per rank: copy-in by
   // `write` into this rank's slot, then (every rank written, and agreeing on the collective) `read` from
   // every slot.
-  void round(uint64_t kind, uint64_t bytes, const std::function<void(char* my_slot)>& write,
+  void round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char* my_slot)>& write,
              const std::function<void(int r, const char* slot)>& read,
              std::chrono::steady_clock::time_point deadline, const std::string& what);
   // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer.
@@ -94,14 +104,19 @@ class ShmTransport {
   int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_;
   uint64_t rounds_ = 0;       // rounds this rank has completed (worker thread only)
-  uint64_t collectives_ = 0;  // collectives this rank has completed (worker thread only)
   std::string broken_;   // the first failure's cause (worker thread only)
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Task> queue_;
-  bool stop_ = false;
-  std::thread worker_;
+  // The worker and its queue, on the heap so that a forked child can leave them alone (their destructors
+  // would wait for the parent's worker, which does not exist in the child).
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<Task> tasks;
+    bool stop = false;
+    std::thread worker;
+  };
+  std::unique_ptr<Queue> q_ = std::make_unique<Queue>();
+  pid_t owner_pid_;  // the process that created the transport (a forked child must not use it)
 };
 
 }  // namespace fsdp::detail

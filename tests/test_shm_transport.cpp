@@ -4,9 +4,13 @@
 // a rank whose process is gone.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -242,6 +246,179 @@ TEST(ShmTransportErrors, ExitedPeerProcessFailsTheOthersFast) {
   EXPECT_LT(seconds, 10.0) << message;
   EXPECT_NE(message.find("rank 1 (pid " + std::to_string(pids[1]) + ") exited before"), std::string::npos) << message;
   EXPECT_NE(message.find("all_gather_into_tensor #1"), std::string::npos) << message;
+  std::filesystem::remove_all(dir);
+}
+
+// An all-gather whose input lies inside another rank's part of the output (not in place): this rank's
+// part comes out right even though the copy of rank 0's part overwrites the input, over several rounds.
+TEST(ShmTransport, AllGatherWithInputInsideAnotherRanksPart) {
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    const int64_t m = 700001;  // 2.8 MB per rank: two rounds of 2 MiB
+    auto mine = torch::arange(m, torch::kFloat32).add_(1e6 * pg->rank());
+    auto out = torch::empty({2 * m});
+    auto input = out.narrow(0, 0, m);  // rank 0: in place; rank 1: inside rank 0's part
+    input.copy_(mine);
+    all_gather_into_tensor(out, input, *pg);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(out.narrow(0, r * m, m).equal(torch::arange(m, torch::kFloat32).add_(1e6 * r)))
+          << "rank " << pg->rank() << ", part of rank " << r;
+    }
+  });
+}
+
+// Ranks that issue the same collectives in different orders across the two transports (an all-reduce on
+// Gloo, an all-gather on shared memory) fail at once naming both numbers, instead of pairing the
+// all-gathers regardless (the group's collective numbers are compared, not the transport's own count).
+TEST(ShmTransportErrors, CollectivesInDifferentOrdersFailNamingBothNumbers) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks_collect(
+      2,
+      [&](ProcessGroupPtr pg) {
+        auto t = torch::ones({3});
+        auto out = torch::empty({8});
+        if (pg->rank() == 0) {
+          auto w = all_reduce(t, *pg, ReduceOp::SUM, /*async_op=*/true);  // #0
+          all_gather_into_tensor(out, torch::ones({4}), *pg);            // #1
+          w.wait();
+        } else {
+          all_gather_into_tensor(out, torch::ones({4}), *pg);  // #0
+          all_reduce(t, *pg);                                   // #1
+        }
+      },
+      std::chrono::seconds(60), std::chrono::seconds(8));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree on all_gather_into_tensor #" + std::to_string(1 - r)), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("as its #" + std::to_string(r)), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+// A process forked while a group exists (a data-loader worker, a subprocess launcher) that drops the
+// group's transport and exits must not disturb the parent's group: the transport belongs to the parent.
+// (Only async-signal-safe work is certain in such a child; the transport's destructor does no more.)
+TEST(ShmTransport, ForkedChildLeavesTheParentsGroupAlone) {
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(has_shm(*pg));
+    auto out = torch::empty({4});
+    all_gather_into_tensor(out, torch::full({2}, 1.0f), *pg);
+    if (pg->rank() == 0) {
+      pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        detail::ProcessGroupAccess::set_shm(*pg, nullptr);  // the transport's destructor, in the child
+        std::_Exit(0);
+      }
+      int status = 0;
+      ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    }
+    barrier(*pg);
+    for (int k = 0; k < 3; ++k) {
+      all_gather_into_tensor(out, torch::full({2}, static_cast<float>(pg->rank() + k)), *pg);
+      EXPECT_TRUE(out.equal(torch::tensor({0.f + k, 0.f + k, 1.f + k, 1.f + k}))) << "after the child, round " << k;
+    }
+    EXPECT_TRUE(has_shm(*pg));
+  });
+}
+
+// FSDP_SHM_TRANSPORT set to a bad value on one rank only: every rank fails at group creation, naming the
+// variable and the rank, instead of the others waiting for that rank until the store times out. Two forked
+// processes over a FileStore (the variable is per process).
+TEST(ShmTransportEnv, BadValueOnOneRankFailsEveryRankAtOnce) {
+  for (int bad_rank : {0, 1}) {
+    auto dir = std::filesystem::temp_directory_path() /
+               ("fsdp_shm_env_" + std::to_string(::getpid()) + "_" + std::to_string(bad_rank));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const std::string store_path = (dir / "store").string();
+    std::vector<pid_t> pids;
+    for (int rank = 0; rank < 2; ++rank) {
+      pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        if (rank == bad_rank) setenv("FSDP_SHM_TRANSPORT", "on", 1);
+        else unsetenv("FSDP_SHM_TRANSPORT");
+        int code = 10;
+        try {
+          auto store = c10::make_intrusive<c10d::FileStore>(store_path, 2);
+          auto pg = make_gloo_group(store, rank, 2, std::chrono::seconds(60));
+        } catch (const c10::Error& e) {
+          const std::string m = e.what_without_backtrace();
+          code = m.find("FSDP_SHM_TRANSPORT=on is invalid") != std::string::npos &&
+                         m.find("(rank " + std::to_string(bad_rank) + ")") != std::string::npos
+                     ? 0
+                     : 11;
+          if (code) std::fprintf(stderr, "rank %d: %s\n", rank, m.c_str());
+        }
+        std::_Exit(code);
+      }
+      pids.push_back(pid);
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    for (int rank = 0; rank < 2; ++rank) {
+      int status = 0;
+      ASSERT_EQ(::waitpid(pids[rank], &status, 0), pids[rank]);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+          << "bad rank " << bad_rank << ", rank " << rank << ": status " << status << " (10: no error, 11: another error)";
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// /dev/shm too small for the segment (containers often get 64 MiB, shared by everything): group creation
+// warns, naming the group and the error, and every rank stays on Gloo's sockets with the same results;
+// nothing is left behind in /dev/shm. Run in a forked child with a private mount namespace whose /dev/shm
+// is a 1 MiB tmpfs (needs root, as CI and the development machines have); its stderr goes to a file.
+TEST(ShmTransportErrors, FullDevShmFallsBackToGlooWithAWarning) {
+  auto dir = std::filesystem::temp_directory_path() / ("fsdp_shm_full_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string log = (dir / "stderr").string();
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0 || ::dup2(fd, 2) < 0) std::_Exit(20);
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") != 0) {
+      std::fprintf(stderr, "cannot mount a private /dev/shm: %s\n", std::strerror(errno));
+      std::_Exit(21);
+    }
+    std::atomic<int> bad{0};
+    try {
+      run_ranks(2, [&](ProcessGroupPtr pg) {
+        if (has_shm(*pg)) bad |= 1;
+        auto out = torch::empty({4});
+        all_gather_into_tensor(out, torch::full({2}, static_cast<float>(pg->rank())), *pg);
+        if (!out.equal(torch::tensor({0.f, 0.f, 1.f, 1.f}))) bad |= 2;
+        auto rs = torch::empty({3});
+        reduce_scatter_tensor(rs, torch::arange(6, torch::kFloat32), *pg);
+        if (!rs.equal(torch::arange(6, torch::kFloat32).narrow(0, 3 * pg->rank(), 3) * 2)) bad |= 4;
+      });
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      bad |= 8;
+    }
+    int left = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      left += e.path().filename().string().rfind("fsdp-", 0) == 0;
+    std::fflush(stderr);
+    std::_Exit(bad.load() | (left ? 16 : 0));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  std::ifstream in(log);
+  std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << err;
+  const int code = WEXITSTATUS(status);
+  ASSERT_NE(code, 21) << "this test needs root (a private mount namespace with a small /dev/shm): " << err;
+  EXPECT_EQ(code, 0) << "1: the group has the transport, 2: wrong all-gather, 4: wrong reduce-scatter, "
+                     << "8: an exception, 16: a segment left in /dev/shm; stderr:\n" << err;
+  EXPECT_NE(err.find("the shared-memory transport is off, all-gathers and reduce-scatters go through Gloo's sockets"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("in /dev/shm: No space left on device"), std::string::npos) << err;
   std::filesystem::remove_all(dir);
 }
 

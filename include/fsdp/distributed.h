@@ -228,8 +228,11 @@ ProcessGroupPtr init_process_group(const InitOptions& options = {});
 /// sockets; everything else stays on Gloo. Results are identical; a rank that skips or disagrees on such
 /// a collective, or whose process exits, makes the others fail (after the timeout, at once, or within a
 /// fraction of a second). `FSDP_SHM_TRANSPORT=0` keeps the bytes on Gloo; if the segment cannot be made
-/// (e.g. /dev/shm full) the group warns and stays on Gloo. Throws c10::Error when the rendezvous fails or
-/// FSDP_SHM_TRANSPORT is neither 0 nor 1.
+/// (e.g. /dev/shm full: each group takes 4 MiB x size of it) the group warns and stays on Gloo. Ranks
+/// must issue such collectives in the same order as the group's other collectives (each is checked
+/// against its number in the group: a reordering fails at once). A process forked after the group's
+/// creation cannot use it. Throws c10::Error when the rendezvous fails or FSDP_SHM_TRANSPORT is neither 0
+/// nor 1 on any rank (every rank then throws, naming that rank).
 ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                 std::chrono::milliseconds timeout, std::vector<int> global_ranks = {},
                                 std::string name = "default", int threads = 2);
