@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -140,6 +141,27 @@ void* map_segment(const std::string& name, uint64_t bytes, bool create, std::str
   return p;
 }
 
+// Removes segments that a killed rank 0 left behind: a signal between creating a segment and unlinking
+// its name (after every rank has mapped it, a few store round trips later) leaves the name, and its
+// reserved 4 MiB x size, in /dev/shm until reboot. A name is stale when its creator's pid no longer runs
+// and it is older than a minute (no setup takes that long; the age also spares a live group's setup in
+// another pid namespace sharing this /dev/shm, whose pid means nothing here). Unlinking a name leaves
+// any mapping of it intact.
+void remove_stale_segments() {
+  std::error_code ec;
+  const auto now = std::filesystem::file_time_type::clock::now();
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("fsdp-", 0) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(n.c_str() + 5, &end, 10);
+    if (end == n.c_str() + 5 || *end != '-' || pid <= 0 || pid > INT32_MAX || pid_alive(static_cast<int32_t>(pid))) continue;
+    std::error_code tec;
+    const auto t = std::filesystem::last_write_time(e.path(), tec);
+    if (!tec && now - t > std::chrono::minutes(1)) ::shm_unlink(("/" + n).c_str());
+  }
+}
+
 class ShmWork : public c10d::Work {
  public:
   void done(std::exception_ptr e) { finish(std::move(e)); }
@@ -197,6 +219,7 @@ std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
         TORCH_CHECK(false, "init_process_group: ", refused.substr(1));
       }
       if (one_host) {
+        remove_stale_segments();
         std::random_device rd;
         std::ostringstream os;
         os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
@@ -305,7 +328,7 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
         if (!ready(r)) missing.push_back(r);
       }
       TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms in the shared-memory transport waiting for ranks [",
-                  c10::Join(", ", missing), "] to ", stage, " ", what);
+                  c10::Join(", ", missing), "], not done ", stage, " ", what);
     }
     futex_wait(&seg_->bell, seen, std::chrono::milliseconds(50));
   }
@@ -324,7 +347,7 @@ void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std:
   // Buffer c % 2 last held round c - 2: free once every rank has read that round.
   if (c >= 2) {
     wait_all([&](int r) { return seg_->ranks[r].read.load(std::memory_order_acquire) >= c - 1; }, deadline, piece,
-             "finish reading the previous use of the buffer of");
+             "reading the previous use of the buffer of");
   }
   write(slot(rank_, c));
   seg_->ranks[rank_].op[c % 2].store(op, std::memory_order_relaxed);
@@ -332,7 +355,7 @@ void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std:
   seg_->ranks[rank_].written.store(c + 1, std::memory_order_release);
   ring_bell();
   wait_all([&](int r) { return seg_->ranks[r].written.load(std::memory_order_acquire) >= c + 1; }, deadline, piece,
-           "write their part of");
+           "writing its part of");
   for (int r = 0; r < size_; ++r) {
     const uint64_t their = seg_->ranks[r].op[c % 2].load(std::memory_order_relaxed);
     const uint64_t their_bytes = seg_->ranks[r].op_bytes[c % 2].load(std::memory_order_relaxed);

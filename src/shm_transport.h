@@ -92,7 +92,8 @@ class ShmTransport {
   void round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char* my_slot)>& write,
              const std::function<void(int r, const char* slot)>& read,
              std::chrono::steady_clock::time_point deadline, const std::string& what);
-  // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer.
+  // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer. `stage`
+  // (a gerund: "writing its part of") and `what` (the collective) name what is waited for in errors.
   void wait_all(const std::function<bool(int r)>& ready, std::chrono::steady_clock::time_point deadline,
                 const std::string& what, const char* stage);
   void ring_bell();

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -365,6 +367,38 @@ TEST(ShmTransportEnv, BadValueOnOneRankFailsEveryRankAtOnce) {
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
     std::filesystem::remove_all(dir);
   }
+}
+
+// A segment left in /dev/shm by a rank 0 killed during setup (its pid gone, older than a minute) is
+// removed when the next group on this host is created; a young one, and one whose creator runs, stay.
+TEST(ShmTransport, StaleSegmentOfADeadCreatorIsRemovedAtTheNextSetup) {
+  pid_t dead = ::fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) std::_Exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  auto make = [](const std::string& name, int age_s) {
+    int fd = ::shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << name;
+    ASSERT_EQ(::ftruncate(fd, 4096), 0);
+    timespec times[2];
+    ::clock_gettime(CLOCK_REALTIME, &times[0]);
+    times[0].tv_sec -= age_s;
+    times[1] = times[0];
+    ASSERT_EQ(::futimens(fd, times), 0);
+    ::close(fd);
+  };
+  auto exists = [](const std::string& name) { return std::filesystem::exists("/dev/shm" + name); };
+  const std::string stale = "/fsdp-" + std::to_string(dead) + "-0123456789abcdef";
+  const std::string young = "/fsdp-" + std::to_string(dead) + "-fedcba9876543210";
+  const std::string live = "/fsdp-" + std::to_string(::getpid()) + "-00000000000000aa";
+  make(stale, 120);
+  make(young, 0);
+  make(live, 120);
+  run_ranks(2, [&](ProcessGroupPtr pg) { EXPECT_TRUE(has_shm(*pg)); });
+  EXPECT_FALSE(exists(stale)) << "a dead creator's segment older than a minute is removed";
+  EXPECT_TRUE(exists(young)) << "a young segment may belong to a setup in progress";
+  EXPECT_TRUE(exists(live)) << "its creator still runs";
+  for (const auto& n : {stale, young, live}) ::shm_unlink(n.c_str());
 }
 
 // /dev/shm too small for the segment (containers often get 64 MiB, shared by everything): group creation
