@@ -155,7 +155,8 @@ void remove_stale_segments() {
     if (n.rfind("fsdp-", 0) != 0) continue;
     char* end = nullptr;
     const long pid = std::strtol(n.c_str() + 5, &end, 10);
-    if (end == n.c_str() + 5 || *end != '-' || pid <= 0 || pid > INT32_MAX || pid_alive(static_cast<int32_t>(pid))) continue;
+    const bool named_by_pid = end != n.c_str() + 5 && *end == '-' && pid > 0 && pid <= INT32_MAX;
+    if (!named_by_pid || pid_alive(static_cast<int32_t>(pid))) continue;
     std::error_code tec;
     const auto t = std::filesystem::last_write_time(e.path(), tec);
     if (!tec && now - t > std::chrono::minutes(1)) ::shm_unlink(("/" + n).c_str());
@@ -211,7 +212,9 @@ std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
       std::string refused;
       for (int r = 1; r < size; ++r) {
         const std::string theirs = get("host/" + std::to_string(r));
-        if (refused.empty() && !theirs.empty() && theirs[0] == '!') refused = theirs + " (rank " + std::to_string(r) + ")";
+        if (refused.empty() && !theirs.empty() && theirs[0] == '!') {
+          refused = theirs + " (rank " + std::to_string(r) + ")";
+        }
         one_host = one_host && theirs == mine;
       }
       if (!refused.empty()) {

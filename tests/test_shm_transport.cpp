@@ -362,7 +362,8 @@ TEST(ShmTransportEnv, BadValueOnOneRankFailsEveryRankAtOnce) {
       int status = 0;
       ASSERT_EQ(::waitpid(pids[rank], &status, 0), pids[rank]);
       EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-          << "bad rank " << bad_rank << ", rank " << rank << ": status " << status << " (10: no error, 11: another error)";
+          << "bad rank " << bad_rank << ", rank " << rank << ": status " << status
+          << " (10: no error, 11: another error)";
     }
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
     std::filesystem::remove_all(dir);

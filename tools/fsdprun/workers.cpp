@@ -462,8 +462,8 @@ void print_summary(const Plan& plan, const Attempt& a, int restart) {
     if (&w == &r || w.exitcode == 0) continue;
     others = true;
     s << "  rank " << w.rank << " (local_rank " << w.local_rank << "): exitcode " << w.exitcode
-      << (w.exitcode < 0 ? " (" + signame(-w.exitcode) + ")" : "") << (w.stopped_by_us ? ", after fsdprun began stopping the group" : "")
-      << "\n";
+      << (w.exitcode < 0 ? " (" + signame(-w.exitcode) + ")" : "")
+      << (w.stopped_by_us ? ", after fsdprun began stopping the group" : "") << "\n";
   }
   if (!others) s << "  <NO_OTHER_FAILURES>\n";
   s << thin << "\nRoot Cause (first observed failure):\n"
