@@ -1,4 +1,4 @@
-// The cost of libfsdp's collectives layer (src/collectives.cpp) per collective, against calling the c10d
+// The cost of libfsdp's collectives layer (src/c10d/collectives.cpp) per collective, against calling the c10d
 // backend (Gloo) directly with the same tensors (issue 16, part 3): what tiny models pay per collective
 // on top of Gloo's own latency (sequence numbers, the flight recorder, byte counters, progress marks,
 // the Work wrapper; fingerprints are off unless FSDP_DEBUG is set). Each op is timed alone after a
@@ -15,8 +15,8 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
-#include "fsdp/collectives.h"
-#include "fsdp/distributed.h"
+#include "fsdp/c10d/collectives.h"
+#include "fsdp/c10d/distributed.h"
 
 namespace {
 
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
       }
     }
     // What every collective paid before issue 16 part 3 moved it off the path: one store round trip
-    // (the progress mark, now written by a background thread; src/progress_publisher.h).
+    // (the progress mark, now written by a background thread; src/c10d/progress_publisher.h).
     if (pg->store()) {
       std::vector<double> set_us;
       for (int i = 0; i < repeats + 10; ++i) {

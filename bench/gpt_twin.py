@@ -195,7 +195,7 @@ def clip_torch(params, max_norm):
 
 @torch.no_grad()
 def clip_libtorch(params, max_norm, world, device="cpu"):
-    """fsdp::clip_grad_norm_ (src/clip_grad.cpp), operation by operation. It differs from torch.nn.utils in
+    """fsdp::clip_grad_norm_ (src/algorithms/clip_grad.cpp), operation by operation. It differs from torch.nn.utils in
     rounding only: it accumulates sum(norm_i^2) one gradient at a time (PyTorch: the 2-norm of the stacked
     norms), and computes max_norm / (norm + 1e-6) as a division (PyTorch: reciprocal times max_norm)."""
     grads = [local(p.grad) for p in params if p.grad is not None]

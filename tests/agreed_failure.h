@@ -1,5 +1,5 @@
 // Checks of a load that failed on every rank as [Note: validate, agree, apply] says
-// (src/validate_agree_apply.h).
+// (src/checkpoint/validate_agree_apply.h).
 #pragma once
 
 #include <string>

@@ -26,7 +26,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "fsdp/distributed.h"
+#include "fsdp/c10d/distributed.h"
 
 namespace fsdp::testing {
 

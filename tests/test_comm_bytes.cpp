@@ -1,6 +1,6 @@
 // Bytes on the wire (CTest label: fully_shard; issue 16): the transport counters of the collectives
 // layer (ProcessGroup::comm_stats), Gloo's reduce-scatter that moves (N-1)/N of its input instead of
-// all-reducing it (src/collectives.cpp, [Note: Gloo reduce-scatter]) and one FSDP training step's bytes
+// all-reducing it (src/c10d/collectives.cpp, [Note: Gloo reduce-scatter]) and one FSDP training step's bytes
 // against FSDP's theoretical minimum, for 2, 3 and 4 ranks.
 #include <gtest/gtest.h>
 

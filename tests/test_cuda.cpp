@@ -29,7 +29,7 @@
 #include <torch/cuda.h>
 
 #include "fsdp/fsdp.h"
-#include "fsdp_streams.h"
+#include "fsdp/fsdp_streams.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

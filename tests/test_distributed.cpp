@@ -4,9 +4,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "fsdp/collectives.h"
-#include "fsdp/device_mesh.h"
-#include "fsdp/distributed.h"
+#include "fsdp/c10d/collectives.h"
+#include "fsdp/tensor/device_mesh.h"
+#include "fsdp/c10d/distributed.h"
 #include "multi_rank.h"
 
 using fsdp::testing::run_ranks;

@@ -5,7 +5,7 @@
 
 #include <stdexcept>
 
-#include "fsdp/collectives.h"
+#include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {

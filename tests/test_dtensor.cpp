@@ -1,4 +1,4 @@
-// DTensor (src/dtensor.cpp; CTest label: foundation): distribute_tensor, from_local and full_tensor over a
+// DTensor (src/tensor/dtensor.cpp; CTest label: foundation): distribute_tensor, from_local and full_tensor over a
 // 1-D mesh whose size does not divide the sharded dim.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// DTensor::redistribute on N-D meshes (src/dtensor.cpp; CTest labels: foundation, tensor_parallel):
+// DTensor::redistribute on N-D meshes (src/tensor/dtensor.cpp; CTest labels: foundation, tensor_parallel):
 // every pair of placement lists over Shard(0), Shard(1), Replicate() and Partial() on a 1-D mesh of 2
 // and 4 ranks and a 2x2 mesh, with dims that the mesh does not divide (torch.chunk semantics, empty
 // chunks included). Values are small integers so that every reduction is exact: results are compared

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "fsdp_buffer_pool.h"
-#include "fsdp_streams.h"
+#include "fsdp/fsdp_buffer_pool.h"
+#include "fsdp/fsdp_streams.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

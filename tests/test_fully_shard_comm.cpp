@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {

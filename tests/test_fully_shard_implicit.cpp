@@ -3,7 +3,7 @@
 // and reads outside forward see, and the errors. (Users' model shapes: tests/test_unchanged_models.cpp.)
 #include "fully_shard_test_util.h"
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 
 namespace fsdp::testing {
 namespace {

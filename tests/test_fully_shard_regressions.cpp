@@ -15,7 +15,7 @@
 #include <chrono>
 #include <cstdio>
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fsdp_test_model.h"
 #include "trains_like_unsharded.h"
 #include "multi_rank.h"

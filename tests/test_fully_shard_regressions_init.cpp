@@ -13,7 +13,7 @@
 
 #include <unistd.h>
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "fsdp/join.h"
+#include "fsdp/algorithms/join.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

@@ -5,7 +5,7 @@
 
 #include <cstdlib>
 
-#include "fsdp/join.h"
+#include "fsdp/algorithms/join.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

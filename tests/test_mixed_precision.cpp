@@ -5,7 +5,7 @@
 
 #include <cstdio>
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 

@@ -7,7 +7,7 @@
 
 #include <torch/torch.h>
 
-#include "fsdp/activation_checkpoint.h"
+#include "fsdp/utils/activation_checkpoint.h"
 
 namespace fsdp::testing {
 namespace {

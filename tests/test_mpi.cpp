@@ -21,7 +21,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "fsdp_test_model.h"
-#include "process_group_mpi.h"
+#include "c10d/mpi/process_group_mpi.h"
 
 namespace fsdp::testing {
 namespace {

@@ -1,4 +1,4 @@
-// The shared-memory transport of one-host Gloo groups (src/shm_transport.h, issue 16; part of the
+// The shared-memory transport of one-host Gloo groups (src/c10d/shm_transport.h, issue 16; part of the
 // test_comm_bytes binary, label fully_shard): who gets it, results equal to Gloo's bit for bit over several
 // rounds, in place and out of order, and failures that never hang: a rank that skips, ranks that disagree,
 // a rank whose process is gone.
@@ -26,9 +26,9 @@
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
-#include "fsdp/collectives.h"
+#include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
-#include "process_group_access.h"
+#include "c10d/process_group_access.h"
 
 namespace fsdp::testing {
 namespace {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/distributed.h"
-#include "slurm_env.h"
+#include "fsdp/c10d/distributed.h"
+#include "c10d/slurm_env.h"
 
 namespace {
 

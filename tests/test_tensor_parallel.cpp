@@ -1,4 +1,4 @@
-// Tensor parallelism (src/tensor_parallel.cpp, src/tp_ops.cpp; CTest label: tensor_parallel):
+// Tensor parallelism (src/tensor/parallel/tensor_parallel.cpp, src/tensor/parallel/tp_ops.cpp; CTest label: tensor_parallel):
 // parallelize_module with ColwiseParallel and RowwiseParallel on Linear and Embedding trains like the
 // same model in one process (losses, gradients and parameters, fp32, rtol 1e-5, 5 AdamW steps) on TP 2
 // and 4, with the default layouts and with replicated layouts between the two linears; a bad plan throws

@@ -1,4 +1,4 @@
-// fully_shard on the dp dimension of a tensor-parallel model (torchtitan's 2-D recipe; src/fsdp_param.cpp
+// fully_shard on the dp dimension of a tensor-parallel model (torchtitan's 2-D recipe; src/fsdp/fsdp_param.cpp
 // [Note: FSDP over TP]; CTest label: tensor_parallel): parallelize_module over mesh["tp"], then fully_shard
 // of every block and the root over mesh["dp"] trains like the same model in one process on the global
 // batch (losses, gradients and parameters as full tensors, fp32, rtol 1e-5, 5 AdamW steps) on dp 2 x tp 2

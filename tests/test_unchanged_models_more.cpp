@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/join.h"
+#include "fsdp/algorithms/join.h"
 #include "unchanged_models.h"
 
 namespace fsdp::testing {

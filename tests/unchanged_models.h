@@ -18,7 +18,7 @@
 
 #include <torch/torch.h>
 
-#include "fsdp_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {
@@ -329,7 +329,7 @@ inline void expect_parity(const Trace& t, const Reference& ref, const std::strin
 /// "" when both traces are bit-identical, else the first difference. The two paths issue the same
 /// collectives and the same ops on the same data, so any difference is a bug. (A rare last-bit
 /// difference seen before came from LibTorch's first-use race in MKL's vector math, worked around in
-/// the library: [Note: math kernels warmed up once], src/distributed.cpp.)
+/// the library: [Note: math kernels warmed up once], src/c10d/distributed.cpp.)
 inline std::string diff_traces(const Trace& a, const Trace& b) {
   if (a.losses.size() != b.losses.size()) return "loss counts differ";
   for (size_t i = 0; i < a.losses.size(); ++i) {

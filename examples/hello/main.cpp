@@ -3,8 +3,8 @@
 //   build/bin/fsdprun --standalone --nproc-per-node 3 build/bin/fsdp_hello
 #include <iostream>
 
-#include <fsdp/collectives.h>
-#include <fsdp/distributed.h>
+#include <fsdp/c10d/collectives.h>
+#include <fsdp/c10d/distributed.h>
 
 int main(int argc, char** argv) {
   try {

@@ -15,8 +15,8 @@
 
 #include <torch/torch.h>
 
-#include "fsdp/fully_shard.h"
-#include "fsdp/tensor_parallel.h"
+#include "fsdp/fsdp/fully_shard.h"
+#include "fsdp/tensor/parallel/tensor_parallel.h"
 
 namespace train_gpt {
 

@@ -1,6 +1,6 @@
 #include "model_plain.h"
 
-#include "fsdp/activation_checkpoint.h"
+#include "fsdp/utils/activation_checkpoint.h"
 
 namespace train_gpt {
 

@@ -2,7 +2,7 @@
 // the blocks in a torch::nn::ModuleList called through `->as<PlainBlock>()`, the MLP a
 // torch::nn::Sequential (c_fc, GELU, c_proj, dropout). fully_shard works on it unchanged, as PyTorch's
 // fully_shard works on any nn.Module: it sees the blocks' parameters being used at tensor level (see
-// include/fsdp/fully_shard.h), so nothing in the model has to route its calls through FSDP.
+// include/fsdp/fsdp/fully_shard.h), so nothing in the model has to route its calls through FSDP.
 //
 // Same parameter names (h.N.mlp.c_fc.weight, ... the Sequential's children are named), same registration
 // order, hence the same initialisation from a seed and the same distributed checkpoints as GPT: a

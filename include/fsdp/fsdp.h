@@ -1,21 +1,29 @@
-// libfsdp: PyTorch's FSDP2 for LibTorch. One include for the whole public API.
+// libfsdp: PyTorch's distributed training for LibTorch. One include for the whole public API, one
+// folder per torch.distributed package (README, Layout).
 #pragma once
 
 #include <torch/torch.h>  // the LibTorch API every libfsdp program uses alongside ours
 
-#include "fsdp/activation_checkpoint.h"
-#include "fsdp/checkpoint.h"
-#include "fsdp/clip_grad.h"
-#include "fsdp/deferred_init.h"
-#include "fsdp/collectives.h"
-#include "fsdp/device_mesh.h"
-#include "fsdp/distributed.h"
-#include "fsdp/dtensor.h"
-#include "fsdp/flight_recorder.h"
-#include "fsdp/fully_shard.h"
-#include "fsdp/grad_scaler.h"
-#include "fsdp/join.h"
-#include "fsdp/memory_estimate.h"
-#include "fsdp/policies.h"
-#include "fsdp/state_dict.h"
-#include "fsdp/tensor_parallel.h"
+// torch.utils.checkpoint
+#include "fsdp/utils/activation_checkpoint.h"
+// torch.distributed (c10d)
+#include "fsdp/c10d/collectives.h"
+#include "fsdp/c10d/distributed.h"
+#include "fsdp/c10d/flight_recorder.h"
+// torch.distributed.tensor, torch.distributed.tensor.parallel
+#include "fsdp/tensor/device_mesh.h"
+#include "fsdp/tensor/dtensor.h"
+#include "fsdp/tensor/parallel/tensor_parallel.h"
+// torch.distributed.fsdp
+#include "fsdp/fsdp/deferred_init.h"
+#include "fsdp/fsdp/fully_shard.h"
+#include "fsdp/fsdp/grad_scaler.h"
+#include "fsdp/fsdp/memory_estimate.h"
+#include "fsdp/fsdp/policies.h"
+// torch.distributed.checkpoint
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/state_dict.h"
+// torch.distributed.algorithms, torch.nn.utils
+#include "fsdp/algorithms/checkpoint_wrapper.h"
+#include "fsdp/algorithms/clip_grad.h"
+#include "fsdp/algorithms/join.h"

@@ -13,9 +13,9 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "fsdp/distributed.h"
-#include "fsdp/state_dict.h"
-#include "validate_agree_apply.h"
+#include "fsdp/c10d/distributed.h"
+#include "fsdp/checkpoint/state_dict.h"
+#include "checkpoint/validate_agree_apply.h"
 
 namespace fsdp::dcp::detail {
 

@@ -33,9 +33,9 @@
 #include "checkpoint/coordinator.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
-#include "fsdp/checkpoint.h"
+#include "fsdp/checkpoint/checkpoint.h"
 #include "util.h"
-#include "validate_agree_apply.h"
+#include "checkpoint/validate_agree_apply.h"
 
 namespace fsdp::dcp {
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/checkpoint.h"
+#include "fsdp/checkpoint/checkpoint.h"
 
 namespace fsdp::dcp::detail {
 

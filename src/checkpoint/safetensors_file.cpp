@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "checkpoint/safetensors.h"
-#include "fsdp/checkpoint.h"
+#include "fsdp/checkpoint/checkpoint.h"
 
 namespace fsdp::dcp {
 

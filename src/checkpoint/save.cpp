@@ -28,7 +28,7 @@
 
 #include "checkpoint/coordinator.h"
 #include "checkpoint/safetensors.h"
-#include "fsdp/checkpoint.h"
+#include "fsdp/checkpoint/checkpoint.h"
 #include "util.h"
 
 namespace fsdp::dcp {

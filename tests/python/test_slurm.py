@@ -2,7 +2,7 @@
 
 `srun --ntasks 2 build/bin/train_gpt ...` with no RANK, WORLD_SIZE, MASTER_ADDR or MASTER_PORT: init_process_group
 takes the rank from SLURM_PROCID, the world size from SLURM_NTASKS, MASTER_ADDR from the first host of
-SLURM_STEP_NODELIST and MASTER_PORT from SLURM_JOB_ID (src/slurm_env.h), and trains with the same losses as
+SLURM_STEP_NODELIST and MASTER_PORT from SLURM_JOB_ID (src/c10d/slurm_env.h), and trains with the same losses as
 `fsdprun --nproc-per-node 2` (fp32, relative 1e-5; both use Gloo on the same ranks, so they agree exactly in
 practice). Wrong setups fail within seconds with a message naming the variable. The cluster is
 tests/python/slurm_cluster.py (skipped with the reason where its daemons cannot start). ~24 s on 2 cores.
@@ -58,7 +58,7 @@ def assert_close(mine, ref, what):
 
 
 def derived_port(job_id, step_id=0):
-    """MASTER_PORT under srun without one (src/slurm_env.h, [Note: Slurm rendezvous])."""
+    """MASTER_PORT under srun without one (src/c10d/slurm_env.h, [Note: Slurm rendezvous])."""
     return 20000 + 10 * (job_id % 1000) + step_id % 10
 
 

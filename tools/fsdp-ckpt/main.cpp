@@ -19,7 +19,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "fsdp/checkpoint.h"
+#include "fsdp/checkpoint/checkpoint.h"
 
 namespace {
 

@@ -23,7 +23,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fsdprun.h"
-#include "network_check.h"
+#include "c10d/network_check.h"
 #include "util.h"
 
 namespace fsdprun {

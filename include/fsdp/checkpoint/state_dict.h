@@ -1,0 +1,218 @@
+// State dicts of sharded modules and their optimizers: what a checkpoint saves, and where it loads.
+//
+//   // Save: every rank writes its own shards (see fsdp/checkpoint.h).
+//   fsdp::dcp::save(fsdp::get_state_dict(model, opt), "ckpt/step-1000");
+//
+//   // Load, on any number of ranks: the dict's DTensors alias the local shards, so dcp::load writes
+//   // the parameters and the optimizer state in place; set_state_dict then applies what cannot be
+//   // aliased (step counts, hyper-parameters, optimizer state that did not exist yet).
+//   auto sd = fsdp::get_state_dict(model, opt);
+//   fsdp::dcp::load(sd, "ckpt/step-1000");
+//   fsdp::set_state_dict(model, opt, sd);
+//
+// Keys are fully qualified names (FQNs) from the module passed in, as model->named_parameters() gives
+// them; never optimizer indices. The layout mirrors PyTorch's
+// torch.distributed.checkpoint.state_dict with flatten_optimizer_state_dict=True:
+//   model:      "<fqn>"                                  parameters (DTensor when sharded) and buffers
+//   optimizer:  "state.<fqn>.<name>"                     exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer:
+//                                                        sharded like the parameter; "step": a Value
+//               "param_groups.<fqn>.<hyper-parameter>"   lr, betas, eps, weight_decay, ...: Values
+//   both:       "model.<model key>", "optim.<optimizer key>"   (get_state_dict / set_state_dict)
+//
+// Mirrors torch.distributed.checkpoint.state_dict.{get,set}_{model,optimizer,}_state_dict.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include "fsdp/tensor/dtensor.h"
+
+namespace fsdp {
+
+/// A non-tensor entry of a state dict (a step count, a hyper-parameter, a data-loader position):
+/// any JSON value. Checkpoints keep it in their JSON metadata file.
+struct Value {
+  /// The value.
+  nlohmann::json json;
+  /// True when every rank holds its own value (e.g. the position of a rank's data loader): each rank
+  /// saves its own and gets it back on load, which therefore needs the same world size (loading on
+  /// another world size fails: such state cannot be resharded). False: the value is the same on every
+  /// rank and rank 0's is saved. (Default: false)
+  bool per_rank = false;
+
+  Value() = default;
+  Value(nlohmann::json json, bool per_rank = false) : json(std::move(json)), per_rank(per_rank) {}  // NOLINT
+};
+
+/// A value that differs between ranks (see Value::per_rank).
+inline Value per_rank_value(nlohmann::json json) { return Value(std::move(json), /*per_rank=*/true); }
+
+/// One entry: a sharded tensor (DTensor), a tensor every rank holds in full (replicated), or a Value.
+using StateDictValue = std::variant<DTensor, torch::Tensor, Value>;
+
+/// An ordered map from key (FQN) to StateDictValue. Iteration follows insertion order, which is the
+/// module's parameter order for dicts built by get_*_state_dict (and the order of collectives they
+/// issue, identical on every rank).
+class StateDict {
+ public:
+  using Item = std::pair<std::string, StateDictValue>;
+  using iterator = std::vector<Item>::iterator;
+  using const_iterator = std::vector<Item>::const_iterator;
+
+  /// Inserts `key`, or replaces its value in place (keeping its position).
+  void insert_or_assign(const std::string& key, StateDictValue value);
+  /// True when `key` is present.
+  bool contains(const std::string& key) const { return index_.count(key) > 0; }
+  /// The value of `key`, or null.
+  StateDictValue* find(const std::string& key);
+  const StateDictValue* find(const std::string& key) const;
+  /// The value of `key`. Throws c10::Error naming the key (and a few present keys) when absent.
+  StateDictValue& at(const std::string& key);
+  const StateDictValue& at(const std::string& key) const;
+  /// Removes `key`; returns whether it was present. O(size).
+  bool erase(const std::string& key);
+  size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  iterator begin() { return items_.begin(); }
+  iterator end() { return items_.end(); }
+  const_iterator begin() const { return items_.begin(); }
+  const_iterator end() const { return items_.end(); }
+  /// Keys in order.
+  std::vector<std::string> keys() const;
+  /// The entries whose key starts with `prefix`, with the prefix removed when `strip` (values are
+  /// shared: tensors alias, as in the source dict).
+  StateDict with_prefix(const std::string& prefix, bool strip = true) const;
+  /// Appends every entry of `other` with `prefix` prepended to its key.
+  void update(const StateDict& other, const std::string& prefix = "");
+
+ private:
+  std::vector<Item> items_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+/// "DTensor", "Tensor" or "Value" (for messages).
+const char* kind_name(const StateDictValue& value);
+
+/// Options of the get/set state dict functions. Mirrors torch's StateDictOptions.
+/// Example: `fsdp::get_model_state_dict(model, fsdp::StateDictOptions().full_state_dict(true).cpu_offload(true))`
+struct StateDictOptions {
+  /// get: gather full tensors (a collective over each parameter's mesh) instead of DTensors aliasing the
+  /// local shards. (set accepts either: a full tensor is sliced locally into each rank's shard; a DTensor
+  /// must be sharded like its destination.) (Default: false)
+  TORCH_ARG(bool, full_state_dict) = false;
+  /// With full_state_dict: the full tensors are copied to the CPU and only rank 0 keeps them (other
+  /// ranks get an empty dict). (Default: false)
+  TORCH_ARG(bool, cpu_offload) = false;
+  /// Leave out parameters that do not require grad (and, on set, do not report them missing).
+  /// (Default: false)
+  TORCH_ARG(bool, ignore_frozen_params) = false;
+  /// set: a key the module (or optimizer) expects but the dict lacks, or a key the dict holds but
+  /// nothing expects, is an error. Otherwise they are reported in LoadResult. (Default: true)
+  TORCH_ARG(bool, strict) = true;
+  /// set: only rank 0's dict is read (full tensors; other ranks may pass an empty dict); every tensor
+  /// is broadcast from rank 0 and sliced locally. Collective over the model's world group. (Default: false)
+  TORCH_ARG(bool, broadcast_from_rank0) = false;
+};
+
+/// Keys a non-strict load skipped. Mirrors torch.nn.modules.module._IncompatibleKeys.
+struct LoadResult {
+  /// Expected but absent from the source: left unchanged.
+  std::vector<std::string> missing_keys;
+  /// Present in the source but not expected: ignored.
+  std::vector<std::string> unexpected_keys;
+  /// dcp::load only: bytes of checkpoint files this rank read (safetensors headers, our metadata file,
+  /// and the tensor data it needed); 0 for the in-memory loads.
+  int64_t bytes_read = 0;
+};
+
+/// Prefixes of the combined dict of get_state_dict.
+constexpr const char* kModelPrefix = "model.";
+constexpr const char* kOptimPrefix = "optim.";
+
+/// The model's parameters and buffers by FQN. Sharded parameters are DTensors aliasing the local shard
+/// (no communication, no copy); other parameters and buffers are tensors aliasing the module's. Every
+/// FSDP group under `model` is resharded first (as FSDP2 does). With full_state_dict, sharded
+/// parameters are gathered (collective; call on every rank).
+StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOptions& options = {});
+
+/// Copies `state_dict` into the model's parameters and buffers in place (under NoGradGuard), so the
+/// module, an optimizer and the autograd graph keep their tensors. Everything is validated first
+/// (keys with strict, shapes, dtypes, layouts), and the ranks agree (one all-reduce over the model's
+/// world group: call it on every rank) before any copies: on error nothing is changed on any rank.
+/// Throws c10::Error naming the FQN and the rank, e.g. "set_model_state_dict: 'fc1.weight' has shape
+/// [4, 6] in the state dict but [5, 6] in the destination (rank 0) ... (nothing was loaded on any
+/// rank)"; the other ranks throw "set_model_state_dict: rank 0 failed: <that message>".
+LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
+                                const StateDictOptions& options = {});
+
+/// The optimizer's state keyed by parameter FQN (see the key layout at the top of this file), for
+/// torch::optim Adam, AdamW and SGD. State tensors of sharded parameters are DTensors with the
+/// parameter's placements, aliasing the optimizer's tensors. A parameter without state yet (before
+/// its first step) is reported with zero state and step 0, the state PyTorch's get_optimizer_state_dict
+/// initialises (it is not attached to the optimizer: set_optimizer_state_dict does that). Throws
+/// c10::Error for another optimizer type or a parameter that is not in `model`.
+StateDict get_optimizer_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options = {});
+
+/// Loads optimizer state keyed by FQN into `optimizer`: state tensors are copied in place, state is
+/// created for parameters that have none (torch::optim creates it lazily at the first step), step
+/// counts and the hyper-parameters of each param group are set (every parameter of a group must bring
+/// the same values). Validated first, and agreed by all ranks like set_model_state_dict (collective):
+/// on error nothing is changed on any rank.
+LoadResult set_optimizer_state_dict(const torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options = {});
+
+/// get_model_state_dict under "model." and get_optimizer_state_dict under "optim.": the one dict that
+/// dcp::save takes.
+StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                         const StateDictOptions& options = {});
+
+/// Loads a dict of get_state_dict's layout into the model and the optimizer. With strict, a key under
+/// neither prefix is unexpected. Both parts are validated (on every rank: collective) before either is
+/// changed.
+LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const StateDict& state_dict,
+                          const StateDictOptions& options = {});
+
+// Overloads for module holders (Net, fsdp::FSDPModule<Net>, ...): pass the holder as you would the module.
+template <typename T>
+StateDict get_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDictOptions& options = {}) {
+  return get_model_state_dict(*model, options);
+}
+template <typename T>
+StateDict get_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options = {}) {
+  return get_optimizer_state_dict(*model, optimizer, options);
+}
+template <typename T>
+StateDict get_state_dict(const torch::nn::ModuleHolder<T>& model, const torch::optim::Optimizer& optimizer,
+                         const StateDictOptions& options = {}) {
+  return get_state_dict(*model, optimizer, options);
+}
+template <typename T>
+LoadResult set_model_state_dict(const torch::nn::ModuleHolder<T>& model, const StateDict& state_dict,
+                                const StateDictOptions& options = {}) {
+  return set_model_state_dict(*model.ptr(), state_dict, options);
+}
+template <typename T>
+LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_optimizer_state_dict(*model, optimizer, state_dict, options);
+}
+template <typename T>
+LoadResult set_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
+                          const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_state_dict(*model.ptr(), optimizer, state_dict, options);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,370 @@
+// fully_shard: FSDP2 parameter sharding for LibTorch modules.
+//
+//   GPT model(cfg);                                               // any LibTorch model, unchanged
+//   for (auto& b : *model->blocks) fsdp::fully_shard(b, opts);    // bottom-up (blocks: a ModuleList)
+//   fsdp::fully_shard(model, opts);                               // root last
+//   torch::optim::AdamW opt(model->parameters(), ...);           // sees local shards
+//
+//   // The alternative without per-op overhead: declare the modules as FSDP holders.
+//   struct GPTImpl : torch::nn::Module {
+//     std::vector<fsdp::FSDPModule<Block>> blocks;   // was std::vector<Block>
+//     ...
+//   };
+//   fsdp::FSDPModule<GPT> model(GPT(cfg));
+//   for (auto& b : model->blocks) fsdp::fully_shard(b, opts);     // then as above
+//
+// Every parameter of a fully_shard call (minus those of already-sharded submodules) forms one group:
+// sharded on dim 0 over the mesh (torch.chunk layout, zero padding, empty shards allowed), all-gathered
+// as one flat buffer before the module's forward and again before its backward, gradients
+// reduce-scattered (SUM, then divided by the number of data-parallel ranks) into sharded gradients.
+// The parameter tensors keep their identity: only their data is swapped between the local shard and
+// the unsharded tensor, so `model->parameters()`, an optimizer and the autograd graph all keep
+// pointing at the same objects.
+//
+// Any module can be sharded, as in Python: a torch::nn::Sequential element (`seq->ptr(i)`), a
+// ModuleList/ModuleDict entry however the model calls it (`m->as<Block>()->forward(x)`), a plain
+// torch::nn::Linear/Conv2d/Embedding/LSTM/MultiheadAttention member, the root. The model's code stays
+// as it is. Two ways FSDP follows a group's forward:
+// - implicit (no module of the fully_shard call has an fsdp::FSDPModule holder): the parameters are
+//   intercepted at tensor level (a dispatch key on their data). The first op that uses a group's
+//   parameter in forward all-gathers the group; it is resharded (reshard_after_forward) when an op uses a
+//   group outside its module's subtree, so nested groups behave as with module hooks; the first autograd
+//   node of an op that used it unshards it in backward; its gradients are reduce-scattered as soon as
+//   every parameter it used has its gradient. mp_policy's cast_forward_inputs casts the floating-point
+//   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype is
+//   not applied. Outside forward and backward a parameter behaves like FSDP2's DTensor parameter:
+//   sizes() is the local shard's between steps (a group left unsharded by a forward or a read shows the
+//   full shape until its next update or backward), in-place updates (optimizers, torch::nn::init) write
+//   the local shard, and any other read (p.sum(), p.detach(), torch::save) all-gathers its group and
+//   sees the full tensor: a collective, which every rank must make (the local shard:
+//   get_model_state_dict or FSDPModuleAPI::sharded_parameters()). An alias (a view,
+//   detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
+//   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
+//   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
+//   on an implicit module throws). Cost: ~1 us per op that takes a parameter; other ops pay nothing.
+//   torch::optim::LBFGS is not supported (it clones parameters outside forward).
+// - holder (zero overhead): declare the module as fsdp::FSDPModule<Block> instead of Block and call it
+//   as `block(x)` (or through fsdp::fsdp_forward() for other entry points). A forward that bypasses the
+//   holder (a root called as `model->forward(x)`, a child a container calls directly, a module reached
+//   through `as<>()`) computes on the local shards; it raises a c10::Error naming the module (FQN and
+//   type) and the supported calls: at the end of the root's forward when the use is in the root output's
+//   autograd graph (every rank sees the same graph, so every rank raises there), else (the root itself
+//   called through ->forward, a use inside an activation-checkpointed region, or on 1 rank a module that
+//   also ran through FSDP) when the gradient of the use reaches its parameter in backward, before that
+//   gradient is reduced or seen by an optimizer. (A bypassed forward may fail before either with a
+//   plain shape error from the module's own code.)
+// Both give identical numbers (the same collectives on the same data; tested bit for bit in fp32).
+//
+// Backward: a group's gradients are reduce-scattered once per backward, after every use of its
+// parameters in that backward produced its gradient: as soon as the gradients of every call's inputs
+// are computed when each call of the group had an input that requires grad, else (e.g. token ids, or
+// a block called first on an input without grad) at the end of the backward. This holds for a module
+// called several times per forward, several modules sharded as one group, activation checkpointing,
+// and a second backward over the same graph (`backward(retain_graph=true)`: gradients accumulate as
+// without FSDP, for every reshard_after_forward). A backward that throws (e.g. from a user hook)
+// leaves the model trainable: before the exception reaches the caller, the gradients not yet reduced
+// are dropped, the sharded gradients (from before it, plus groups it finished reducing, as plain
+// autograd keeps what it accumulated) are back in .grad and the groups are resharded locally; the
+// next forward completes its in-flight collectives and starts clean (zero_grad() as usual).
+//
+// After fully_shard, FSDP owns the parameters' data: do not replace it. `module->to(dtype or device)`
+// or `param.set_data(...)` after fully_shard is refused at the next all-gather (the next forward, or an
+// explicit unshard) with an error naming the parameter: FSDP gathers from the shards it holds, so the
+// change would otherwise be silently undone. Convert the module before fully_shard; compute in another
+// dtype with mp_policy; change values in place (copy_ under torch::NoGradGuard, or set_model_state_dict).
+//
+// Buffers (BatchNorm's running_mean/running_var/num_batches_tracked, any register_buffer) are neither
+// sharded nor synchronised, as in PyTorch's FSDP2: every rank keeps and updates its own copy, so a
+// train-mode BatchNorm keeps per-rank running statistics computed from that rank's batches (use
+// SyncBatchNorm-like code of your own, or eval-mode statistics, if they must agree). get_model_state_dict
+// returns each rank's own buffers; dcp::save writes rank 0's copy (rank 0 of the save's group; the
+// other ranks' buffers are not saved), and dcp::load gives every rank that copy.
+//
+// Mirrors torch.distributed.fsdp.fully_shard and FSDPModule (FSDP2).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include "fsdp/tensor/device_mesh.h"
+#include "fsdp/utils/activation_checkpoint.h"
+#include "fsdp/tensor/dtensor.h"
+#include "fsdp/fsdp/detail/hooks.h"
+#include "fsdp/fsdp/policies.h"
+
+namespace fsdp {
+
+/// When to free the unsharded parameters after forward (FSDP2's `reshard_after_forward`).
+/// `true`: reshard to the full mesh (all-gather again in backward; least memory). `false`: keep them
+/// unsharded until after backward (no backward all-gather; ZeRO-2 memory). An int k (dividing the
+/// shard group size): keep a 1/k slice after forward and all-gather over groups of k consecutive ranks
+/// in backward. Unset: true for non-root modules, false for the root (current PyTorch).
+using ReshardAfterForward = std::variant<bool, int>;
+
+/// Options of fully_shard. Mirrors fully_shard's keyword arguments.
+/// Example: `fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false)
+///           .mp_policy(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16))`
+struct FullyShardOptions {
+  /// Mesh to shard over: 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
+  /// (Default: null = a 1-D mesh over the default process group)
+  TORCH_ARG(DeviceMeshPtr, mesh) = nullptr;
+  /// See ReshardAfterForward. (Default: unset = true, false for the root)
+  TORCH_ARG(std::optional<ReshardAfterForward>, reshard_after_forward) = std::nullopt;
+  /// Dtypes of all-gather, compute and reduction. (Default: all original dtypes)
+  TORCH_ARG(MixedPrecisionPolicy, mp_policy) = {};
+  /// Keep shards, gradients and optimizer state on the CPU. (Default: none)
+  TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
+  /// Parameters left out of sharding (neither sharded nor reduced; their module must handle them).
+  /// (Default: none)
+  TORCH_ARG(std::vector<torch::Tensor>, ignored_params) = {};
+  /// Broadcast the parameters of this call (before sharding) and the buffers of its modules (outside
+  /// already-sharded submodules) from rank 0 of the mesh to every rank, so that ranks that built the
+  /// model from differently seeded generators start from rank 0's weights. One broadcast per dtype,
+  /// at fully_shard only. Set it on every fully_shard call (children and root). The analogue of FSDP1's
+  /// `sync_module_states`. (Default: false; every rank must then start from the same weights, see
+  /// fully_shard)
+  TORCH_ARG(bool, sync_module_states) = false;
+};
+
+/// Handle of an explicit unshard; wait() completes it (copies the all-gather output into the
+/// unsharded parameters). Mirrors FSDP2's UnshardHandle.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  explicit UnshardHandle(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (wait_) std::exchange(wait_, nullptr)();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
+/// The FSDP2 API of a sharded module (FSDPModule's methods, usable on any sharded module).
+/// Throws c10::Error if `module` was not passed to fully_shard.
+class FSDPModuleAPI {
+ public:
+  explicit FSDPModuleAPI(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
+  /// All-gathers this module's parameters (not its children's). With async_op the returned handle
+  /// must be waited before the parameters are used. Mirrors FSDPModule.unshard().
+  UnshardHandle unshard(bool async_op = false);
+  /// Frees the unsharded parameters (not recursive). Mirrors FSDPModule.reshard().
+  void reshard();
+  /// Enables/disables the gradient reduce-scatter in backward (disable for all but the last
+  /// microbatch of gradient accumulation). Mirrors FSDPModule.set_requires_gradient_sync().
+  void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
+  /// Reshard after backward (default true). With false, the parameters stay unsharded after a
+  /// backward that skipped the gradient sync (the microbatches of gradient accumulation), which saves
+  /// the next forward's all-gather; after a synchronised backward the group reshards anyway, so that
+  /// the optimizer sees the shards and their gradients. Mirrors FSDPModule.set_reshard_after_backward().
+  void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  /// Changes reshard_after_forward of this module (and, with recurse, its sharded submodules).
+  void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
+  /// Whether the next backward is the last of the step (false skips waiting for the reduce-scatters
+  /// at the end of backward). Mirrors FSDPModule.set_is_last_backward().
+  void set_is_last_backward(bool is_last_backward);
+  /// Modules whose all-gather this module's pre-forward issues (explicit forward prefetch; replaces
+  /// the implicit one). Mirrors FSDPModule.set_modules_to_forward_prefetch().
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Modules whose all-gather this module's pre-backward issues (replaces the implicit prefetch of
+  /// the module that ran before it in forward). Mirrors FSDPModule.set_modules_to_backward_prefetch().
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Reduced gradients are divided by `factor` instead of the number of data-parallel ranks.
+  /// Mirrors FSDPModule.set_gradient_divide_factor().
+  void set_gradient_divide_factor(double factor);
+  /// The mesh the parameters are sharded over.
+  DeviceMeshPtr mesh() const;
+  /// The sharded parameters of this module's group, keyed by fully qualified name relative to the
+  /// module fully_shard was called on, before and after the first forward alike (for a group of
+  /// several modules, prefixed by the module's position in the fully_shard call: "0.weight",
+  /// "1.bias"). DTensors aliasing the parameter storage; no communication.
+  std::vector<std::pair<std::string, DTensor>> sharded_parameters() const;
+  /// The sharded gradients of this module's group, keyed as sharded_parameters(): DTensors with the
+  /// parameters' placements and global shapes, aliasing each gradient's local shard (the analogue of
+  /// `p.grad` being a DTensor in FSDP2). Parameters without a gradient are left out. Between
+  /// microbatches that keep the parameters unsharded (set_reshard_after_backward(false)), the
+  /// gradients reduced so far are returned. No communication.
+  std::vector<std::pair<std::string, DTensor>> sharded_gradients() const;
+
+ private:
+  friend detail::FSDPState& detail::fsdp_state(const FSDPModuleAPI& api);
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+/// The FSDP API of a sharded module. Throws c10::Error naming the module type if it is not sharded.
+FSDPModuleAPI fsdp_api(const torch::nn::Module& module);
+/// The sharded gradient of a parameter managed by fully_shard as a DTensor (placements and global
+/// shape of the parameter; aliases the local gradient shard), or std::nullopt when it has no gradient.
+/// Throws c10::Error if `param` is not managed by fully_shard. See FSDPModuleAPI::sharded_gradients().
+std::optional<DTensor> sharded_grad(const torch::Tensor& param);
+inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
+template <typename T>
+FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
+  return fsdp_api(*holder.ptr());
+}
+
+/// Marks a module's forward as going through FSDP for good (the holder path: see the top of this
+/// file). FSDPModule<T> holders register themselves while they live; custom holders that run
+/// fsdp::fsdp_forward may call this.
+void mark_fsdp_forward(const torch::nn::Module& module);
+
+/// A module holder that routes the forward through FSDP. Declare `fsdp::FSDPModule<Block>` where you
+/// declared `Block` (a TORCH_MODULE holder); construct and call it exactly as before. Behaves as the
+/// holder it wraps (->, *, ptr(), register_module) and adds FSDPModule's methods. Until fully_shard is
+/// applied to it, calls go straight to the module.
+template <typename Holder>
+class FSDPModule : public Holder {
+ public:
+  /// Default-constructs the module, as `Holder()` does.
+  FSDPModule() : Holder() { mark(); }
+  /// An empty holder, as `Holder(nullptr)`.
+  FSDPModule(std::nullptr_t) : Holder(nullptr) {}  // NOLINT: implicit, as the holder's
+  /// Wraps an existing holder (shares its module). Implicit, so `blocks.push_back(Block(...))` works.
+  FSDPModule(Holder holder) : Holder(std::move(holder)) { mark(); }  // NOLINT
+  /// Wraps an existing module. Implicit, so the LibTorch idiom
+  /// `block = register_module("block", Block(...));` works (register_module returns the Impl's
+  /// shared_ptr).
+  template <typename Impl, typename = std::enable_if_t<std::is_convertible_v<
+                               std::shared_ptr<Impl>, std::shared_ptr<typename Holder::ContainedType>>>>
+  FSDPModule(std::shared_ptr<Impl> module)  // NOLINT: implicit, as the holder's
+      : Holder(std::shared_ptr<typename Holder::ContainedType>(std::move(module))) {
+    mark();
+  }
+  /// Constructs the module from the holder's arguments, e.g. FSDPModule<Block>(cfg).
+  template <typename Arg, typename... Args,
+            typename = std::enable_if_t<!std::is_same_v<std::decay_t<Arg>, FSDPModule> &&
+                                        !std::is_same_v<std::decay_t<Arg>, Holder> &&
+                                        !std::is_same_v<std::decay_t<Arg>, std::nullptr_t> &&
+                                        !detail::is_shared_ptr<std::decay_t<Arg>>::value>>
+  explicit FSDPModule(Arg&& arg, Args&&... args) : Holder(std::forward<Arg>(arg), std::forward<Args>(args)...) {
+    mark();
+  }
+
+  /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks).
+  /// If checkpoint_wrapper was applied, the module's own forward is checkpointed inside FSDP's hooks.
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    auto* impl = this->get();
+    auto call = [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); };
+    if (detail::is_checkpointed(*impl)) {
+      return detail::run_with_hooks(
+          detail::state_of(*impl), [call](auto&&... a) { return checkpoint(call, std::forward<decltype(a)>(a)...); },
+          std::forward<Args>(args)...);
+    }
+    return detail::run_with_hooks(detail::state_of(*impl), call, std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  FSDPModuleAPI fsdp() const { return fsdp_api(*this->get()); }
+  UnshardHandle unshard(bool async_op = false) { return fsdp().unshard(async_op); }
+  void reshard() { fsdp().reshard(); }
+  void set_requires_gradient_sync(bool v, bool recurse = true) { fsdp().set_requires_gradient_sync(v, recurse); }
+  void set_reshard_after_backward(bool v, bool recurse = true) { fsdp().set_reshard_after_backward(v, recurse); }
+  void set_reshard_after_forward(ReshardAfterForward v, bool recurse = true) {
+    fsdp().set_reshard_after_forward(v, recurse);
+  }
+  void set_is_last_backward(bool v) { fsdp().set_is_last_backward(v); }
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+    fsdp().set_modules_to_forward_prefetch(m);
+  }
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+    fsdp().set_modules_to_backward_prefetch(m);
+  }
+  void set_gradient_divide_factor(double f) { fsdp().set_gradient_divide_factor(f); }
+
+ private:
+  void mark() {
+    if (!this->is_empty()) holder_token_ = detail::hold_fsdp_forward(*this->get());
+  }
+  std::shared_ptr<void> holder_token_;  // shared by copies; see detail::hold_fsdp_forward
+};
+
+/// Runs another entry point of a sharded module (e.g. `generate`) through FSDP's forward hooks:
+///   auto y = fsdp::fsdp_forward(*model, [&] { return model->generate(x); });
+/// `fn` returns a Tensor, a std::vector<Tensor> or a tuple of them. The analogue of
+/// register_fsdp_forward_method. Tensor inputs captured by `fn` are not cast by mp_policy.
+template <typename Fn>
+auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
+  return detail::run_with_hooks(detail::state_of(module), std::forward<Fn>(fn));
+}
+
+/// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
+/// Apply bottom-up: blocks first, the root last. Returns the FSDP API of the module. Any module works
+/// (see the top of this file: implicit groups, or the holder path when the module has an
+/// fsdp::FSDPModule holder).
+/// Initial weights: every rank keeps its own rows of its own copy, so on a 1-D mesh every rank must
+/// start from the same weights (seed every rank identically, load the same checkpoint, or set
+/// FullyShardOptions::sync_module_states to broadcast rank 0's parameters and buffers). On a 2-D
+/// (HSDP) mesh every replica takes the shards of replicate rank 0 (one broadcast per group, here), so
+/// replicas start and stay identical; the ranks of a shard group must still agree. With FSDP_DEBUG=DETAIL
+/// a checksum comparison over the shard group throws c10::Error on every rank naming the first
+/// parameter that differs (skipped with sync_module_states). Collective: every rank of the mesh must call
+/// it with the same modules and options; at the root's first forward the ranks compare their groups'
+/// collective sizes and throw c10::Error on every rank naming the first group that differs.
+/// Afterwards, between forward/backward passes, the registered parameters hold their local shard:
+/// their sizes() are [rows of this rank (possibly 0), *rest] and the optimizer steps those shards.
+/// Everything is validated before anything is sharded: when it throws, the module is unchanged.
+/// Throws c10::Error (messages name the parameter's fully qualified name and the rank) for: a scalar
+/// or non-contiguous parameter, a parameter tied to one managed by another fully_shard call (shard
+/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters,
+/// parameters that would be all-gathered in different dtypes (e.g. a frozen int buffer-like
+/// parameter beside float ones: ignore it or shard it separately), a parameter of a module that makes
+/// sparse gradients (torch::nn::Embedding or EmbeddingBag with sparse=true: the message names the module
+/// FQN and type; pass its weight in ignored_params or use sparse=false), a mesh of more than 2 dims, a
+/// module already sharded. reshard_after_forward = k not dividing the shard group size throws at the
+/// first forward; a sparse gradient made by custom code (e.g. torch::embedding(..., sparse=true)) throws
+/// at the end of that backward, naming the parameter, on every rank, before any gradient is reduced.
+FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
+/// Shards several modules as one group (e.g. modules that share a tied parameter). The first module
+/// holds the group's state. The group is implicit unless one of the modules has an FSDPModule holder
+/// (then the forward of each must go through a holder). The group's gradients are
+/// reduced once per backward, after the last use of any of its modules (see the note at the top).
+/// Error messages name each parameter by its path from the root once a forward ran ("emb.weight"),
+/// before that by its name in its module and the module's type.
+FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                          const FullyShardOptions& options = {});
+template <typename T>
+FSDPModuleAPI fully_shard(const torch::nn::ModuleHolder<T>& holder, const FullyShardOptions& options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), options);
+}
+
+/// Which modules fully_shard_tree wraps (besides the root, which is always wrapped last). Mirrors FSDP1's
+/// auto-wrap policies (torch.distributed.fsdp.wrap's ModuleWrapPolicy and size_based_auto_wrap_policy):
+/// FSDP2 has none (its users call fully_shard on each module themselves), so this is a convenience.
+/// Example: `fsdp::AutoWrapPolicy().module_types({"BlockImpl"})`, or `.min_num_params(1'000'000)`
+struct AutoWrapPolicy {
+  /// Wrap modules whose type name is in this set: Module::name() ("my::BlockImpl") or its unqualified
+  /// form ("BlockImpl"). (Default: none)
+  TORCH_ARG(std::unordered_set<std::string>, module_types) = {};
+  /// Wrap modules whose not-yet-wrapped subtree holds at least this many parameter elements; 0 = off.
+  /// (Default: 0)
+  TORCH_ARG(int64_t, min_num_params) = 0;
+};
+
+/// Applies fully_shard bottom-up to every module of `root`'s tree that `policy` selects, then to
+/// `root` — the same result as the manual calls, for any modules (implicit groups or holders).
+/// Returns the FQNs wrapped, bottom-up ("" is the root).
+std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
+                                          const AutoWrapPolicy& policy, const FullyShardOptions& options = {});
+template <typename T>
+std::vector<std::string> fully_shard_tree(const torch::nn::ModuleHolder<T>& root, const AutoWrapPolicy& policy,
+                                          const FullyShardOptions& options = {}) {
+  return fully_shard_tree(std::static_pointer_cast<torch::nn::Module>(root.ptr()), policy, options);
+}
+
+}  // namespace fsdp

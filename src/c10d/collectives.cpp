@@ -1,0 +1,506 @@
+#include "fsdp/c10d/collectives.h"
+
+#include <ATen/EmptyTensor.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+
+#include "c10d/process_group_access.h"
+#include "c10d/shm_transport.h"
+
+namespace fsdp {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:  // SUM, then our own division (see the header)
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::MAX:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::MIN:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::PRODUCT:
+      return c10d::ReduceOp::PRODUCT;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+std::string header(const char* op, ProcessGroup& group, uint64_t seq) {
+  std::ostringstream os;
+  os << op << " #" << seq << " on " << group.str();
+  return os.str();
+}
+
+// What the ranks compare in debug mode: one fixed-size int64 row per collective.
+// [seq, op, arg (reduce op or root), in dtype, in ndim, in dims x8, out dtype, out ndim, out dims x8]
+constexpr int64_t kMaxDims = 8;
+constexpr int64_t kFingerprint = 3 + 2 * (2 + kMaxDims);
+const std::vector<std::string> kOps = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
+                                       "barrier"};
+
+void encode_tensor(std::vector<int64_t>& row, const torch::Tensor* t) {
+  row.push_back(t ? static_cast<int64_t>(t->scalar_type()) : -1);
+  row.push_back(t ? t->dim() : -1);
+  for (int64_t d = 0; d < kMaxDims; ++d) row.push_back(t && d < t->dim() ? t->size(d) : -1);
+}
+
+std::string decode_tensor(const int64_t* f) {
+  if (f[0] < 0) return "";
+  std::ostringstream os;
+  os << "[";
+  for (int64_t d = 0; d < f[1] && d < kMaxDims; ++d) os << (d ? ", " : "") << f[2 + d];
+  os << "] " << static_cast<c10::ScalarType>(f[0]);
+  return os.str();
+}
+
+// The name of a ReduceOp as the user wrote it (the fingerprint stores its enum value).
+const char* reduce_op_name(int64_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+std::string decode(const int64_t* f) {
+  std::ostringstream os;
+  int64_t op = f[1];
+  os << (op >= 0 && op < static_cast<int64_t>(kOps.size()) ? kOps[op] : "?") << " #" << f[0] << "(";
+  std::string in = decode_tensor(f + 3), out = decode_tensor(f + 3 + 2 + kMaxDims);
+  os << (in.empty() ? "" : "input " + in) << (out.empty() ? "" : ", output " + out);
+  if (op == 1 || op == 2) os << ", reduce op " << reduce_op_name(f[2]);
+  if (op == 3) os << ", src " << f[2];
+  os << ")";
+  return os.str();
+}
+
+// Debug mode: every rank gathers every rank's fingerprint over the side group and raises on a
+// mismatch, naming both calls and the field that differs. All ranks see the same table, so all raise.
+void check_fingerprint(ProcessGroup& group, const std::string& op, uint64_t seq, int64_t arg,
+                       const torch::Tensor* in, const torch::Tensor* out) {
+  std::vector<int64_t> row{static_cast<int64_t>(seq),
+                           std::find(kOps.begin(), kOps.end(), op) - kOps.begin(), arg};
+  encode_tensor(row, in);
+  encode_tensor(row, out);
+  auto mine = torch::tensor(row, torch::kInt64);
+  auto all = torch::empty({group.size() * kFingerprint}, torch::kInt64);
+  try {
+    group.debug_backend()->_allgather_base(all, mine, c10d::AllgatherOptions())->wait();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "FSDP_DEBUG: the fingerprint exchange before ", op, " #", seq, " on ", group.str(),
+                " failed (a rank did not reach this collective within the timeout?): ", e.what_without_backtrace());
+  }
+  const int64_t* t = all.data_ptr<int64_t>();
+  static const char* fields[] = {"sequence number", "op", "reduce op / root", "input dtype", "input shape",
+                                 "output dtype", "output shape"};
+  for (int r = 1; r < group.size(); ++r) {
+    const int64_t* a = t;
+    const int64_t* b = t + r * kFingerprint;
+    for (int64_t i = 0; i < kFingerprint; ++i) {
+      if (a[i] == b[i]) continue;
+      int field = i < 3 ? static_cast<int>(i)
+                  : i == 3 ? 3
+                  : i < 3 + 2 + kMaxDims ? 4
+                  : i == 3 + 2 + kMaxDims ? 5
+                                          : 6;
+      group.flight_recorder().failed(seq, "fingerprint mismatch");
+      TORCH_CHECK(false, "FSDP_DEBUG: collective mismatch on ", group.str(), ": rank 0 calls ", decode(a), " but rank ",
+                  r, " calls ", decode(b), " (", fields[field], " differs). Every rank must issue the same ",
+                  "collectives in the same order with the same shapes and dtypes");
+    }
+  }
+}
+
+// ---- Transport bytes (see CommStats in distributed.h) ---------------------------------------------------
+// Each collective adds what this rank sends and receives, derived from the algorithm that carries it.
+
+bool is_gloo(const ProcessGroup& g) { return g.backend()->getBackendName() == "gloo"; }
+
+void add_bytes(CommBytes& c, uint64_t sent, uint64_t received) {
+  c.sent += sent;
+  c.received += received;
+  ++c.count;
+}
+
+// Gloo's segmentation of a ring all-reduce of `total` bytes of `elem`-byte elements over `n` ranks
+// (gloo/allreduce.cc, ring(); ProcessGroupGloo leaves maxSegmentSize at gloo's default of 1 MiB): the
+// buffer is cut into num_segments segments of segment_bytes (the last ones short or empty), and rank k
+// reduces segments [k * per_rank, (k + 1) * per_rank). Used to count the all-reduce's bytes exactly and to
+// reproduce its summation order in gloo_reduce_rows.
+struct GlooRingLayout {
+  uint64_t num_segments = 0, per_rank = 0, segment_bytes = 0;
+  GlooRingLayout(uint64_t total, uint64_t elem, uint64_t n) {
+    constexpr uint64_t kGlooMaxSegmentBytes = 1024 * 1024;
+    const uint64_t max_segment = elem * std::max<uint64_t>(1, kGlooMaxSegmentBytes / elem);
+    const uint64_t want = std::max<uint64_t>((total + max_segment - 1) / max_segment, 2 * n);
+    num_segments = (want + n - 1) / n * n;
+    per_rank = num_segments / n;
+    const uint64_t seg = (total + num_segments - 1) / num_segments;
+    segment_bytes = (seg + elem - 1) / elem * elem;
+  }
+  // Bytes of segment `s` (taken modulo num_segments, as gloo does) inside a buffer of `total` bytes.
+  uint64_t length(uint64_t s, uint64_t total) const {
+    const uint64_t off = (s % num_segments) * segment_bytes;
+    return off >= total ? 0 : std::min(segment_bytes, total - off);
+  }
+};
+
+// Gloo's ring all-reduce on rank `r`: in its reduce-scatter phase the rank sends segments
+// (r+1)*per_rank + i and receives (r+2)*per_rank + i, in its all-gather phase it sends r*per_rank + i and
+// receives (r+1)*per_rank + i, for i < num_segments - per_rank.
+void count_all_reduce(ProcessGroup& g, CommBytes& into, uint64_t total, uint64_t elem) {
+  const uint64_t n = g.size(), r = g.rank();
+  uint64_t sent = 0, received = 0;
+  if (is_gloo(g)) {
+    GlooRingLayout l(total, elem, n);
+    for (uint64_t i = 0; i < l.num_segments - l.per_rank; ++i) {
+      sent += l.length((r + 1) * l.per_rank + i, total) + l.length(r * l.per_rank + i, total);
+      received += l.length((r + 2) * l.per_rank + i, total) + l.length((r + 1) * l.per_rank + i, total);
+    }
+  } else {
+    sent = received = 2 * (n - 1) * total / n;  // nominal ring (NCCL, MPI)
+  }
+  add_bytes(into, sent, received);
+}
+
+// FSDP_GLOO_REDUCE_SCATTER=allreduce: Gloo groups reduce-scatter through ProcessGroupGloo's
+// _reduce_scatter_base (an all-reduce) as before issue 16, e.g. to compare the two. Read once.
+bool gloo_reduce_scatter_via_all_reduce() {
+  static const bool via = [] {
+    const char* v = std::getenv("FSDP_GLOO_REDUCE_SCATTER");
+    if (!v || !*v || std::string(v) == "alltoall") return false;
+    TORCH_CHECK(std::string(v) == "allreduce", "reduce_scatter_tensor: FSDP_GLOO_REDUCE_SCATTER=", v,
+                " is invalid: expected \"alltoall\" (the default) or \"allreduce\" (Gloo's _reduce_scatter_base)");
+    return true;
+  }();
+  return via;
+}
+
+// Gloo's binomial-tree broadcast (gloo/broadcast.cc): with ranks renumbered so that the root is 0, step i
+// pairs virtual ranks v < 2^i with v + 2^i; so v receives once (v > 0, at the step of its highest bit) and
+// then sends to v + 2^i for every 2^i > v with v + 2^i < n. Other backends: a chain (every rank but the
+// last sends it once).
+void count_broadcast(ProcessGroup& g, int src, uint64_t bytes) {
+  const uint64_t n = g.size();
+  const uint64_t v = (static_cast<uint64_t>(g.rank()) + n - static_cast<uint64_t>(src)) % n;
+  uint64_t sends = 0;
+  if (is_gloo(g)) {
+    for (uint64_t bit = 1; bit < n; bit <<= 1) {
+      if (bit > v && v + bit < n) ++sends;
+    }
+  } else {
+    sends = v + 1 < n ? 1 : 0;
+  }
+  add_bytes(detail::ProcessGroupAccess::comm_stats(g).broadcast, sends * bytes, v == 0 ? 0 : bytes);
+}
+
+// The group's shared-memory transport when it can carry `t` (a CPU tensor of a one-host Gloo group).
+detail::ShmTransport* shm_for(ProcessGroup& g, const torch::Tensor& t) {
+  return t.is_cpu() ? detail::ProcessGroupAccess::shm(g) : nullptr;
+}
+
+// Records, checks (debug mode), publishes progress, then runs `issue` and wraps it as a Work.
+// World size 1 never reaches here: the callers return early.
+template <typename Issue>
+Work launch(ProcessGroup& group, const char* op, uint64_t seq, uint64_t bytes, std::string description,
+            bool async_op, const torch::Tensor* in, const torch::Tensor* out, int64_t arg, Issue&& issue,
+            std::function<void()> on_done = {}) {
+  detail::ProcessGroupAccess::count_collective(group, op, bytes);
+  group.flight_recorder().issued(seq, op, description.substr(description.find(':') == std::string::npos
+                                                                 ? description.size()
+                                                                 : description.find(':') + 2));
+  if (group.debug_backend()) check_fingerprint(group, op, seq, arg, in, out);
+  detail::ProcessGroupAccess::note_progress(group, seq);
+  c10::intrusive_ptr<c10d::Work> w;
+  try {
+    w = issue();
+  } catch (const c10::Error& e) {
+    group.flight_recorder().failed(seq, e.what_without_backtrace());
+    TORCH_CHECK(false, description, " failed: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    group.flight_recorder().failed(seq, e.what());
+    TORCH_CHECK(false, description, " failed: ", e.what());
+  }
+  Work work(std::move(w), std::move(description), std::move(on_done), &group, seq);
+  if (!async_op) work.wait();
+  return work;
+}
+
+}  // namespace
+
+std::string describe(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << " " << t.scalar_type();
+  return os.str();
+}
+
+namespace {
+
+/// "<header>: input <describe>, output <describe>": the context of an all-gather or reduce-scatter.
+std::string pair_desc(const char* op, ProcessGroup& group, uint64_t seq, const torch::Tensor& input,
+                      const torch::Tensor& output) {
+  return header(op, group, seq) + ": input " + describe(input) + ", output " + describe(output);
+}
+
+/// The tensors of an all-gather (big = output) or reduce-scatter (big = input): `big` holds `n` times
+/// the elements of `small`, in the same dtype, both contiguous.
+void check_pair(const std::string& desc, const torch::Tensor& big, const char* big_name, const torch::Tensor& small,
+                const char* small_name, int n) {
+  TORCH_CHECK(big.numel() == small.numel() * n, desc, ": expected ", big_name, ".numel() == ", n, " * ", small_name,
+              ".numel() = ", small.numel() * n, ", got ", big.numel());
+  TORCH_CHECK(big.scalar_type() == small.scalar_type(), desc, ": input and output dtypes differ");
+  TORCH_CHECK(big.is_contiguous() && small.is_contiguous(), desc, ": tensors must be contiguous");
+}
+
+// [Note: Gloo reduce-scatter]
+// ProcessGroupGloo's _reduce_scatter_base all-reduces the whole input and keeps one chunk: each rank sends
+// and receives 2(N-1)/N of the input, twice what a reduce-scatter needs. Ours moves (N-1)/N: Gloo's
+// all-to-all (each rank sends chunk c of its input to rank c, gloo/alltoall.cc) leaves in `gathered` row j
+// = rank j's copy of this rank's chunk, and the completion step (run once by Work::wait, before the AVG
+// division) reduces the rows into `output`. The reduction adds the rows in the order Gloo's ring
+// all-reduce adds them (gloo/allreduce.cc): an element of the ring's chunk g (GlooRingLayout: chunk g =
+// segments [g*per_rank, (g+1)*per_rank)) starts at rank g-1 and is added to on ranks g-2, g-3, ..., g
+// (mod N): ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]. Floating-point addition is commutative but not
+// associative, so this order, not only the set of terms, makes the result equal to the old path bit for
+// bit (fp32, bf16, any N; tests/test_comm_bytes.cpp checks it against _reduce_scatter_base). The ring's
+// chunks need not line up with the reduce-scatter's (their segments are rounded), so one output chunk
+// can span two ring chunks, each with its own order. PRODUCT multiplies in the same order; MAX and MIN
+// propagate NaN (at::maximum / at::minimum).
+// The all-to-all is one Gloo collective: it takes the group's next Gloo tag, honours the group timeout
+// and fails like any other Work; fingerprints, the flight recorder and progress marks are unchanged
+// (launch() wraps it as before).
+void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered, int n, int rank, ReduceOp op,
+                      uint64_t total_bytes) {
+  torch::NoGradGuard no_grad;
+  {
+    const int64_t m = output.numel();
+    const uint64_t elem = output.element_size();
+    GlooRingLayout l(total_bytes, elem, n);
+    const int64_t ring_chunk = static_cast<int64_t>(l.segment_bytes / elem * l.per_rank);  // >= m
+    auto out = output.view({-1});
+    auto rows = gathered.view({n, m});
+    const int64_t begin = static_cast<int64_t>(rank) * m, end = begin + m;  // in the input's elements
+    for (int64_t a = begin; a < end;) {
+      const int64_t g = a / ring_chunk;
+      const int64_t b = std::min(end, (g + 1) * ring_chunk);
+      auto dst = out.narrow(0, a - begin, b - a);
+      auto row = [&](int64_t k) { return rows[((g - k) % n + n) % n].narrow(0, a - begin, b - a); };
+      switch (op) {
+        case ReduceOp::SUM:
+        case ReduceOp::AVG:
+          at::add_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) dst.add_(row(k));
+          break;
+        case ReduceOp::PRODUCT:
+          at::mul_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) dst.mul_(row(k));
+          break;
+        case ReduceOp::MAX:
+          at::maximum_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) at::maximum_out(dst, dst, row(k));
+          break;
+        case ReduceOp::MIN:
+          at::minimum_out(dst, row(1), row(2));
+          for (int k = 3; k <= n; ++k) at::minimum_out(dst, dst, row(k));
+          break;
+      }
+      a = b;
+    }
+  }
+}
+
+}  // namespace
+
+Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> on_done,
+           ProcessGroup* group, uint64_t seq)
+    : work_(std::move(work)),
+      description_(std::move(description)),
+      on_done_(std::move(on_done)),
+      group_(group),
+      seq_(seq),
+      done_(false) {}
+
+void Work::wait() {
+  if (done_) return;  // already waited (or nothing was issued)
+  done_ = true;
+  if (work_) {
+    std::string cause;
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      work_->wait();
+    } catch (const c10::Error& e) {
+      cause = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      cause = e.what();
+    }
+    if (group_) {
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      detail::ProcessGroupAccess::add_wait_seconds(*group_, waited);
+    }
+    if (!cause.empty()) {
+      // Name the ranks that never reached this collective (from the progress each rank publishes in
+      // the store) and leave the flight recorder behind for the post-mortem.
+      std::string extra;
+      if (group_) {
+        group_->flight_recorder().failed(seq_, cause);
+        auto lagging = group_->lagging_ranks(seq_);
+        if (!lagging.empty()) extra += "; ranks that have not reached it: [" + c10::Join(", ", lagging) + "]";
+        if (cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos) {
+          extra += "; not completed within the group timeout of " + std::to_string(group_->timeout().count()) + " ms";
+        }
+        auto path = group_->dump_flight_recorder();
+        if (!path.empty()) extra += "; flight recorder written to " + path;
+      }
+      TORCH_CHECK(false, description_, " failed: ", cause, extra);
+    }
+    if (group_) group_->flight_recorder().completed(seq_);
+    // Release the backend's work, and with it the tensors it holds (a Gloo reduce-scatter's input and
+    // scratch), at the wait rather than when this handle is destroyed, which FSDP does later.
+    work_.reset();
+  }
+  if (on_done_) on_done_();
+}
+
+bool Work::is_completed() const { return done_ || !work_ || work_->isCompleted(); }
+
+Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
+                            bool async_op) {
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  const std::string desc = pair_desc("all_gather_into_tensor", group, seq, input, output);
+  check_pair(desc, output, "output", input, "input", group.size());
+  if (group.size() == 1) {
+    if (!output.is_same(input) && output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
+    return Work();
+  }
+  // Ring all-gather (Gloo's gloo/allgather.cc, NCCL's ring): N-1 steps, each sending one rank's block to
+  // the next rank and receiving one from the previous: (N-1)/N of the output each way.
+  const uint64_t ag_bytes = input.nbytes() * static_cast<uint64_t>(group.size() - 1);
+  add_bytes(detail::ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
+  return launch(group, "all_gather_into_tensor", seq, output.nbytes(), desc, async_op, &input, &output, 0, [&] {
+    auto out = output.view({-1});
+    auto in = input.view({-1});
+    if (auto* shm = shm_for(group, input)) return shm->all_gather(out, in, seq, header("all_gather_into_tensor", group, seq));
+    c10d::AllgatherOptions opts;
+    return group.backend()->_allgather_base(out, in, opts);
+  });
+}
+
+Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
+                           ReduceOp op, bool async_op) {
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  const std::string desc = pair_desc("reduce_scatter_tensor", group, seq, input, output);
+  check_pair(desc, input, "input", output, "output", group.size());
+  if (group.size() == 1) {
+    if (output.data_ptr() != input.data_ptr()) output.view(-1).copy_(input.view(-1));
+    return Work();
+  }
+  const int n = group.size();
+  // Each rank sends N-1 of its input's N chunks and receives N-1 chunks of output's size: (N-1)/N of the
+  // input each way (our Gloo reduce-scatter counts its own sends and receives; NCCL's ring the same).
+  // Gloo's _reduce_scatter_base is an all-reduce of the input: counted as one.
+  const bool ours = is_gloo(group) && output.numel() > 0 && !gloo_reduce_scatter_via_all_reduce();
+  auto& counter = detail::ProcessGroupAccess::comm_stats(group).reduce_scatter_tensor;
+  if (ours || !is_gloo(group)) {
+    const uint64_t rs_bytes = output.nbytes() * static_cast<uint64_t>(n - 1);
+    add_bytes(counter, rs_bytes, rs_bytes);
+  } else {
+    count_all_reduce(group, counter, input.nbytes(), input.element_size());
+  }
+  std::function<void()> on_done;
+  if (ours) {
+    // See [Note: Gloo reduce-scatter]. `gathered` is kept alive by the completion step (and by Gloo's work).
+    // On the CPU from the input's allocator: FSDP's inputs come from its buffer pool (fsdp/fsdp_buffer_pool.h),
+    // so the scratch is a reused pool block too instead of freshly faulted pages every step. (Any CPU
+    // allocator works; a tensor without one, e.g. from_blob, gets a fresh tensor.)
+    auto* alloc = input.is_cpu() ? input.storage().allocator() : nullptr;
+    auto gathered = alloc ? at::Tensor(at::detail::empty_generic({input.numel()}, alloc,
+                                                                c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                                input.scalar_type(), std::nullopt))
+                         : torch::empty_like(input.view({-1}));
+    on_done = [output, gathered, n, rank = group.rank(), op, total = input.nbytes()]() mutable {
+      gloo_reduce_rows(output, gathered, n, rank, op, total);
+      gathered = torch::Tensor();  // drop our reference once reduced (Gloo's work holds one until freed)
+      if (op == ReduceOp::AVG) output.div_(n);
+    };
+    return launch(
+        group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output,
+        static_cast<int64_t>(op),
+        [&] {
+          auto in = input.view({-1});
+          if (auto* shm = shm_for(group, input)) {
+            return shm->all_to_all(gathered, in, seq, header("reduce_scatter_tensor", group, seq));
+          }
+          std::vector<int64_t> equal_splits;  // empty: n equal chunks
+          return group.backend()->alltoall_base(gathered, in, equal_splits, equal_splits, c10d::AllToAllOptions());
+        },
+        std::move(on_done));
+  }
+  if (op == ReduceOp::AVG) {
+    on_done = [output, n] { output.div_(n); };
+  }
+  return launch(
+      group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output, static_cast<int64_t>(op),
+      [&] {
+        c10d::ReduceScatterOptions opts;
+        opts.reduceOp = to_c10d(op);
+        auto out = output.view({-1});
+        auto in = input.view({-1});
+        return group.backend()->_reduce_scatter_base(out, in, opts);
+      },
+      std::move(on_done));
+}
+
+Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, bool async_op) {
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  std::string desc = header("all_reduce", group, seq) + ": tensor " + describe(tensor);
+  if (group.size() == 1) return Work();
+  std::function<void()> on_done;
+  if (op == ReduceOp::AVG) {
+    int n = group.size();
+    on_done = [tensor, n] { tensor.div_(n); };
+  }
+  count_all_reduce(group, detail::ProcessGroupAccess::comm_stats(group).all_reduce, tensor.nbytes(),
+                   tensor.element_size());
+  return launch(
+      group, "all_reduce", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, static_cast<int64_t>(op),
+      [&] {
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = to_c10d(op);
+        std::vector<at::Tensor> ts{tensor};
+        return group.backend()->allreduce(ts, opts);
+      },
+      std::move(on_done));
+}
+
+Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool async_op) {
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  std::string desc = header("broadcast", group, seq) + ": tensor " + describe(tensor) + " from rank " +
+                     std::to_string(src);
+  TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
+  if (group.size() == 1) return Work();
+  count_broadcast(group, src, tensor.nbytes());
+  return launch(group, "broadcast", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, src, [&] {
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    std::vector<at::Tensor> ts{tensor};
+    return group.backend()->broadcast(ts, opts);
+  });
+}
+
+Work barrier(ProcessGroup& group, bool async_op) {
+  uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
+  std::string desc = header("barrier", group, seq);
+  if (group.size() == 1) return Work();
+  return launch(group, "barrier", seq, 0, desc, async_op, nullptr, nullptr, 0, [&] {
+    c10d::BarrierOptions opts;
+    return group.backend()->barrier(opts);
+  });
+}
+
+}  // namespace fsdp

@@ -1,0 +1,67 @@
+// The collectives of an FSDP group and their packing: all-gather copy-in / copy-out, reduce-scatter
+// copy-in and the unpacking of its output into sharded gradients.
+// Mirrors torch.distributed.fsdp._fully_shard._fsdp_collectives (foreach_all_gather,
+// foreach_all_gather_copy_out, foreach_reduce, foreach_reduce_scatter_copy_in). Not to be confused with
+// src/c10d/collectives.cpp, the c10d wrappers these call.
+//
+// Every rank issues these in the same order: see [Note: collective order] (fsdp_state.cpp).
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "fsdp/c10d/collectives.h"
+#include "fsdp/fsdp_param.h"
+#include "fsdp/fsdp_streams.h"
+
+namespace fsdp::detail {
+
+/// An all-gather in flight (issued by FSDPParamGroup::unshard, waited by wait_for_unshard).
+struct AllGatherResult {
+  torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
+  Work work;
+  int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
+};
+
+/// Copy-in and all-gather of a group's parameters over `pg`: each rank's padded shards (or, with
+/// `post_forward`, its post-forward shards) cast to param_dtype and concatenated into its slice of one
+/// flat output, gathered in place. CUDA: copy-in on the copy-in stream, the collective on the all-gather
+/// stream (see fsdp_streams.h). Asynchronous: the result's work must be waited before the copy-out.
+AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
+                                   CommContext& comm, torch::Device device, bool non_blocking);
+
+/// Copy-out: the (completed) all-gather output viewed as [world, N] holds, per rank, every parameter's
+/// piece in group order; each piece goes to its parameter's (allocated) unsharded padded tensor.
+void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPParam>& params);
+
+/// A reduce-scatter in flight (issued by FSDPParamGroup::post_backward, waited by finish_reduce).
+struct ReduceScatterResult {
+  torch::Tensor input;   // unused (undefined): the backend's work keeps the input alive (see foreach_reduce)
+  torch::Tensor output;  // [M + P] in reduce dtype: P = presence counts of the reduced parameters
+  Work work;
+  std::vector<size_t> param_indices;  // params reduced, in order
+  int64_t data_numel = 0;             // M: the gradients; then one presence count per parameter
+  std::vector<char> missing;          // per reduced parameter: this rank had no gradient
+};
+
+/// Copy-in and reduce-scatter (SUM) over `pg` of the unsharded gradients `grads` (indexed like
+/// `params`) of the parameters `param_indices` (M = the sum of their padded numels; `missing[k]`: this
+/// rank has no gradient for the k-th, which then contributes zeros). Input [ws, M + P]: row r = every
+/// gradient's chunk r, zero-padded, in group order, then the P presence flags. Each gradient is released
+/// once copied in (before the output and the backend's buffers are allocated). CUDA: on the
+/// reduce-scatter stream. Asynchronous.
+ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
+                                   std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
+                                   ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
+                                   torch::Device device);
+
+/// Unpacks a completed (and divided) reduce-scatter output: hands each reduced parameter's sharded
+/// gradient to `sink(param index, gradient)`, in `rs.param_indices` order, in the parameter's dtype and
+/// on its shard's device. On the CPU, when the dtypes agree, each gradient aliases its (disjoint) piece of
+/// the output as a plain tensor, not an autograd view (no copy; the output's pool block is reused once
+/// every gradient is dropped); otherwise it is an independent copy. Parameters no rank had a gradient for are
+/// skipped (the presence counts are read, a host sync, only when this rank lacked a gradient).
+void foreach_reduce_scatter_copy_out(const ReduceScatterResult& rs, const std::vector<FSDPParam>& params,
+                                     const std::function<void(size_t, torch::Tensor)>& sink);
+
+}  // namespace fsdp::detail

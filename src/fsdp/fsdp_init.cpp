@@ -1,0 +1,149 @@
+// fully_shard's initialisation: default mesh, managed parameters and their checks (see fsdp_init.h).
+#include "fsdp/fsdp_init.h"
+
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/nn/modules/embedding.h>
+
+#include "fsdp/fsdp_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+// Modules whose parameters get sparse gradients, which a reduce-scatter of dense rows cannot take: refused
+// at fully_shard, before anything is sharded, instead of failing deep in backward. (A custom module that
+// asks for a sparse gradient through the functional form is caught when the gradient arrives.)
+void check_dense_gradients(const torch::nn::Module& m, const std::string& path, const std::string& param, int rank) {
+  bool sparse = false;
+  if (const auto* e = m.as<torch::nn::EmbeddingImpl>()) sparse = e->options.sparse();
+  if (const auto* e = m.as<torch::nn::EmbeddingBagImpl>()) sparse = e->options.sparse();
+  TORCH_CHECK(!sparse, "fully_shard: module '", path, "' (", m.name(), ") on rank ", rank, " has sparse=true, so its ",
+              "parameter '", param, "' would get sparse gradients, which FSDP cannot reduce-scatter (it shards dense ",
+              "rows). Fix: construct it with sparse(false) (the default), or pass '", param, "' in ignored_params and ",
+              "reduce its gradient yourself");
+}
+
+}  // namespace
+
+DeviceMeshPtr fully_shard_mesh(const FullyShardOptions& options) {
+  auto mesh = options.mesh();
+  if (!mesh) {
+    auto world = default_process_group();
+    mesh = init_device_mesh(world->device_type(), {world->size()}, {}, world);
+  }
+  TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
+              mesh->str());
+  return mesh;
+}
+
+void for_each_managed_module(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+    const std::function<void(size_t, const std::string&, const std::string&, torch::nn::Module&)>& fn) {
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    std::vector<std::string> sharded_subtrees;
+    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
+      const std::string& path = item.key();
+      bool under = false;
+      for (const auto& t : sharded_subtrees) under = under || path == t || path.rfind(t + ".", 0) == 0;
+      if (under) continue;
+      if (!path.empty() && state_of(*item.value())) {
+        sharded_subtrees.push_back(path);  // a sharded submodule manages its own subtree
+        continue;
+      }
+      fn(mi, prefix, path, *item.value());
+    }
+  }
+}
+
+ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                                 const FullyShardOptions& options, int rank) {
+  // Parameters owned by other states (param -> (state, its FSDPParam)).
+  const auto managed = managed_params(/*forget_destroyed=*/true);
+  // Paths of the modules under the ones being sharded: errors name modules by path and type.
+  std::unordered_map<const torch::nn::Module*, std::string> paths;
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    for (const auto& item : modules[mi]->named_modules("", /*include_self=*/true)) {
+      paths.emplace(item.value().get(), item.key().empty() && modules.size() == 1 ? "" : prefix + item.key());
+    }
+  }
+  // "'emb.weight' of 'emb' (torch::nn::EmbeddingImpl)": the tied parameter in the other group.
+  auto describe_managed = [&](const std::shared_ptr<FSDPState>& other, const FSDPParam& op) {
+    std::ostringstream os;
+    auto m = other->modules[op.module_index].lock();
+    auto it = m ? paths.find(m.get()) : paths.end();
+    if (it != paths.end()) {
+      os << "'" << (it->second.empty() ? op.name_in_module : it->second + "." + op.name_in_module) << "' of '"
+         << it->second << "' (" << (m ? m->name() : other->module_type) << "), sharded by an earlier fully_shard call";
+    } else {
+      os << "'" << op.name_in_module << "' of " << (m ? m->name() : other->module_type)
+         << " (outside this module), sharded by an earlier fully_shard call";
+    }
+    return os.str();
+  };
+  auto describe_self = [&](size_t mi) {
+    std::string what = modules.size() > 1 ? "module " + std::to_string(mi) + " of the fully_shard call (" : "the module passed to fully_shard (";
+    return what + modules[mi]->name() + ")";
+  };
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& t : options.ignored_params()) ignored.insert(t.unsafeGetTensorImpl());
+
+  ManagedParams out;
+  std::unordered_set<const c10::TensorImpl*> taken;
+  for_each_managed_module(modules, [&](size_t mi, const std::string& prefix, const std::string& path,
+                                       torch::nn::Module& module) {
+    for (const auto& pp : module.named_parameters(/*recurse=*/false)) {
+      const auto* impl = pp.value().unsafeGetTensorImpl();
+      std::string name = prefix + (path.empty() ? pp.key() : path + "." + pp.key());
+      if (ignored.count(impl) || !taken.insert(impl).second) continue;  // ignored, or tied within the group
+      auto it = managed.find(impl);
+      TORCH_CHECK(it == managed.end(), "fully_shard: parameter '", (path.empty() ? pp.key() : path + "." + pp.key()),
+                  "' of ", describe_self(mi), " on rank ", rank, " is the same tensor as ",
+                  describe_managed(it->second.first, *it->second.second),
+                  ": tied parameters must be sharded in one group. Fix: fully_shard({module_a, module_b}) together, "
+                  "or leave both modules to their common parent's fully_shard");
+      check_dense_gradients(module, prefix + path, name, rank);
+      out.params.emplace_back(name, pp.value());
+      out.origin.emplace_back(mi, path.empty() ? pp.key() : path + "." + pp.key());
+    }
+  });
+  return out;
+}
+
+GroupDtypes verify_managed_params(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                  const MixedPrecisionPolicy& mp, const std::string& module_name, int rank) {
+  GroupDtypes dtypes;
+  std::string trainable_dtype_fqn, gather_dtype_fqn;
+  for (const auto& [name, tensor] : params) {
+    TORCH_CHECK(tensor.dim() > 0, "fully_shard: parameter '", name, "' of ", module_name, " on rank ", rank,
+                " is a scalar (0-D): FSDP shards dim 0. Fix: give it shape [1] (e.g. `register_parameter(\"", name,
+                "\", torch::zeros({1}))`) or pass it in ignored_params");
+    TORCH_CHECK(tensor.is_contiguous(), "fully_shard: parameter '", name, "' of ", module_name, " on rank ",
+                rank, " is not contiguous (shape ", tensor.sizes(), ", strides ", tensor.strides(),
+                "): FSDP shards contiguous dim-0 rows. Fix: make it contiguous before fully_shard (p.set_data(p.contiguous()))");
+    TORCH_CHECK(!tensor.is_sparse(), "fully_shard: parameter '", name, "' is sparse, which FSDP does not support");
+    if (tensor.requires_grad()) {
+      TORCH_CHECK(!dtypes.trainable || *dtypes.trainable == tensor.scalar_type(), "fully_shard: trainable parameters of ",
+                  module_name, " have different dtypes: '", trainable_dtype_fqn, "' is ", *dtypes.trainable, " and '",
+                  name, "' is ", tensor.scalar_type(), ". FSDP reduces one group in one dtype. Fix: shard them in separate "
+                  "fully_shard calls or cast them to one dtype");
+      dtypes.trainable = tensor.scalar_type();
+      trainable_dtype_fqn = name;
+    }
+    // One flat all-gather per group: every parameter must gather in the same dtype.
+    auto gdtype = (mp.param_dtype() && at::isFloatingType(tensor.scalar_type())) ? *mp.param_dtype()
+                                                                                 : tensor.scalar_type();
+    TORCH_CHECK(!dtypes.gather || *dtypes.gather == gdtype, "fully_shard: parameters '", gather_dtype_fqn, "' (",
+                *dtypes.gather, ") and '", name, "' (", gdtype, ") of ", module_name, " would be all-gathered in different ",
+                "dtypes, but a group is gathered as one flat buffer. Fix: shard them in separate fully_shard calls, cast "
+                "them to one dtype, or pass one of them in ignored_params");
+    dtypes.gather = gdtype;
+    gather_dtype_fqn = name;
+  }
+  return dtypes;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,312 @@
+// FSDPParamGroup: when a group's parameters are sharded, and the gradients of its backward.
+#include "fsdp/fsdp_param_group.h"
+
+#include <map>
+#include <utility>
+
+#include "fsdp/fsdp_init.h"
+
+namespace fsdp::detail {
+
+FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>> params, GroupOptions options,
+                               const std::string& module_name)
+    : opts_(std::move(options)), module_name_(module_name) {
+  const auto& mesh = opts_.mesh;
+  TORCH_CHECK(mesh->ndim() == 1 || mesh->ndim() == 2, "fully_shard: expected a 1-D or 2-D DeviceMesh, got ",
+              mesh->str());
+  shard_pg_ = mesh->get_group(mesh->ndim() - 1);
+  if (mesh->ndim() == 2) replicate_pg_ = mesh->get_group(0);
+  const int ws = shard_pg_->size();
+  const int rank = shard_pg_->rank();
+  const int global_rank = mesh->get_rank();
+  torch::NoGradGuard no_grad;
+
+  // Validate every parameter before sharding any: a failed fully_shard leaves the module untouched.
+  const auto dtypes = verify_managed_params(params, opts_.mp, module_name, global_rank);
+  const auto shard_device = opts_.offload ? torch::Device(torch::kCPU) : mesh->device();
+  for (auto& [name, tensor] : params) {
+    params_.emplace_back(name, tensor, *dtypes.gather, ws, rank, shard_device, opts_.offload && opts_.pin_memory);
+  }
+  if (replicate_pg_ && replicate_pg_->size() > 1) broadcast_over_replicate();
+  auto base = dtypes.trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
+  auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
+  reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
+  comm_ = comm_context_for(opts_.mesh.get(), mesh->device());
+}
+
+void FSDPParamGroup::check_params_hold_fsdp_data() const {
+  const bool unsharded = state_ == ShardedState::UNSHARDED;
+  for (const auto& p : params_) p.check_holds_fsdp_data(unsharded, module_name_, opts_.mesh->get_rank());
+}
+
+void FSDPParamGroup::broadcast_over_replicate() {
+  // HSDP keeps replicas equal only by all-reducing identical updates: replicas that start from
+  // different weights (ranks seeded differently) would stay different for good. So every replica
+  // takes the shards of replicate rank 0: one broadcast of the group's padded shards per dtype.
+  std::map<torch::ScalarType, std::vector<FSDPParam*>> by_dtype;
+  for (auto& p : params_) {
+    if (p.padded_shard.numel() > 0) by_dtype[p.padded_shard.scalar_type()].push_back(&p);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [dtype, ps] : by_dtype) {
+    std::vector<torch::Tensor> flat;
+    for (auto* p : ps) flat.push_back(p->padded_shard.reshape({-1}).to(opts_.mesh->device()));
+    auto buf = torch::cat(flat);
+    broadcast(buf, 0, *replicate_pg_);
+    int64_t off = 0;
+    for (auto* p : ps) {
+      p->padded_shard.copy_(buf.narrow(0, off, p->padded_shard.numel()).view(p->padded_shard.sizes()));
+      off += p->padded_shard.numel();
+    }
+  }
+}
+
+void FSDPParamGroup::unshard(bool async_op) {
+  // Before any collective, so that every rank refuses alike: see [Note: collective order].
+  if (!pending_ag_) check_params_hold_fsdp_data();
+  if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
+  // SHARDED_POST_FORWARD gathers over the post-forward group: see [Note: reshard_after_forward=k].
+  const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
+  ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
+  pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
+                                   /*non_blocking=*/opts_.offload);
+  if (!async_op) wait_for_unshard();
+}
+
+void FSDPParamGroup::wait_for_unshard() {
+  if (!pending_ag_) return;  // nothing in flight
+  {
+    StreamScope all_gather(comm_.get(), CommStream::kAllGather, /*wait_previous=*/false);
+    pending_ag_->work.wait();  // NCCL: the all-gather stream waits; the host does not
+  }
+  comm_->current_wait(comm_->record(CommStream::kAllGather));
+  auto ag = std::move(*pending_ag_);
+  pending_ag_.reset();
+  alloc_unsharded();
+  foreach_all_gather_copy_out(ag, params_);
+  post_forward_pg_.reset();
+  comm_->retire_all_gather_output(std::move(ag.output));  // freed after its copy-out (limiter)
+  to_unsharded_data();
+  state_ = ShardedState::UNSHARDED;
+}
+
+void FSDPParamGroup::reshard() {
+  if (pending_ag_) wait_for_unshard();  // a prefetch nobody used: complete the collective first
+  if (state_ == ShardedState::SHARDED) return;  // already sharded
+  if (state_ == ShardedState::UNSHARDED) to_sharded_data();
+  free_unsharded();
+  for (auto& p : params_) p.post_forward_shard = torch::Tensor();
+  post_forward_pg_.reset();
+  state_ = ShardedState::SHARDED;
+}
+
+// [Note: reshard_after_forward=k]
+// FSDP2's reshard_after_forward=int: after forward each rank keeps 1/k of the unsharded parameters
+// instead of its 1/ws shard, so that the backward all-gather runs over k ranks (e.g. the GPUs of one
+// node) instead of the whole shard group. FSDPState::lazy_init resolves the option: true, or k == ws,
+// reshards fully (1); false, or k == 1, keeps the parameters unsharded (0); otherwise k, which must
+// divide ws, with a post-forward group of k consecutive shard ranks (base .. base + k - 1, base =
+// rank / k * k), as FSDP2's post-forward mesh. reshard_post_forward keeps, on position j of that group,
+// rows [j * R, (j + 1) * R) of the unsharded padded tensor (R = ws / k * padded_rows), a copy: the
+// post-forward shard. The data goes back to the sharded data (the optimizer's view never changes), and
+// the group is SHARDED_POST_FORWARD: the next unshard gathers the post-forward shards over the k ranks
+// (in rank order they are the unsharded padded tensor again), and reshard() drops them. The root's next
+// pre-forward reshards every such group fully, so no slice survives an optimizer step.
+void FSDPParamGroup::reshard_post_forward(const ProcessGroupPtr& post_forward_group) {
+  if (pending_ag_) wait_for_unshard();
+  if (state_ != ShardedState::UNSHARDED) return;  // nothing unsharded to keep a slice of
+  const int k = post_forward_group->size();
+  const int j = post_forward_group->rank();
+  for (auto& p : params_) p.to_sharded_post_forward(k, j);
+  to_sharded_data();
+  free_unsharded();
+  post_forward_pg_ = post_forward_group;
+  state_ = ShardedState::SHARDED_POST_FORWARD;
+}
+
+void FSDPParamGroup::alloc_unsharded() {
+  for (auto& p : params_) p.alloc_unsharded_param(shard_pg_->size(), opts_.mesh->device(), *comm_);
+}
+
+void FSDPParamGroup::free_unsharded() {
+  for (auto& p : params_) p.free_unsharded_param();
+}
+
+void FSDPParamGroup::to_unsharded_data() {
+  for (auto& p : params_) p.to_unsharded(in_backward_);
+}
+
+void FSDPParamGroup::to_sharded_data() {
+  const int rank = opts_.mesh->get_rank();
+  for (auto& p : params_) p.to_sharded(in_backward_, rank);
+}
+
+void FSDPParamGroup::begin_backward() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  for (auto& p : params_) {
+    // The data is sharded (an unsharded group stashed its grad when it was unsharded): .grad is the
+    // sharded gradient of earlier backwards. Outside the autograd's reach until end_backward.
+    accumulate(p.stashed_grad, std::exchange(p.param.mutable_grad(), torch::Tensor()));
+  }
+}
+
+void FSDPParamGroup::end_backward() {
+  in_backward_ = false;
+  // Outside a backward .grad is the sharded gradient, whatever the data (see FSDPParam::to_unsharded).
+  for (auto& p : params_) accumulate(p.param.mutable_grad(), std::exchange(p.stashed_grad, torch::Tensor()));
+}
+
+void FSDPParamGroup::abort_backward() noexcept {
+  try {
+    if (in_backward_) {
+      for (auto& p : params_) {
+        p.param.mutable_grad() = torch::Tensor();  // this backward's unsharded gradient
+        p.pending_grad = torch::Tensor();
+      }
+    }
+    end_backward();  // the sharded gradients back in .grad
+    // Local reshard (no collective: other ranks may be elsewhere). An all-gather in flight keeps the
+    // data as it is; the next root forward waits for it and reshards.
+    if (!pending_ag_ && state_ == ShardedState::UNSHARDED) {
+      to_sharded_data();
+      free_unsharded();
+      state_ = ShardedState::SHARDED;
+    }
+  } catch (...) {
+    // cleanup after a failure must not throw; the next forward reshards again
+  }
+}
+
+bool FSDPParamGroup::has_unsharded_grads() const {
+  if (!in_backward_) return false;
+  for (const auto& p : params_) {
+    if (p.pending_grad.defined() || p.param.grad().defined()) return true;
+  }
+  return false;
+}
+
+torch::Tensor FSDPParamGroup::sharded_grad(const FSDPParam& p) const {
+  if (in_backward_) return p.stashed_grad;
+  return p.param.grad();
+}
+
+void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_factor) {
+  // Run by FSDPState: see [Note: post-backward and the end-of-backward callback] (fsdp_state.cpp).
+  // A reduce-scatter left in flight (set_is_last_backward(false)) completes before the next one.
+  finish_reduce(divide_factor);
+  // Take the unsharded gradients of this backward out of the parameters (begin_backward moved the
+  // sharded ones aside, so whatever .grad holds now was accumulated by autograd in this backward).
+  torch::NoGradGuard no_grad;
+  const int rank = opts_.mesh->get_rank();
+  std::vector<torch::Tensor> grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    auto& g = p.param.mutable_grad();
+    torch::Tensor taken;
+    if (in_backward_ && g.defined()) {
+      taken = std::move(g);
+      g = torch::Tensor();
+    }
+    accumulate(taken, std::exchange(p.pending_grad, torch::Tensor()));
+    if (!taken.defined()) continue;
+    TORCH_CHECK(!taken.is_sparse(), "fully_shard: parameter '", p.fqn, "' of ", module_name_, " on rank ", rank,
+                " got a sparse gradient, which FSDP cannot reduce-scatter (it shards dense rows). Fix: compute it "
+                "with a dense gradient (e.g. embedding(..., sparse=false)), or pass the parameter in ignored_params "
+                "and reduce its gradient yourself");
+    TORCH_CHECK(taken.sizes() == p.unsharded_data.sizes(), "fully_shard: parameter '", p.fqn, "' on rank ", rank,
+                " received a gradient of shape ", taken.sizes(), " but its unsharded shape is ",
+                c10::IntArrayRef(p.orig_size), ": a use of the parameter that FSDP did not see (a forward that ",
+                "bypassed FSDP) computed on its local shard. Fix: call the module through its fsdp::FSDPModule ",
+                "holder (module(x)) or fsdp::fsdp_forward");
+    grads[i] = std::move(taken);
+  }
+  if (!sync) {
+    // Gradient accumulation without communication: keep the unsharded grads in the reduce dtype.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      auto& acc = params_[i].unsharded_accum_grad;
+      if (acc.defined()) {
+        acc.add_(grads[i]);
+      } else {
+        acc = grads[i].to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/grads[i].scalar_type() == reduce_dtype_);
+      }
+    }
+    if (reshard_after) reshard();
+    return;
+  }
+  // See [Note: collective order] (fsdp_state.cpp).
+  // Every trainable parameter takes part in the reduce-scatter, with or without a gradient on this
+  // rank: its size then depends only on the group (checked across ranks at the first forward), never
+  // on which parameters a rank's data happened to use (a parameter unused on one rank, e.g. an expert
+  // no token was routed to, would otherwise make the ranks' reduce-scatters differ in size, which
+  // aborts the process inside Gloo). A missing gradient contributes zeros; one presence flag per
+  // parameter travels with each chunk, so that a parameter no rank produced a gradient for keeps an
+  // undefined gradient, as without FSDP.
+  std::vector<size_t> idx;
+  int64_t m = 0;
+  std::vector<char> missing;  // per reduced parameter: no gradient on this rank
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    if (p.unsharded_accum_grad.defined()) {
+      if (grads[i].defined()) p.unsharded_accum_grad.add_(grads[i]);
+      grads[i] = std::move(p.unsharded_accum_grad);
+      p.unsharded_accum_grad = torch::Tensor();
+    }
+    if (!p.requires_grad() && !grads[i].defined()) continue;  // frozen (the same on every rank)
+    missing.push_back(grads[i].defined() ? 0 : 1);
+    idx.push_back(i);
+    m += p.padded_numel();
+  }
+  if (reshard_after) reshard();
+  if (idx.empty()) return;  // no trainable parameter in this group
+  pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
+                               reduce_dtype_, opts_.mesh->device());
+}
+
+void FSDPParamGroup::finish_reduce(double divide_factor) {
+  if (!pending_rs_) return;  // nothing in flight
+  auto rs = std::move(*pending_rs_);
+  pending_rs_.reset();
+  torch::NoGradGuard no_grad;
+  {
+    StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter, /*wait_previous=*/false);
+    rs.work.wait();
+    if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
+    if (divide_factor != 1.0) rs.output.div_(divide_factor);
+  }
+  // CUDA: the gradients are taken on the compute stream, after the reduction; the output was allocated
+  // on the reduce-scatter stream and is read here.
+  comm_->current_wait(comm_->record(CommStream::kReduceScatter));
+  comm_->record_stream_current(rs.output);
+  comm_->release_all_gather_output();
+  foreach_reduce_scatter_copy_out(rs, params_, [this](size_t i, torch::Tensor shard) {
+    auto& p = params_[i];
+    // While a backward runs (autograd owns .grad) the sharded grad waits in the stash.
+    accumulate(in_backward_ ? p.stashed_grad : p.param.mutable_grad(), std::move(shard));
+  });
+}
+
+void FSDPParamGroup::discard_gradients_in_flight() {
+  if (pending_rs_) {
+    try {
+      pending_rs_->work.wait();  // the collective must complete on every rank; its result is dropped
+    } catch (...) {
+      // the failure that interrupted the backward is already being reported
+    }
+    pending_rs_.reset();
+  }
+  for (auto& p : params_) {
+    p.pending_grad = torch::Tensor();
+    auto& g = p.param.mutable_grad();
+    if (g.defined() && g.sizes() != p.sharded_data.sizes()) g = torch::Tensor();  // an unsharded leftover
+  }
+}
+
+int64_t FSDPParamGroup::sharded_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_) b += p.padded_shard.numel() * p.padded_shard.element_size();
+  return b;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,509 @@
+// FSDPState: the registry of FSDP states, lazy init, the forward/backward hooks and the
+// end-of-backward callback. Mirrors torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState.
+// (The checks for forwards that bypassed FSDP are in fsdp_state_checks.cpp.)
+#include "fsdp/fsdp_state.h"
+
+#include "fsdp/fsdp/deferred_init.h"
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/engine.h>
+
+#include "fsdp/consistency.h"
+#include "c10d/process_group_access.h"
+
+namespace fsdp::detail {
+
+// [Note: post-backward and the end-of-backward callback]
+// A group's gradients are reduce-scattered once per backward, after every use of its parameters in that
+// backward produced its gradient. Two mechanisms find that moment, as in FSDP2:
+// - RegisterPostBackward (below): pre_forward passes the call's inputs that require grad through this
+//   identity autograd function. Its backward runs once the gradients of those inputs are computed, that
+//   is after every node of the call and the AccumulateGrad nodes they complete (those have the engine's
+//   highest priority). on_input_grads_ready counts them; when every call of the group in this forward
+//   (and every recomputation in this backward) is tracked and has reported (FSDPState::all_calls_done),
+//   the group's post_backward runs right there, so its reduce-scatter overlaps the rest of the backward.
+// - The end-of-backward callback: the first pre-backward of a backward (an output's tensor hook) queues
+//   root_post_backward_final on the autograd engine, which runs it once the whole backward is done. It
+//   runs the post-backward of every group whose hooks could not tell (a call whose inputs need no grad,
+//   e.g. token ids; a call whose output fed no gradient) or that got gradients after its post-backward,
+//   waits for the reduce-scatters (is_last_backward), reshards and returns every state to IDLE.
+// A backward that throws never runs the callback: the BackwardGuard the callback holds is destroyed with
+// the engine's graph task, before the exception reaches the caller, and runs abort_backward (local
+// cleanup, no collective); the next root forward completes the collectives left in flight.
+//
+// [Note: collective order]
+// Gloo and NCCL match collectives by their order on each rank: every rank must issue the same
+// collectives, of the same sizes, in the same order, or the process aborts or hangs. FSDP keeps that
+// order independent of what each rank's data did:
+// - group layout: at the root's lazy init the ranks compare every group's collective sizes
+//   (check_group_layout, consistency.cpp) and all throw a c10::Error when they differ.
+// - all-gathers follow the forward (pre_forward, and the implicit prefetch in the first iteration's
+//   forward order) and the backward (pre_backward, prefetching in reverse post-forward order): the same
+//   program, and the same autograd graph, on every rank.
+// - reduce-scatters: a group's has a size that depends on the group only (every trainable parameter
+//   takes part, with zeros and a presence flag where this rank has no gradient: FSDPParamGroup::
+//   post_backward, foreach_reduce), and the end-of-backward callback finishes groups in the fixed
+//   pre-order of FSDPContext::states, not in the order in which their hooks happened to fire.
+// - checks that throw run before any collective of their step, on what every rank has alike (e.g.
+//   check_params_hold_fsdp_data before the all-gather), so every rank refuses at the same point; cleanup
+//   after a failure is local (abort_backward) and leaves collectives in flight for the next root
+//   forward to complete.
+
+namespace {
+
+using torch::nn::Module;
+
+// Autograd function applied to a module's inputs that require grad: identity in forward; its backward
+// runs when the gradients w.r.t. those inputs are ready, i.e. once the module's backward is done
+// (AccumulateGrad nodes run first: they have the highest priority in the engine's ready queue).
+// See [Note: post-backward and the end-of-backward callback].
+struct RegisterPostBackward : public torch::autograd::Function<RegisterPostBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t state_id) {
+    ctx->saved_data["state_id"] = state_id;
+    return torch::autograd::variable_list(inputs.begin(), inputs.end());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (auto state = state_by_id(ctx->saved_data["state_id"].toInt())) state->on_input_grads_ready();
+    grads.emplace_back();  // no gradient for state_id
+    return grads;
+  }
+};
+
+}  // namespace
+
+void FSDPContext::reset_forward() {
+  for (FSDPState* s : states) {
+    s->ran_forward = false;
+    s->fwd_calls = 0;
+    s->fwd_untracked = 0;
+    s->post_forward_indices.clear();
+    std::fill(s->fwd_used.begin(), s->fwd_used.end(), 0);
+  }
+  post_forward_order.clear();
+  forward_stack.clear();
+  reset_backward();
+}
+
+void FSDPContext::reset_backward() {
+  for (FSDPState* s : states) {
+    s->training_state = TrainingState::IDLE;
+    s->bwd_calls = 0;
+    s->bwd_untracked = 0;
+    s->input_grads_ready = 0;
+    s->backward_cursor = 0;
+    s->post_backward_runs = 0;
+    std::fill(s->bwd_used.begin(), s->bwd_used.end(), 0);
+    std::fill(s->grad_accumulated.begin(), s->grad_accumulated.end(), 0);
+  }
+  in_backward = false;
+  reduce_pending = nullptr;
+}
+
+namespace {
+// Runs the root's cleanup when a backward ends without its end-of-backward callback (an exception
+// inside the backward: the engine drops the graph task, and with it this guard, before the
+// exception reaches the caller — so before user code can zero or step the gradients).
+// See [Note: post-backward and the end-of-backward callback].
+struct BackwardGuard {
+  explicit BackwardGuard(int64_t id) : root_id(id) {}
+  BackwardGuard(const BackwardGuard&) = delete;  // one owner: only its destruction means "dropped"
+  BackwardGuard& operator=(const BackwardGuard&) = delete;
+  int64_t root_id;
+  bool finished = false;
+  ~BackwardGuard() {
+    if (finished) return;
+    if (auto r = state_by_id(root_id)) r->abort_backward();
+  }
+};
+}  // namespace
+
+std::string FSDPState::name() const {
+  if (!ctx) return "the module passed to fully_shard (" + module_type + ")";
+  if (is_root()) return "the root (" + module_type + ")";
+  return "'" + fqn + "' (" + module_type + ")";
+}
+
+FSDPState::FSDPState(std::vector<std::shared_ptr<Module>> mods, FullyShardOptions opts)
+    : options(std::move(opts)) {
+  for (auto& m : mods) modules.push_back(m);
+  module_type = mods[0]->name();
+  for (size_t i = 1; i < mods.size(); ++i) module_type += "+" + mods[i]->name();
+}
+
+double FSDPState::divide_factor() const {
+  if (gradient_divide_factor) return *gradient_divide_factor;
+  return static_cast<double>(mesh->size());  // shard size x replicate size: the data-parallel ranks
+}
+
+void FSDPState::init_params(const std::vector<std::pair<size_t, std::string>>& origin) {
+  if (!group) return;
+  auto& ps = group->params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    ps[i].module_index = origin[i].first;
+    ps[i].name_in_module = origin[i].second;
+    if (!ps[i].param.requires_grad()) continue;
+    // Every gradient that reaches the parameter must come from a use inside the group's FSDP
+    // forward: a forward that bypassed FSDP computed on the shard (see check_grad_arrival). The hook
+    // runs before AccumulateGrad, in every backward, for as long as the parameter lives.
+    const int64_t sid = id;
+    ps[i].param.register_hook([sid, i](const torch::Tensor& grad) {
+      if (auto s = state_by_id(sid)) {
+        if (s->group && i < s->group->params().size()) s->check_grad_arrival(s->group->params()[i], grad);
+      }
+    });
+  }
+}
+
+void FSDPState::lazy_init() {
+  // This state runs forward first: it becomes the root of every state in its modules' trees.
+  auto root_module = modules[0].lock();
+  TORCH_INTERNAL_ASSERT(root_module, "lazy_init: module is gone");
+  for (const auto& p : root_module->named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(p.value()), "fully_shard: parameter '", p.key(), "' of ", module_type, " on rank ",
+                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+                "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
+  }
+  for (const auto& b : root_module->named_buffers(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(b.value()), "fully_shard: buffer '", b.key(), "' of ", module_type, " on rank ",
+                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+                "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
+  }
+  ctx = std::make_shared<FSDPContext>();
+  ctx->root = this;
+  fqn = "";
+  std::unordered_set<FSDPState*> seen;
+  module_fqns.assign(modules.size(), std::nullopt);
+  for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
+    auto s = state_of(*item.value());
+    if (!s) continue;
+    if (seen.insert(s.get()).second) {
+      if (s.get() != this) {
+        TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: '",
+                    item.key(), "' (", s->module_type, ") ran forward before the root (", module_type, "). Fix: ",
+                    "call the root model's forward (the module fully_shard was applied to last) before any submodule's");
+        s->ctx = ctx;
+        s->fqn = item.key();
+        s->module_fqns.assign(s->modules.size(), std::nullopt);
+      }
+      ctx->states.push_back(s.get());
+    }
+    // The path of each module of the state (several for fully_shard({a, b})).
+    for (size_t i = 0; i < s->modules.size(); ++i) {
+      if (!s->module_fqns[i] && s->modules[i].lock().get() == item.value().get()) s->module_fqns[i] = item.key();
+    }
+  }
+  // Each state's nearest sharded ancestor (the forward stack nests states by it).
+  std::unordered_map<std::string, FSDPState*> by_path;
+  for (FSDPState* s : ctx->states) {
+    for (const auto& f : s->module_fqns) {
+      if (f) by_path.emplace(*f, s);
+    }
+  }
+  for (FSDPState* s : ctx->states) {
+    s->parent = nullptr;
+    if (s == this || s->module_fqns.empty() || !s->module_fqns[0]) continue;
+    std::string path = *s->module_fqns[0];
+    while (!s->parent) {
+      auto dot = path.rfind('.');
+      path = dot == std::string::npos ? "" : path.substr(0, dot);
+      auto it = by_path.find(path);
+      if (it != by_path.end() && it->second != s) s->parent = it->second;
+      if (path.empty() && !s->parent) s->parent = this;
+    }
+  }
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    const auto& ps = s->group->params();
+    for (size_t i = 0; i < ps.size(); ++i) ctx->param_index.emplace(ps[i].param.unsafeGetTensorImpl(), std::make_pair(s, i));
+  }
+  // Resolve reshard_after_forward and name parameters by their path from the root.
+  for (FSDPState* s : ctx->states) {
+    if (s->group) {
+      for (auto& p : s->group->params()) {
+        const auto& mfqn = s->module_fqns[p.module_index];
+        if (!mfqn) continue;  // a module of the group outside the root's tree: keep the local name
+        p.fqn = mfqn->empty() ? p.name_in_module : *mfqn + "." + p.name_in_module;
+      }
+    }
+    bool root = s == this;
+    // See [Note: reshard_after_forward=k] (fsdp_param_group.cpp).
+    ReshardAfterForward raf = s->options.reshard_after_forward().value_or(ReshardAfterForward(!root));
+    int shard_size = s->group ? s->group->shard_size() : 1;
+    if (std::holds_alternative<bool>(raf)) {
+      s->reshard_after_forward_k = std::get<bool>(raf) ? 1 : 0;
+    } else {
+      int k = std::get<int>(raf);
+      TORCH_CHECK(k >= 1 && shard_size % k == 0, "fully_shard: reshard_after_forward=", k, " of ", s->name(),
+                  " must divide the shard group size ", shard_size);
+      s->reshard_after_forward_k = k == shard_size ? 1 : (k == 1 ? 0 : k);
+      if (s->reshard_after_forward_k > 1) {
+        // Groups of k consecutive ranks of the shard group, as FSDP2's post-forward mesh.
+        auto& pg = s->group->mesh()->get_group(s->group->mesh()->ndim() - 1);
+        int base = pg->rank() / k * k;
+        std::vector<int> members;
+        for (int i = 0; i < k; ++i) members.push_back(base + i);
+        s->post_forward_group =
+            new_group(pg, members, "post_forward" + std::to_string(ProcessGroupAccess::next_subgroup_id(*pg)) + "/" +
+                                       std::to_string(base));
+      }
+    }
+  }
+  // Every rank must have the same groups with the same collective sizes (a c10::Error, not a Gloo abort).
+  // See [Note: collective order].
+  check_group_layout(*this);
+}
+
+void FSDPState::root_pre_forward() {
+  // A new iteration. Groups left unsharded by a forward without backward (evaluation) or by an unused
+  // prefetch are resharded, so that no stale all-gather survives an optimizer step.
+  if (ctx->in_backward) abort_backward();  // a backward that neither finished nor reported its failure
+  const bool backward_unfinished = ctx->backward_aborted;  // the last backward threw before its end
+  ctx->backward_aborted = false;
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    if (backward_unfinished) {
+      // Its in-flight reduce-scatters and unsharded gradients must not leak into this step.
+      s->group->discard_gradients_in_flight();
+      s->group->reshard();
+    } else if (s != this && s->reshard_after_forward_k != 0) {
+      s->group->reshard();
+    }
+  }
+  ctx->reset_forward();
+  ctx->forward_open = true;
+}
+
+void FSDPState::abort_backward() noexcept {
+  // Local only: see [Note: collective order].
+  if (!ctx) return;
+  for (FSDPState* s : ctx->states) {
+    if (s->group) s->group->abort_backward();
+  }
+  ctx->reset_backward();
+  ctx->backward_aborted = true;
+}
+
+void FSDPState::prefetch(FSDPState* other) {
+  if (other && other->group) other->group->unshard(/*async_op=*/true);
+}
+
+std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
+  // A forward recomputed during this module's backward (activation checkpointing around it): the
+  // pre-backward already unsharded the parameters, and nothing must be resharded or re-registered.
+  if (training_state == TrainingState::PRE_BACKWARD) return inputs;
+  // An fsdp::Join in progress announces the root's forward to the ranks that ran out of data, before
+  // any collective of this forward (lazy init's included).
+  if (on_root_forward && (!ctx || (is_root() && training_state != TrainingState::FORWARD))) on_root_forward();
+  if (!ctx) {
+    lazy_init();
+    root_pre_forward();
+  } else if (is_root() && training_state != TrainingState::FORWARD) {
+    root_pre_forward();
+  }
+  enter_forward_stack();
+  input_node = nullptr;
+  // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
+  const auto& mp = options.mp_policy();
+  if (mp.cast_forward_inputs() && mp.param_dtype()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.param_dtype()) t = t.to(*mp.param_dtype());
+    }
+  }
+  begin_call();
+  // Post-backward runs when the gradients of these inputs are computed (and every call of the group
+  // is done: see all_calls_done).
+  if (torch::GradMode::is_enabled()) {
+    std::vector<size_t> pos;
+    torch::autograd::variable_list need;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        pos.push_back(i);
+        need.push_back(inputs[i]);
+      }
+    }
+    // A call during a backward is a recomputation (a checkpointed parent): it belongs to that backward.
+    (ctx->in_backward ? bwd_calls : fwd_calls) += 1;
+    if (need.empty()) (ctx->in_backward ? bwd_untracked : fwd_untracked) += 1;
+    if (!need.empty()) {
+      // Passed as a TensorList: a std::vector argument would not be seen as tensors by autograd.
+      auto outs = RegisterPostBackward::apply(at::TensorList(need), id);
+      for (size_t j = 0; j < pos.size(); ++j) inputs[pos[j]] = outs[j];
+      if (is_root()) input_node = outs[0].grad_fn().get();
+    }
+  }
+  return inputs;
+}
+
+void FSDPState::begin_call() {
+  training_state = TrainingState::FORWARD;
+  ran_forward = true;
+  if (group) {
+    group->unshard(/*async_op=*/true);  // no-op when a prefetch is in flight or already unsharded
+    group->wait_for_unshard();
+  }
+  // Prefetch: the explicit list, or the state that ran after this one in the first iteration.
+  if (forward_prefetch) {
+    for (auto& w : *forward_prefetch) prefetch(w.lock().get());
+  } else if (ctx->forward_order_recorded) {
+    auto& order = ctx->forward_order;
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
+      if (order[i] == this) {
+        prefetch(order[i + 1]);
+        break;
+      }
+    }
+  }
+  if (!ctx->forward_order_recorded &&
+      std::find(ctx->forward_order.begin(), ctx->forward_order.end(), this) == ctx->forward_order.end()) {
+    ctx->forward_order.push_back(this);
+  }
+}
+
+std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
+  if (training_state == TrainingState::PRE_BACKWARD) return outputs;  // recomputation: see pre_forward
+  // Implicit states still running inside this module's forward end with it.
+  ctx->pop_forward_stack(this, /*inclusive=*/true);
+  if (group) {
+    if (reshard_after_forward_k == 1) {
+      group->reshard();
+    } else if (reshard_after_forward_k > 1) {
+      group->reshard_post_forward(post_forward_group);  // see [Note: reshard_after_forward=k]
+    }
+  }
+  if (is_root()) {
+    ctx->forward_order_recorded = true;
+    ctx->close_forward(nullptr);
+  }
+  if (!ctx->in_backward) {
+    post_forward_indices.push_back(ctx->post_forward_order.size());
+    ctx->post_forward_order.push_back(this);
+  }
+  if (torch::GradMode::is_enabled() && is_root()) check_forward_graph(outputs);
+  if (torch::GradMode::is_enabled()) {
+    int64_t sid = id;
+    for (auto& t : outputs) {
+      if (t.defined() && t.requires_grad()) {
+        t.register_hook([sid](const torch::Tensor&) {
+          if (auto s = state_by_id(sid)) s->pre_backward();
+        });
+      }
+    }
+  }
+  const auto& mp = options.mp_policy();
+  if (mp.output_dtype()) {
+    for (auto& t : outputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.output_dtype()) t = t.to(*mp.output_dtype());
+    }
+  }
+  training_state = TrainingState::IDLE;
+  return outputs;
+}
+
+void FSDPState::pre_backward() {
+  if (!ctx->in_backward) {
+    // See [Note: post-backward and the end-of-backward callback].
+    // First FSDP hook of this backward: queue the end-of-backward callback (with a guard that cleans
+    // up if the backward throws) and move every group's sharded gradients out of autograd's way.
+    ctx->in_backward = true;
+    if (ctx->forward_open) ctx->close_forward(this);  // an implicit root's forward ends here
+    auto guard = std::make_shared<BackwardGuard>(ctx->root->id);
+    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+      if (auto r = state_by_id(guard->root_id)) r->root_post_backward_final();
+      guard->finished = true;
+    });
+    for (FSDPState* s : ctx->states) {
+      if (s->group) s->group->begin_backward();
+    }
+  }
+  // Already ran for this backward of the module, and no post-backward since: still unsharded.
+  if (training_state == TrainingState::PRE_BACKWARD) return;
+  training_state = TrainingState::PRE_BACKWARD;
+  if (group) {
+    group->unshard(/*async_op=*/true);
+    group->wait_for_unshard();
+  }
+  // Prefetch: the explicit list, or the state whose forward ran just before this one (calls are
+  // visited in reverse order of their post-forwards; a second backward over the graph reads again).
+  size_t index = 0;
+  bool have_index = false;
+  if (backward_cursor < post_forward_indices.size()) {
+    index = post_forward_indices[post_forward_indices.size() - 1 - backward_cursor];
+    ++backward_cursor;
+    have_index = true;
+  }
+  if (backward_prefetch) {
+    for (auto& w : *backward_prefetch) prefetch(w.lock().get());
+  } else if (have_index && index > 0) {
+    prefetch(ctx->post_forward_order[index - 1]);
+  }
+}
+
+void FSDPState::on_input_grads_ready() {
+  // See [Note: post-backward and the end-of-backward callback].
+  ++input_grads_ready;
+  // Only when every use of the group's parameters is known to be done; otherwise (a call whose
+  // inputs need no gradient, a call whose output got no gradient) the end-of-backward callback runs
+  // the post-backward once the whole backward is done.
+  if (training_state == TrainingState::PRE_BACKWARD && all_calls_done()) post_backward();
+}
+
+// [Note: one reduce-scatter in flight]
+// A group's reduce-scatter is issued by its post-backward and overlaps the backward of the groups before
+// it. Its buffers (the [ws, M + P] input, which the backend's work holds until it is destroyed, and the
+// output) and the group's full-size gradients until then are the largest transient memory of a
+// parameter-heavy backward, so a group's reduce-scatter is finished (waited, divided, copied out to the
+// sharded gradients in the stash) when the next group's is issued, as FSDP2 waits for the previous
+// reduce-scatter in each post-backward: at most two are alive at once, instead of every group's until the
+// end-of-backward callback. The order stays that of the post-backwards, the same on every rank (see
+// [Note: collective order]); a group with set_is_last_backward(false) keeps its reduce-scatter in flight
+// past the backward, as before. On CUDA finishing makes the compute stream wait for the previous group's
+// reduce-scatter, issued one group's backward earlier and normally complete by then (FSDP2 waits on its
+// reduce-scatter stream instead; to revisit with a GPU profile).
+void FSDPState::post_backward() {
+  training_state = TrainingState::POST_BACKWARD;
+  ++post_backward_runs;
+  if (!group) return;
+  group->post_backward(requires_gradient_sync, reshard_after_backward, divide_factor());
+  if (!group->reduce_in_flight()) return;
+  FSDPState* previous = std::exchange(ctx->reduce_pending, this);
+  if (previous && previous != this && previous->group && previous->is_last_backward) {
+    previous->group->finish_reduce(previous->divide_factor());
+  }
+}
+
+void FSDPState::root_post_backward_final() {
+  // See [Note: post-backward and the end-of-backward callback] and [Note: collective order].
+  // Finish every group whose post-backward did not run (its hooks could not tell when its gradients
+  // were complete: inputs without grad such as token ids, a call whose output fed no gradient), or
+  // that received gradients after it ran. Fixed pre-order: the same collectives on every rank.
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    if (s->training_state == TrainingState::PRE_BACKWARD || s->group->has_unsharded_grads()) s->post_backward();
+  }
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    if (s->is_last_backward) s->group->finish_reduce(s->divide_factor());
+    // After a synchronised backward the optimizer steps next: it must see the shards and their
+    // gradients, so the group reshards even with reshard_after_backward=false (which keeps the
+    // parameters unsharded only between microbatches that skip the gradient sync).
+    if (s->reshard_after_backward || (s->requires_gradient_sync && s->is_last_backward)) s->group->reshard();
+    s->group->end_backward();
+  }
+  ctx->reset_backward();
+}
+
+std::vector<torch::Tensor> pre_forward(FSDPState& state, std::vector<torch::Tensor> inputs) {
+  return state.pre_forward(std::move(inputs));
+}
+
+std::vector<torch::Tensor> post_forward(FSDPState& state, std::vector<torch::Tensor> outputs) {
+  return state.post_forward(std::move(outputs));
+}
+
+}  // namespace fsdp::detail

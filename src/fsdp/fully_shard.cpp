@@ -1,0 +1,212 @@
+// fully_shard: the public API (fully_shard, fully_shard_tree, FSDPModuleAPI). The machinery behind it:
+// fsdp_init (managed parameters and their checks), fsdp_state (registry and hooks), fsdp_param_group and
+// fsdp_param (sharding), fsdp_collectives (the collectives' packing).
+// Mirrors torch.distributed.fsdp._fully_shard._fully_shard (fully_shard, FSDPModule).
+#include "fsdp/fsdp/fully_shard.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "fsdp/consistency.h"
+#include "fsdp/fsdp_init.h"
+#include "fsdp/fsdp_state.h"
+#include "tensor/parallel/tp_ops.h"
+
+namespace fsdp {
+// ---------------------------------------------------------------------------------------------------
+void mark_fsdp_forward(const torch::nn::Module& module) { detail::mark_module(module); }
+
+detail::FSDPState& detail::fsdp_state(const FSDPModuleAPI& api) { return *api.state_; }
+
+FSDPModuleAPI fsdp_api(const torch::nn::Module& module) {
+  auto s = detail::state_of(module);
+  TORCH_CHECK(s, "fsdp: module ", module.name(), " is not sharded: call fsdp::fully_shard on it first");
+  return FSDPModuleAPI(s);
+}
+
+UnshardHandle FSDPModuleAPI::unshard(bool async_op) {
+  if (!state_->group) return UnshardHandle();
+  state_->group->unshard(/*async_op=*/true);
+  auto s = state_;
+  UnshardHandle handle([s] { s->group->wait_for_unshard(); });
+  if (!async_op) handle.wait();
+  return handle;
+}
+
+void FSDPModuleAPI::reshard() {
+  if (state_->group) state_->group->reshard();
+}
+
+namespace {
+// This state, and with `recurse` every state in its modules' trees.
+std::vector<std::shared_ptr<detail::FSDPState>> states_under(const std::shared_ptr<detail::FSDPState>& s,
+                                                             bool recurse) {
+  std::vector<std::shared_ptr<detail::FSDPState>> out{s};
+  if (!recurse) return out;
+  std::unordered_set<detail::FSDPState*> seen{s.get()};
+  for (auto& w : s->modules) {
+    auto m = w.lock();
+    if (!m) continue;
+    for (const auto& sub : m->modules(/*include_self=*/false)) {
+      auto t = detail::state_of(*sub);
+      if (t && seen.insert(t.get()).second) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+std::vector<std::weak_ptr<detail::FSDPState>> to_states(const std::vector<std::shared_ptr<torch::nn::Module>>& ms,
+                                                        const char* api) {
+  std::vector<std::weak_ptr<detail::FSDPState>> out;
+  for (const auto& m : ms) {
+    TORCH_CHECK(m, api, ": got a null module");
+    auto s = detail::state_of(*m);
+    TORCH_CHECK(s, api, ": module ", m->name(), " is not sharded: call fsdp::fully_shard on it first");
+    out.push_back(s);
+  }
+  return out;
+}
+}  // namespace
+
+void FSDPModuleAPI::set_requires_gradient_sync(bool v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) s->requires_gradient_sync = v;
+}
+
+void FSDPModuleAPI::set_reshard_after_backward(bool v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) s->reshard_after_backward = v;
+}
+
+void FSDPModuleAPI::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) {
+    TORCH_CHECK(!s->ctx || std::holds_alternative<bool>(v), "set_reshard_after_forward: an int value must be ",
+                "set before the first forward");
+    s->options.reshard_after_forward(v);
+    if (s->ctx) s->reshard_after_forward_k = std::get<bool>(v) ? 1 : 0;
+  }
+}
+
+void FSDPModuleAPI::set_is_last_backward(bool v) {
+  for (auto& s : states_under(state_, true)) s->is_last_backward = v;
+}
+
+void FSDPModuleAPI::set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+  state_->forward_prefetch = to_states(m, "set_modules_to_forward_prefetch");
+}
+
+void FSDPModuleAPI::set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<torch::nn::Module>>& m) {
+  state_->backward_prefetch = to_states(m, "set_modules_to_backward_prefetch");
+}
+
+void FSDPModuleAPI::set_gradient_divide_factor(double factor) {
+  TORCH_CHECK(factor > 0, "set_gradient_divide_factor: expected a positive factor, got ", factor);
+  state_->gradient_divide_factor = factor;
+}
+
+DeviceMeshPtr FSDPModuleAPI::mesh() const { return state_->mesh; }
+
+std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_parameters() const {
+  std::vector<std::pair<std::string, DTensor>> out;
+  if (!state_->group) return out;
+  for (const auto& p : state_->group->params()) out.emplace_back(p.local_fqn, state_->group->sharded_dtensor(p));
+  return out;
+}
+
+std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_gradients() const {
+  std::vector<std::pair<std::string, DTensor>> out;
+  if (!state_->group) return out;
+  for (const auto& p : state_->group->params()) {
+    auto g = state_->group->sharded_grad(p);
+    if (g.defined()) out.emplace_back(p.local_fqn, state_->group->sharded_dtensor(p, g));
+  }
+  return out;
+}
+
+std::optional<DTensor> sharded_grad(const torch::Tensor& param) {
+  auto s = detail::state_of_param(param);
+  TORCH_CHECK(s, "sharded_grad: the tensor (shape ", param.sizes(), ") is not a parameter managed by fully_shard");
+  for (const auto& p : s->group->params()) {
+    if (!p.param.is_same(param)) continue;
+    auto g = s->group->sharded_grad(p);
+    if (!g.defined()) return std::nullopt;
+    return s->group->sharded_dtensor(p, g);
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------------
+FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                          const FullyShardOptions& options) {
+  TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module");
+  for (const auto& m : modules) {
+    TORCH_CHECK(m, "fully_shard: got a null module");
+    TORCH_CHECK(!detail::state_of(*m), "fully_shard: module ", m->name(), " is already sharded");
+  }
+  // Implicit: no module of the call has an FSDPModule holder (see [Note: implicit groups]).
+  const bool implicit = std::none_of(modules.begin(), modules.end(), [](const auto& m) { return detail::is_marked(*m); });
+  for (const auto& m : modules) {
+    TORCH_CHECK(!implicit || !detail::is_checkpointed(*m), "fully_shard: ", m->name(), " has checkpoint_wrapper applied, ",
+                "but its forward does not go through an fsdp::FSDPModule holder, so nothing can re-run it in backward. ",
+                "Fix: wrap its call in the model's forward, `x = fsdp::checkpoint([m](torch::Tensor t) { return ",
+                "m->forward(t); }, x);`, or declare the module as fsdp::FSDPModule<Holder>");
+  }
+  auto mesh = detail::fully_shard_mesh(options);
+  auto managed = detail::get_managed_params(modules, options, mesh->get_rank());
+  tp::detail::check_fully_shard_over_tp(managed.params, mesh, mesh->get_rank());
+
+  auto state = std::make_shared<detail::FSDPState>(modules, options);
+  state->mesh = mesh;
+  detail::GroupOptions gopts;
+  gopts.mesh = mesh;
+  gopts.mp = options.mp_policy();
+  gopts.offload = options.offload_policy().has_value();
+  gopts.pin_memory = gopts.offload && options.offload_policy()->pin_memory();
+  // Same initial weights on every rank (sync_module_states, or the FSDP_DEBUG check).
+  detail::sync_before_sharding(managed.params, modules, mesh, options, state->module_type);
+  if (!managed.params.empty()) {
+    state->group = std::make_unique<detail::FSDPParamGroup>(std::move(managed.params), gopts, state->module_type);
+  }
+  detail::register_state(state, modules);
+  state->implicit = implicit;
+  state->init_params(managed.origin);
+  if (state->implicit) state->enable_interception();
+  return FSDPModuleAPI(state);
+}
+
+FSDPModuleAPI fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, options);
+}
+
+std::vector<std::string> fully_shard_tree(const std::shared_ptr<torch::nn::Module>& root,
+                                          const AutoWrapPolicy& policy, const FullyShardOptions& options) {
+  TORCH_CHECK(root, "fully_shard_tree: got a null root");
+  std::vector<std::string> wrapped;
+  auto type_selected = [&](const torch::nn::Module& m) {
+    // A type matches by its full name ("my::BlockImpl") or its unqualified name ("BlockImpl").
+    const std::string type = m.name();
+    const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
+    return policy.module_types().count(type) > 0 || policy.module_types().count(short_type) > 0;
+  };
+  // Post-order: children before parents, the root last. Returns the parameter elements of the
+  // subtree not yet wrapped.
+  std::function<int64_t(const std::shared_ptr<torch::nn::Module>&, const std::string&)> visit =
+      [&](const std::shared_ptr<torch::nn::Module>& m, const std::string& path) -> int64_t {
+    int64_t unwrapped = 0;
+    for (const auto& c : m->named_children()) {
+      unwrapped += visit(c.value(), path.empty() ? c.key() : path + "." + c.key());
+    }
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) unwrapped += p.value().numel();
+    if (path.empty() || detail::state_of(*m)) return unwrapped;  // the root comes last; already sharded
+    bool by_type = type_selected(*m);
+    bool by_size = policy.min_num_params() > 0 && unwrapped >= policy.min_num_params();
+    if (!by_type && !by_size) return unwrapped;
+    fully_shard(m, options);  // a holder's module, or an implicit group (see [Note: implicit groups])
+    wrapped.push_back(path);
+    return 0;
+  };
+  visit(root, "");
+  if (!detail::state_of(*root)) fully_shard(root, options);
+  wrapped.push_back("");
+  return wrapped;
+}
+
+}  // namespace fsdp

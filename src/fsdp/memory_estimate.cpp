@@ -1,0 +1,316 @@
+// fsdp::estimate_memory: see include/fsdp/fsdp/memory_estimate.h for the model it follows.
+#include "fsdp/fsdp/memory_estimate.h"
+
+#include <cstdlib>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+namespace fsdp {
+namespace {
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+// Rows and elements per row as FSDPParam chunks them: dim 0 (a 0-dim parameter is one row).
+int64_t dim0(const ParamInfo& p) { return p.shape.empty() ? 1 : p.shape[0]; }
+int64_t row_numel(const ParamInfo& p) {
+  int64_t n = 1;
+  for (size_t d = 1; d < p.shape.size(); ++d) n *= p.shape[d];
+  return n;
+}
+
+}  // namespace
+
+std::vector<ParamInfo> param_infos(const torch::nn::Module& module) {
+  std::vector<ParamInfo> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto& t = p.value();
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;  // tied: once, under its first name
+    out.push_back(ParamInfo{p.key(), t.sizes().vec(), t.scalar_type(), t.requires_grad()});
+  }
+  return out;
+}
+
+std::vector<ShardGroupInfo> shard_groups(const torch::nn::Module& module, const std::vector<std::string>& sharded_modules) {
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> by_path;
+  for (const auto& m : module.named_modules(/*name_prefix=*/"", /*include_self=*/false)) by_path[m.key()] = m.value();
+  std::set<std::string> sharded(sharded_modules.begin(), sharded_modules.end());
+  // Which sharded module owns a parameter: the deepest sharded path that is a prefix of its FQN.
+  auto owner = [&](const std::string& fqn) -> std::string {
+    std::string best;
+    bool found = sharded.count("") > 0;
+    for (const auto& s : sharded) {
+      if (s.empty()) continue;
+      if (fqn.size() > s.size() && fqn.compare(0, s.size(), s) == 0 && fqn[s.size()] == '.' &&
+          (!found || s.size() > best.size())) {
+        best = s;
+        found = true;
+      }
+    }
+    return found ? best : std::string("\x01");  // not sharded
+  };
+  for (const auto& s : sharded_modules) {
+    TORCH_CHECK(s.empty() || by_path.count(s), "estimate_memory: shard_groups: module path '", s,
+                "' is not a submodule of the model (named_modules() has no such path). Fix: pass paths as ",
+                "named_modules() spells them (e.g. \"h.0\"), or \"\" for the root");
+  }
+  std::vector<ShardGroupInfo> groups;
+  std::map<std::string, size_t> index;
+  for (const auto& s : sharded_modules) {
+    if (index.count(s)) continue;
+    index[s] = groups.size();
+    groups.push_back(ShardGroupInfo{s, {}, std::nullopt});
+  }
+  for (const auto& p : param_infos(module)) {
+    auto o = owner(p.fqn);
+    if (o != "\x01") groups[index[o]].fqns.push_back(p.fqn);
+  }
+  return groups;
+}
+
+MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::vector<ShardGroupInfo>& groups,
+                               const MemoryEstimateOptions& o) {
+  TORCH_CHECK(o.world_size >= 1, "estimate_memory: world_size must be >= 1 (the shard group's size), got ",
+              o.world_size, ". Fix: pass the number of ranks that shard each parameter (e.g. WORLD_SIZE)");
+  TORCH_CHECK(o.activation_bytes >= 0 && o.runtime_overhead_bytes >= 0 && o.optimizer_bytes_per_element >= 0,
+              "estimate_memory: activation_bytes (", o.activation_bytes, "), runtime_overhead_bytes (",
+              o.runtime_overhead_bytes, ") and optimizer_bytes_per_element (", o.optimizer_bytes_per_element,
+              ") must be >= 0");
+  const int64_t N = o.world_size;
+  std::map<std::string, const ParamInfo*> by_fqn;
+  for (const auto& p : params) {
+    TORCH_CHECK(by_fqn.emplace(p.fqn, &p).second, "estimate_memory: parameter '", p.fqn,
+                "' is listed twice in params. Fix: list each parameter once (a tied weight under one name)");
+    for (auto d : p.shape) {
+      TORCH_CHECK(d >= 0, "estimate_memory: parameter '", p.fqn, "' has a negative dimension in its shape ",
+                  c10::IntArrayRef(p.shape));
+    }
+  }
+  std::set<std::string> grouped;
+  for (const auto& g : groups) {
+    for (const auto& f : g.fqns) {
+      TORCH_CHECK(by_fqn.count(f), "estimate_memory: group '", g.name, "' names parameter '", f,
+                  "', which is not in params. Fix: use the FQNs of param_infos(model) (before fully_shard)");
+      TORCH_CHECK(grouped.insert(f).second, "estimate_memory: parameter '", f, "' is in more than one group (",
+                  "again in '", g.name, "'); fully_shard manages each parameter in exactly one group");
+    }
+  }
+  auto elem = [](torch::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); };
+  auto compute_dtype = [&](const ParamInfo& p) {
+    return (o.param_dtype && at::isFloatingType(p.dtype)) ? *o.param_dtype : p.dtype;
+  };
+
+  MemoryEstimate e;
+  int64_t largest_trainable_shard = 0;  // elements, for the optimizer's temporaries
+  // Model states: shards of grouped parameters (rank 0 holds ceil(dim0/N) rows of each), full replicas
+  // of the others.
+  for (const auto& p : params) {
+    const bool sharded = grouped.count(p.fqn) > 0;
+    const int64_t rows = sharded ? (dim0(p) + N - 1) / N : dim0(p);
+    const int64_t shard = rows * row_numel(p);
+    e.num_params += numel_of(p.shape);
+    e.sharded_params += shard * elem(p.dtype);
+    if (sharded) e.padding += (rows * N - dim0(p)) * row_numel(p) * elem(p.dtype);
+    if (p.requires_grad) {
+      e.grads += shard * elem(p.dtype);
+      e.optimizer_state += static_cast<int64_t>(static_cast<double>(shard) * o.optimizer_bytes_per_element);
+      largest_trainable_shard = std::max(largest_trainable_shard, shard);
+    }
+  }
+
+  // Per group: unsharded size (all-gather buffer = unsharded padded params, param_dtype), full-size
+  // gradient (compute dtype, unpadded), reduce-scatter input [N, M + P] and output [M + P].
+  // Per group: unsharded size U (the all-gather buffer is as large: world_size padded shards in
+  // param_dtype), full-size gradient size (compute dtype, unpadded), reduce-scatter input [N, M + P] and
+  // output [M + P] (reduce dtype), and the sharded gradients the output becomes (the parameters' dtype).
+  struct G {
+    std::string name;
+    int64_t unsharded = 0, grad = 0, rs_in = 0, rs_out = 0, shard_grad = 0;
+    bool reshard = true, trainable = false;
+  };
+  std::vector<G> gs;
+  int64_t largest = -1;
+  for (const auto& g : groups) {
+    G x;
+    x.name = g.name;
+    x.reshard = g.reshard_after_forward.value_or(o.reshard_after_forward);
+    int64_t m = 0, np = 0;
+    torch::ScalarType reduce = torch::kFloat32;
+    for (const auto& f : g.fqns) {
+      const auto& p = *by_fqn.at(f);
+      const int64_t padded_shard = (dim0(p) + N - 1) / N * row_numel(p);
+      x.unsharded += N * padded_shard * elem(compute_dtype(p));
+      if (p.requires_grad) {
+        x.grad += numel_of(p.shape) * elem(compute_dtype(p));
+        x.shard_grad += padded_shard * elem(p.dtype);
+        m += padded_shard;
+        ++np;
+        if (!x.trainable) reduce = o.reduce_dtype.value_or(compute_dtype(p));
+        x.trainable = true;
+      }
+    }
+    if (x.trainable) {
+      x.rs_out = (m + np) * elem(reduce);
+      x.rs_in = N * x.rs_out;
+    }
+    if (x.unsharded > largest) {
+      largest = x.unsharded;
+      e.largest_group = g.name;
+    }
+    gs.push_back(x);
+  }
+  const size_t n = gs.size();
+  e.activations = o.activation_bytes;
+  e.runtime_overhead = o.runtime_overhead_bytes;
+
+  const bool host_states = o.cpu_offload && !o.device_is_cpu;
+  const int64_t dev_params = host_states ? 0 : e.sharded_params;
+  const int64_t dev_grads = host_states ? 0 : e.grads;
+  const int64_t dev_opt = host_states ? 0 : e.optimizer_state;
+  if (o.cpu_offload) e.offloaded_host = e.sharded_params + e.grads + e.optimizer_state;
+  int64_t grouped_grads = 0;
+  for (const auto& g : gs) grouped_grads += g.shard_grad;
+  // Sharded gradients present from the start of the step: all of them unless zero_grad set them to none
+  // (then only those of parameters in no group, which FSDP does not touch).
+  const int64_t grads_at_start = host_states ? 0 : (o.grads_set_to_none ? e.grads - grouped_grads : e.grads);
+  // Input-sized buffers held by a reduce-scatter in flight; at world size 1 no backend is called (the
+  // input is copied to the output and freed at once).
+  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(o.device_is_cpu ? 2 : 1);
+  TORCH_CHECK(rs_held >= 0, "estimate_memory: reduce_scatter_held_inputs must be >= 0, got ", rs_held);
+
+  // The step as a sequence of moments (see the header): at each, what is alive besides the sharded
+  // parameters and optimizer state. The largest is the peak; its parts are the breakdown.
+  e.peak_backward = -1;
+  // FSDP's CPU buffer pool (src/fsdp/fsdp_buffer_pool.h; off unless FSDP_CPU_BUFFER_POOL=1): the all-gather and
+  // reduce-scatter buffers, the unsharded parameters and the reduce-scatter outputs (which the reduced
+  // gradients alias) stay allocated between uses, so after the first step the pool holds up to twice the
+  // most of them ever in use at once (its high-water mark; twice: exact-size blocks) at every moment. With
+  // it the peak is bounded by the largest moment of everything else plus twice that mark.
+  const char* pool_env = std::getenv("FSDP_CPU_BUFFER_POOL");
+  const bool pool = o.device_is_cpu && pool_env && std::string(pool_env) == "1";
+  int64_t pool_high_water = 0, others_peak = -1;
+  std::string others_moment;
+  auto consider = [&](int64_t unsharded, int64_t full_grads, int64_t rs, int64_t shard_grads, int64_t acts,
+                      const std::string& what) {
+    const int64_t total = dev_params + dev_opt + shard_grads + unsharded + full_grads + rs + acts;
+    const int64_t pooled = unsharded + rs + (shard_grads - grads_at_start);
+    pool_high_water = std::max(pool_high_water, pooled);
+    if (total - pooled > others_peak) {
+      others_peak = total - pooled;
+      others_moment = what;
+    }
+    if (total > e.peak_backward) {
+      e.peak_backward = total;
+      e.grads_at_peak = shard_grads;
+      e.unsharded_params = unsharded;
+      e.unsharded_grads = full_grads;
+      e.reduce_scatter = rs;
+      e.activations = acts;
+      e.peak_moment = what;
+    }
+  };
+  auto acts_of = [&](size_t groups_saved) {
+    return n == 0 ? o.activation_bytes : o.activation_bytes * static_cast<int64_t>(groups_saved) / static_cast<int64_t>(n);
+  };
+  auto named = [&](const char* what, size_t k) {
+    return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
+  };
+  consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
+  // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
+  // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
+  int64_t kept = 0;
+  for (size_t k = 0; k < n; ++k) {
+    consider(kept + 2 * gs[k].unsharded, 0, 0, grads_at_start, acts_of(k), named("forward all-gather copy-out of", k));
+    if (k + 1 < n) {
+      consider(kept + gs[k].unsharded + gs[k + 1].unsharded, 0, 0, grads_at_start, acts_of(k + 1),
+               named("forward with the next all-gather in flight,", k));
+    }
+    if (!gs[k].reshard) kept += gs[k].unsharded;
+  }
+  // Backward, groups in reverse. The root's (first) group gets gradients from the first op of the
+  // backward to the last: its full-size gradients are counted throughout. A group's reduce-scatter is
+  // issued by its post-backward and finished at the next group's ([Note: one reduce-scatter in flight]):
+  // until then its output and rs_held input-sized buffers stay. While it is issued the input exists in
+  // any case.
+  auto pending_bytes = [&](size_t j) { return gs[j].rs_out + rs_held * gs[j].rs_in; };
+  std::optional<size_t> pending;
+  int64_t done = grads_at_start;  // sharded gradients copied out so far
+  for (size_t k = n; k-- > 0;) {
+    const int64_t prev = pending ? pending_bytes(*pending) : 0;
+    const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0;  // backward prefetch
+    const int64_t root_grads = k > 0 ? gs[0].grad : 0;
+    int64_t cur = 0;
+    if (gs[k].reshard) {
+      consider(kept + 2 * gs[k].unsharded, root_grads, prev, done, acts_of(k + 1), named("backward all-gather copy-out of", k));
+      cur = gs[k].unsharded;
+    }
+    consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
+    if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
+    if (!gs[k].trainable) continue;
+    // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
+    // the output and the backend's buffers.
+    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
+             named("reduce-scatter copy-in of", k));
+    consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
+             acts_of(k), named("reduce-scatter of", k));
+    if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
+      consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
+               acts_of(k), named("copy-out of the reduce-scatter before", k));
+      if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
+    }
+    pending = k;
+  }
+  if (pending) {
+    consider(kept, 0, pending_bytes(*pending), done + gs[*pending].shard_grad, 0, "end of the backward");
+  }
+  // AdamW's step: LibTorch's computes two shard-sized fp32 temporaries for the parameter being updated
+  // (exp_avg_sq.sqrt() and its quotient by the bias correction).
+  e.peak_optimizer_step = dev_params + dev_grads + dev_opt + (dev_opt > 0 ? 2 * largest_trainable_shard * 4 : 0);
+  if (pool) {
+    if (others_peak + 2 * pool_high_water > e.peak_backward) {
+      e.peak_backward = others_peak + 2 * pool_high_water;
+      e.peak_moment = others_moment + ", with FSDP's CPU buffer pool holding up to twice its high-water mark (" +
+                      std::to_string(2 * pool_high_water / 1048576) + " MiB)";
+    }
+    // The reduced gradients are pool blocks too: the pool's bound covers them.
+    e.peak_optimizer_step += std::max<int64_t>(0, 2 * pool_high_water - grouped_grads);
+  }
+  e.total_peak = std::max(e.peak_backward, e.peak_optimizer_step) + e.runtime_overhead;
+  return e;
+}
+
+std::string format_memory_estimate(const MemoryEstimate& e) {
+  std::ostringstream os;
+  auto row = [&](const char* name, int64_t bytes, const std::string& what) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "  %-22s %10.1f MiB  ", name, static_cast<double>(bytes) / (1 << 20));
+    os << buf << what << "\n";
+  };
+  os << "model states (" << e.num_params << " parameters):\n";
+  row("sharded params", e.sharded_params, "padded shards, own dtype (padding " + std::to_string(e.padding) + " bytes)");
+  row("grads", e.grads, "sharded gradients, own dtype");
+  row("optimizer state", e.optimizer_state, "per shard element");
+  if (e.offloaded_host > 0) row("offloaded (host)", e.offloaded_host, "params + grads + optimizer on the host");
+  os << "the forward's and backward's peak, at the " << e.peak_moment << ":\n";
+  row("sharded grads", e.grads_at_peak, "reduced so far (zero_grad set them to none)");
+  row("unsharded params", e.unsharded_params, "kept and gathered groups, all-gather buffers (largest group: '" + e.largest_group + "')");
+  row("unsharded grads", e.unsharded_grads, "full-size gradients not yet reduce-scattered");
+  row("reduce-scatter", e.reduce_scatter, "inputs and outputs alive");
+  row("activations", e.activations, "saved for the backward (caller's total, spread over the groups)");
+  row("peak (fwd + bwd)", e.peak_backward, "the above + sharded params + optimizer state");
+  row("peak (optim step)", e.peak_optimizer_step, "params + grads + optimizer state + AdamW's temporaries");
+  row("runtime overhead", e.runtime_overhead, "caller's estimate");
+  row("total peak", e.total_peak, "the larger peak + runtime overhead");
+  return os.str();
+}
+
+}  // namespace fsdp

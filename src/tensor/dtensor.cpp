@@ -1,0 +1,250 @@
+#include "fsdp/tensor/dtensor.h"
+
+#include <sstream>
+
+#include "fsdp/c10d/collectives.h"
+
+namespace fsdp {
+
+std::string Placement::str() const {
+  if (is_shard()) return "Shard(dim=" + std::to_string(dim) + ")";
+  return is_partial() ? "Partial(sum)" : "Replicate()";
+}
+
+ChunkRange chunk_range(int64_t size, int64_t chunks, int64_t index) {
+  int64_t c = (size + chunks - 1) / chunks;
+  int64_t begin = std::min(index * c, size);
+  int64_t end = std::min((index + 1) * c, size);
+  return {begin, end - begin};
+}
+
+namespace {
+
+void check_placements(const DeviceMesh& mesh, const std::vector<Placement>& placements, int64_t ndim,
+                      const char* api) {
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), api, ": ", placements.size(),
+              " placements for a ", mesh.ndim(), "-D mesh: expected one per mesh dimension");
+  for (const auto& p : placements) {
+    TORCH_CHECK(!p.is_shard() || (p.dim >= 0 && p.dim < ndim), api, ": ", p.str(), " is out of range for a ", ndim,
+                "-D tensor");
+  }
+}
+
+}  // namespace
+
+DTensor::DTensor(torch::Tensor local, DeviceMeshPtr mesh, std::vector<Placement> placements,
+                 std::vector<int64_t> global_shape)
+    : local_(std::move(local)),
+      mesh_(std::move(mesh)),
+      placements_(std::move(placements)),
+      global_shape_(std::move(global_shape)) {
+  TORCH_CHECK(mesh_, "DTensor: expected a mesh, got null");
+  check_placements(*mesh_, placements_, static_cast<int64_t>(global_shape_.size()), "DTensor");
+  TORCH_CHECK(local_.dim() == static_cast<int64_t>(global_shape_.size()), "DTensor: local tensor ",
+              local_.sizes(), " and global shape ", c10::IntArrayRef(global_shape_), " differ in rank");
+  // The local shape must be what torch.chunk gives this rank.
+  std::vector<int64_t> expect = global_shape_;
+  for (int64_t d = 0; d < mesh_->ndim(); ++d) {
+    const auto& p = placements_[d];
+    if (p.is_shard()) expect[p.dim] = chunk_range(expect[p.dim], mesh_->size(d), mesh_->get_local_rank(d)).length;
+  }
+  TORCH_CHECK(local_.sizes().vec() == expect, "DTensor: local shape ", local_.sizes(), " on rank ",
+              mesh_->get_rank(), " does not match global shape ", c10::IntArrayRef(global_shape_),
+              " under the placements (expected ", c10::IntArrayRef(expect), ")");
+}
+
+int64_t DTensor::numel() const {
+  int64_t n = 1;
+  for (auto s : global_shape_) n *= s;
+  return n;
+}
+
+std::vector<int64_t> DTensor::local_offsets() const {
+  std::vector<int64_t> offsets(global_shape_.size(), 0);
+  std::vector<int64_t> sizes = global_shape_;
+  for (int64_t d = 0; d < mesh_->ndim(); ++d) {
+    const auto& p = placements_[d];
+    if (!p.is_shard()) continue;
+    auto r = chunk_range(sizes[p.dim], mesh_->size(d), mesh_->get_local_rank(d));
+    offsets[p.dim] += r.offset;
+    sizes[p.dim] = r.length;
+  }
+  return offsets;
+}
+
+torch::Tensor DTensor::full_tensor() const {
+  return redistribute(std::vector<Placement>(placements_.size(), Replicate())).to_local();
+}
+
+namespace {
+
+// Size of tensor dim `k` at nesting level `level`: after mesh dims 0 .. level-1 split it.
+int64_t level_size(const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                   const std::vector<int64_t>& global_shape, int64_t level, int64_t k) {
+  int64_t n = global_shape[k];
+  for (int64_t d = 0; d < level; ++d) {
+    if (placements[d].is_shard(k)) n = chunk_range(n, mesh.size(d), mesh.get_local_rank(d)).length;
+  }
+  return n;
+}
+
+// `local` holds chunk coord (of mesh dim d) of a dim k of size n: returns the whole n rows on every
+// rank of the group. Chunks are padded to ceil(n/size) rows so that the all-gather is even.
+torch::Tensor gather_dim(const torch::Tensor& local, int64_t k, int64_t n, const DeviceMesh& mesh, int64_t d) {
+  const int64_t size = mesh.size(d);
+  const int64_t c = (n + size - 1) / size;
+  // Empty on every rank of the group (the ranks of a mesh dim's group differ only in dim k's chunk):
+  // nothing to exchange.
+  int64_t other = 1;
+  for (int64_t i = 0; i < local.dim(); ++i)
+    if (i != k) other *= local.size(i);
+  if (n == 0 || other == 0) {
+    auto shape = local.sizes().vec();
+    shape[k] = n;
+    return torch::zeros(shape, local.options());
+  }
+  auto front = local.movedim(k, 0).contiguous();
+  auto padded_shape = front.sizes().vec();
+  padded_shape[0] = c;
+  auto padded = front;
+  if (front.size(0) != c) {
+    padded = torch::zeros(padded_shape, front.options());
+    if (front.size(0) > 0) padded.narrow(0, 0, front.size(0)).copy_(front);
+  }
+  auto gathered_shape = padded_shape;
+  gathered_shape[0] = c * size;
+  auto gathered = torch::empty(gathered_shape, front.options());
+  all_gather_into_tensor(gathered, padded, *mesh.get_group(d));
+  return gathered.narrow(0, 0, n).movedim(0, k).contiguous();
+}
+
+// `full` holds a summand of all n rows of dim k: returns this rank's chunk of the sum over mesh dim d.
+torch::Tensor reduce_scatter_dim(const torch::Tensor& full, int64_t k, const DeviceMesh& mesh, int64_t d) {
+  const int64_t size = mesh.size(d);
+  const int64_t n = full.size(k);
+  const int64_t c = (n + size - 1) / size;
+  if (full.numel() == 0) {  // the same shape on every rank of the group: nothing to reduce
+    auto shape = full.sizes().vec();
+    shape[k] = chunk_range(n, size, mesh.get_local_rank(d)).length;
+    return torch::zeros(shape, full.options());
+  }
+  auto front = full.movedim(k, 0);
+  auto padded_shape = front.sizes().vec();
+  padded_shape[0] = c * size;
+  auto padded = torch::zeros(padded_shape, front.options());
+  if (n > 0) padded.narrow(0, 0, n).copy_(front);
+  auto out_shape = padded_shape;
+  out_shape[0] = c;
+  auto out = torch::empty(out_shape, front.options());
+  reduce_scatter_tensor(out, padded, *mesh.get_group(d), ReduceOp::SUM);
+  auto r = chunk_range(n, size, mesh.get_local_rank(d));
+  return out.narrow(0, 0, r.length).movedim(0, k).contiguous();
+}
+
+}  // namespace
+
+DTensor DTensor::redistribute(std::vector<Placement> target) const {
+  TORCH_CHECK(mesh_, "DTensor::redistribute: the DTensor has no mesh (default-constructed)");
+  const int64_t ndim = mesh_->ndim();
+  check_placements(*mesh_, target, static_cast<int64_t>(global_shape_.size()), "DTensor::redistribute");
+  std::vector<Placement> cur = placements_;
+  if (cur == target) return *this;
+
+  // Mesh dims to all-gather first: those that stop sharding, and (closure) every inner mesh dim that
+  // shards the same tensor dim as an outer one whose split changes (its chunk boundaries move).
+  std::vector<char> gather(ndim, 0);
+  for (int64_t d = 0; d < ndim; ++d) gather[d] = cur[d].is_shard() && cur[d] != target[d];
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int64_t d = 0; d < ndim; ++d) {
+      int64_t k = -1;
+      if (gather[d]) k = cur[d].dim;
+      else if (target[d].is_shard() && target[d] != cur[d]) k = target[d].dim;
+      if (k < 0) continue;
+      // A mesh dim that is gathered and re-sharded on another tensor dim changes that one's split too.
+      for (int64_t kk : {k, target[d].is_shard() ? target[d].dim : k}) {
+        for (int64_t d2 = d + 1; d2 < ndim; ++d2) {
+          if (!gather[d2] && cur[d2].is_shard(kk)) gather[d2] = changed = true;
+        }
+      }
+    }
+  }
+
+  torch::Tensor local = local_;
+  // Gathers, innermost first: a mesh dim's chunk is taken from the piece the outer dims left.
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    if (!gather[d]) continue;
+    const int64_t k = cur[d].dim;
+    local = gather_dim(local, k, level_size(*mesh_, cur, global_shape_, d, k), *mesh_, d);
+    cur[d] = Replicate();
+  }
+  // Targets, outermost first.
+  for (int64_t d = 0; d < ndim; ++d) {
+    const Placement& t = target[d];
+    if (cur[d] == t) continue;
+    TORCH_INTERNAL_ASSERT(!cur[d].is_shard(), "redistribute: mesh dim ", d, " still sharded");
+    const int64_t coord = mesh_->get_local_rank(d);
+    if (cur[d].is_replicate() && t.is_shard()) {
+      auto r = chunk_range(local.size(t.dim), mesh_->size(d), coord);
+      local = local.narrow(t.dim, r.offset, r.length).contiguous();
+    } else if (cur[d].is_replicate() && t.is_partial()) {
+      // The sum over the mesh dim must be the value: coordinate 0 keeps it.
+      if (coord != 0) local = torch::zeros_like(local);
+    } else if (cur[d].is_partial() && t.is_replicate()) {
+      local = local.clone();  // all_reduce is in place; the source DTensor stays unchanged
+      if (local.numel() > 0) all_reduce(local, *mesh_->get_group(d), ReduceOp::SUM);
+    } else if (cur[d].is_partial() && t.is_shard()) {
+      local = reduce_scatter_dim(local, t.dim, *mesh_, d);
+    }
+    cur[d] = t;
+  }
+  return DTensor(std::move(local), mesh_, std::move(target), global_shape_);
+}
+
+DTensor DTensor::from_local(torch::Tensor local, DeviceMeshPtr mesh, std::vector<Placement> placements,
+                            std::vector<int64_t> global_shape) {
+  TORCH_CHECK(mesh, "DTensor::from_local: expected a mesh, got null");
+  check_placements(*mesh, placements, local.dim(), "DTensor::from_local");
+  if (global_shape.empty() && local.dim() > 0) {
+    // Sum the local sizes along each sharded dim over its mesh dim (innermost first).
+    global_shape = local.sizes().vec();
+    for (int64_t d = mesh->ndim() - 1; d >= 0; --d) {
+      const auto& p = placements[d];
+      if (!p.is_shard()) continue;
+      // On the group's device: NCCL reduces CUDA tensors only.
+      auto n = torch::full({1}, global_shape[p.dim], torch::TensorOptions(torch::kInt64).device(mesh->get_group(d)->device()));
+      all_reduce(n, *mesh->get_group(d), ReduceOp::SUM);
+      global_shape[p.dim] = n.item<int64_t>();
+    }
+  }
+  return DTensor(std::move(local), std::move(mesh), std::move(placements), std::move(global_shape));
+}
+
+std::string DTensor::str() const {
+  std::ostringstream os;
+  os << "DTensor(local=" << local_.sizes() << " " << local_.scalar_type()
+     << ", global=" << c10::IntArrayRef(global_shape_) << ", placements=(";
+  for (size_t i = 0; i < placements_.size(); ++i) os << (i ? ", " : "") << placements_[i].str();
+  os << "), mesh=" << mesh_->str() << ")";
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const DTensor& t) { return os << t.str(); }
+
+DTensor distribute_tensor(const torch::Tensor& full, DeviceMeshPtr mesh, std::vector<Placement> placements) {
+  TORCH_CHECK(mesh, "distribute_tensor: expected a mesh, got null");
+  check_placements(*mesh, placements, full.dim(), "distribute_tensor");
+  torch::Tensor cur = full;
+  bool zero = false;  // a Partial mesh dim on which this rank is not coordinate 0
+  for (int64_t d = 0; d < mesh->ndim(); ++d) {
+    const auto& p = placements[d];
+    if (p.is_partial() && mesh->get_local_rank(d) != 0) zero = true;
+    if (!p.is_shard()) continue;
+    auto r = chunk_range(cur.size(p.dim), mesh->size(d), mesh->get_local_rank(d));
+    cur = cur.narrow(p.dim, r.offset, r.length);
+  }
+  if (zero) cur = torch::zeros_like(cur);
+  return DTensor(cur.contiguous(), std::move(mesh), std::move(placements), full.sizes().vec());
+}
+
+}  // namespace fsdp

@@ -1,0 +1,52 @@
+// Tensor-level interception: the dispatch key that tensor-parallel parameters and the parameters of
+// fsdp's implicit groups carry, and the one fallback that sees the ops on them. The fallback is
+// installed in layers so that dependencies run one way: tensor/parallel installs the handler of TP
+// parameters (tp_ops.cpp); fsdp, above it, installs one that handles its own parameters and calls
+// TP's for the rest (fsdp/fsdp_interception.cpp). The highest layer installed handles every op.
+// See [Note: implicit groups] in fsdp/fsdp_implicit.cpp for what is intercepted and why.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKey.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/types.h>
+
+namespace fsdp::detail {
+
+/// The dispatch key an intercepted parameter carries. DeferredInit is defined by c10 for torchdistx's
+/// deferred initialisation and has no kernel and no fallback in libtorch: a C++ process that does not
+/// load torchdistx leaves it free. It sits above Autograd, so the fallback sees each op before autograd
+/// records it (and can unshard, cast inputs, and hook the nodes the op creates).
+constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::DeferredInit;
+
+/// Runs library code on intercepted parameters without interception (state dicts, collectives): ops
+/// on this thread skip the fallback while it lives.
+struct NoInterception : c10::impl::ExcludeDispatchKeyGuard {
+  NoInterception() : c10::impl::ExcludeDispatchKeyGuard(kInterceptKey) {}
+};
+
+/// A boxed handler of the ops on intercepted tensors.
+using InterceptFn = void (*)(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+/// The layers of the fallback, lowest first.
+enum class InterceptLayer { TensorParallel = 0, FSDP = 1 };
+
+/// Installs `layer`'s handlers (once per process and layer; later calls are no-ops) and registers the
+/// fallback of kInterceptKey on the first call. `fallback` sees every op on an intercepted tensor;
+/// `composite` sees aten::linear and aten::matmul, which are composite (without it they decompose before
+/// reaching the fallback). The highest installed layer handles both. Throws c10::Error if another library
+/// already registered a fallback for the key (e.g. torchdistx loaded in the same process).
+void install_intercept_layer(InterceptLayer layer, InterceptFn fallback, InterceptFn composite);
+
+/// Whether `op` only reads its tensors' metadata (sizes, dtype, *_like factories): it never needs a
+/// parameter's values, so no layer unshards or communicates for it.
+bool is_metadata_op(const c10::OperatorHandle& op);
+
+/// Runs `op` below the interception key (what a handler does once it is done with the op).
+void redispatch_below_intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+/// A tensor aliasing `t` (same storage, sizes, strides and offset) whose key set also holds
+/// kInterceptKey. param.set_data(intercepted(x)) gives the parameter the key (set_data copies the key set).
+torch::Tensor intercepted(const torch::Tensor& t);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,294 @@
+// parallelize_module: matches the plan's FQN patterns, validates everything, then shards the planned
+// weights in place and registers them for the op side (tp_ops.cpp). See docs/TENSOR_PARALLEL.md.
+#include "fsdp/tensor/parallel/tensor_parallel.h"
+
+#include <sstream>
+
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/linear.h>
+
+#include "tensor/intercept.h"
+#include "tensor/parallel/tp_ops.h"
+
+namespace fsdp::tp {
+
+std::string ParallelStyle::str() const {
+  std::ostringstream os;
+  if (kind == Kind::SEQUENCE) {
+    os << "SequenceParallel(sequence_dim=" << input_layout.dim << ")";
+    return os.str();
+  }
+  os << (kind == Kind::COLWISE ? "ColwiseParallel" : "RowwiseParallel") << "(input_layouts=" << input_layout.str()
+     << ", output_layouts=" << output_layout.str() << ")";
+  return os.str();
+}
+
+namespace {
+
+// fnmatch of one path segment: '*' any run of characters, '?' one character.
+bool glob(const char* p, const char* s) {
+  if (*p == '\0') return *s == '\0';
+  if (*p == '*') return glob(p + 1, s) || (*s != '\0' && glob(p, s + 1));
+  return *s != '\0' && (*p == '?' || *p == *s) && glob(p + 1, s + 1);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  if (s.empty()) return out;
+  std::string cur;
+  for (char c : s) {
+    if (c == '.') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+bool fqn_matches(const std::string& pattern, const std::string& fqn) {
+  auto p = split(pattern), f = split(fqn);
+  if (p.size() != f.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (!glob(p[i].c_str(), f[i].c_str())) return false;
+  return true;
+}
+
+using tp::detail::style_name;
+
+std::string in_quotes(const std::string& fqn) { return "'" + fqn + "'"; }
+
+// One module to parallelise, with everything apply_work() needs, computed during validation.
+struct Work {
+  std::string fqn;
+  std::shared_ptr<torch::nn::Module> module;
+  bool is_embedding = false;
+  bool is_norm = false;         // SequenceParallel on a LayerNorm (replicated weight and bias)
+  torch::Tensor partial_bias;   // a rowwise Linear's bias under a Shard(d) output (replicated, partial grad)
+  ParallelStyle style;
+  torch::Tensor weight, bias;   // bias undefined when absent or not sharded
+  int64_t weight_dim = 0;       // the weight dim that is sharded
+};
+
+// SequenceParallel: LayerNorm (its affine parameters become replicated TP parameters) or Dropout.
+Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style) {
+  const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
+  Work w;
+  w.fqn = fqn;
+  w.module = m;
+  w.style = style;
+  TORCH_CHECK(style.input_layout.is_shard() && style.input_layout.dim >= 0, "parallelize_module: ", what,
+              ": expected a sequence_dim >= 0, got ", style.input_layout.str());
+  if (auto* ln = dynamic_cast<torch::nn::LayerNormImpl*>(m.get())) {
+    w.is_norm = true;
+    w.weight = ln->weight;
+    w.bias = ln->bias;
+    TORCH_CHECK(!(w.weight.defined() && tp::detail::find_tp_param(w.weight)), "parallelize_module: ", in_quotes(fqn),
+                " is already parallelised; plan each module once");
+  } else {
+    TORCH_CHECK(dynamic_cast<torch::nn::DropoutImpl*>(m.get()), "parallelize_module: ", what, " (a ", m->name(),
+                "): expected a torch::nn::LayerNorm or torch::nn::Dropout");
+  }
+  return w;
+}
+
+Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style,
+                  int64_t tp) {
+  const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
+  TORCH_CHECK(style.use_local_output, "parallelize_module: ", what,
+              ": use_local_output(false) is not supported: a LibTorch module returns a torch::Tensor, not a DTensor");
+  if (style.kind == ParallelStyle::Kind::SEQUENCE) return validate_sequence(fqn, m, style);
+  Work w;
+  w.fqn = fqn;
+  w.module = m;
+  w.style = style;
+  const bool colwise = style.kind == ParallelStyle::Kind::COLWISE;
+  if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+    w.weight = lin->weight;
+    // Colwise with a Shard(-1) output shards the bias with the features. With a Replicate output the
+    // bias stays whole and is added after the all-gather: F::linear adds it after matmul for inputs
+    // of more than 2 dims, outside the op the interception sees.
+    if (colwise && lin->bias.defined() && !style.output_layout.is_replicate()) w.bias = lin->bias;
+    // Rowwise with a sequence-sharded output: each rank adds the whole bias to its own positions.
+    if (!colwise && lin->bias.defined() && style.output_layout.is_shard()) w.partial_bias = lin->bias;
+  } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
+    w.is_embedding = true;
+    w.weight = emb->weight;
+    TORCH_CHECK(!emb->options.sparse() && !emb->options.scale_grad_by_freq(), "parallelize_module: ", what,
+                ": sparse=true and scale_grad_by_freq=true are not supported for a tensor-parallel Embedding");
+  } else {
+    TORCH_CHECK(false, "parallelize_module: ", what, " (a ", m->name(),
+                "): expected a torch::nn::Linear or torch::nn::Embedding; plan the Linear/Embedding modules inside it "
+                "instead (e.g. ", in_quotes(fqn.empty() ? "*" : fqn + ".*"), ")");
+  }
+  TORCH_CHECK(w.weight.defined() && w.weight.dim() == 2, "parallelize_module: ", what,
+              ": expected a 2-D weight, got ", w.weight.defined() ? c10::str(w.weight.sizes()) : "none");
+  TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
+              " is already parallelised (its weight is a TP parameter); plan each module once");
+  // Supported layouts. Shard(d >= 0) is a sequence-sharded activation (sequence parallelism).
+  const auto& in = style.input_layout;
+  const auto& out = style.output_layout;
+  auto is_last = [](const Placement& p) { return p.is_shard() && p.dim == -1; };
+  auto is_seq = [](const Placement& p) { return p.is_shard() && p.dim >= 0; };
+  if (colwise) {
+    TORCH_CHECK(in.is_replicate() || (is_seq(in) && !w.is_embedding), "parallelize_module: ", what,
+                ": input_layouts ", in.str(), " is not supported; use Replicate(), or Shard(1) (a sequence-sharded ",
+                "input, Linear only)");
+    TORCH_CHECK(is_last(out) || out.is_replicate(), "parallelize_module: ", what, ": output_layouts ", out.str(),
+                " is not supported; use Shard(-1) (local features) or Replicate() (all-gathered)");
+  } else {
+    TORCH_CHECK(out.is_replicate() || is_seq(out), "parallelize_module: ", what, ": output_layouts ", out.str(),
+                " is not supported; use Replicate() (all-reduced) or Shard(1) (reduce-scattered along the sequence)");
+    TORCH_CHECK(w.is_embedding ? in.is_replicate() || is_last(in) : (is_last(in) || in.is_replicate()),
+                "parallelize_module: ", what, ": input_layouts ", in.str(),
+                " is not supported; use Shard(-1) (the local output of a colwise module) or Replicate()");
+  }
+  // Linear weight [out, in]: colwise shards out (dim 0), rowwise in (dim 1).
+  // Embedding weight [num, dim]: colwise shards dim (dim 1), rowwise num (dim 0).
+  w.weight_dim = (colwise != w.is_embedding) ? 0 : 1;
+  const char* dim_name = w.is_embedding ? (w.weight_dim == 0 ? "num_embeddings" : "embedding_dim")
+                                        : (w.weight_dim == 0 ? "out_features" : "in_features");
+  const int64_t n = w.weight.size(w.weight_dim);
+  TORCH_CHECK(n % tp == 0, "parallelize_module: ", what, " shards ", dim_name, " = ", n, " (weight dim ", w.weight_dim,
+              ") over a TP mesh of ", tp, " ranks, but ", n, " is not divisible by ", tp,
+              "; use a TP size that divides ", n, " or resize the layer");
+  return w;
+}
+
+torch::Tensor chunk(const torch::Tensor& t, int64_t dim, int64_t tp, int64_t rank) {
+  const int64_t c = t.size(dim) / tp;
+  return t.detach().narrow(dim, rank * c, c).contiguous().clone();
+}
+
+void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
+  const int64_t tp = mesh->size(0), rank = mesh->get_local_rank(0);
+  tp::detail::ensure_tp_interception();
+  torch::NoGradGuard no_grad;
+  tp::detail::TPParam info;
+  info.fqn = w.fqn;
+  info.is_embedding = w.is_embedding;
+  info.is_norm = w.is_norm;
+  info.style = w.style;
+  info.mesh = mesh;
+  if (w.style.kind == ParallelStyle::Kind::SEQUENCE) {
+    // Replicated: whole data, tagged so that their uses all-reduce their gradients (partial sums over
+    // each rank's positions: tp_ops.h, wrap_partial_grad_params).
+    if (!w.is_norm) return;  // Dropout: each rank drops its own positions, nothing to change
+    info.placement = Replicate();
+    info.partial_grad = true;
+    for (auto t : {w.weight, w.bias}) {
+      if (!t.defined()) continue;
+      info.global_shape = t.sizes().vec();
+      info.is_weight = false;  // not a matrix the op side runs: only its gradient is handled
+      t.set_data(fsdp::detail::intercepted(t.detach().clone()));
+      tp::detail::register_tp_param(t, info);
+    }
+    return;
+  }
+  info.placement = Shard(w.weight_dim);
+  info.global_shape = w.weight.sizes().vec();
+  auto weight = w.weight;  // the Parameter object the module and any optimizer hold: kept, data replaced
+  weight.set_data(fsdp::detail::intercepted(chunk(weight, w.weight_dim, tp, rank)));
+  tp::detail::register_tp_param(weight, info);
+  if (w.partial_bias.defined()) {  // replicated, tagged so that its uses all-reduce its gradient
+    auto bias = w.partial_bias;
+    auto binfo = info;
+    binfo.is_weight = false;
+    binfo.partial_grad = true;
+    binfo.placement = Replicate();
+    binfo.global_shape = bias.sizes().vec();
+    bias.set_data(fsdp::detail::intercepted(bias.detach().clone()));
+    tp::detail::register_tp_param(bias, binfo);
+  }
+  if (w.bias.defined()) {  // colwise Linear: bias sharded with the output features, no interception needed
+    auto bias = w.bias;
+    info.is_weight = false;
+    info.placement = Shard(0);
+    info.global_shape = bias.sizes().vec();
+    bias.set_data(chunk(bias, 0, tp, rank));
+    tp::detail::register_tp_param(bias, info);
+  }
+}
+
+void check_mesh(const DeviceMeshPtr& mesh) {
+  TORCH_CHECK(mesh, "parallelize_module: expected a TP mesh, got null");
+  TORCH_CHECK(mesh->ndim() == 1, "parallelize_module: expected a 1-D TP mesh, got ", mesh->str(),
+              "; pass the TP dimension's sub-mesh, e.g. mesh[\"tp\"]");
+}
+
+}  // namespace
+
+void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
+                        const ParallelizePlan& plan) {
+  TORCH_CHECK(module, "parallelize_module: expected a module, got null");
+  check_mesh(tp_mesh);
+  const int64_t tp = tp_mesh->size(0);
+  auto modules = module->named_modules("", /*include_self=*/true);
+  std::vector<Work> work;
+  std::vector<std::string> matched_by;  // per work item: the plan key
+  for (const auto& [pattern, style] : plan) {
+    bool any = false;
+    for (const auto& item : modules) {
+      if (!fqn_matches(pattern, item.key())) continue;
+      any = true;
+      for (size_t i = 0; i < work.size(); ++i) {
+        TORCH_CHECK(work[i].fqn != item.key(), "parallelize_module: module ", in_quotes(item.key()),
+                    " is matched by plan keys ", in_quotes(matched_by[i]), " and ", in_quotes(pattern),
+                    "; plan each module once");
+      }
+      work.push_back(validate_one(item.key(), item.value(), style, tp));
+      matched_by.push_back(pattern);
+    }
+    if (!any) {
+      std::ostringstream names;
+      int shown = 0;
+      for (const auto& item : modules) {
+        if (item.key().empty()) continue;
+        if (shown == 30) {
+          names << ", ...";
+          break;
+        }
+        names << (shown++ ? ", " : "") << item.key();
+      }
+      TORCH_CHECK(false, "parallelize_module: plan key ", in_quotes(pattern),
+                  " matches no module of the model (its modules: ", names.str(),
+                  "); use names from named_modules(), with '*' for one path segment");
+    }
+  }
+  // Everything is valid: change the model.
+  for (const auto& w : work) apply_work(w, tp_mesh);
+}
+
+void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
+                        const ParallelStyle& style) {
+  TORCH_CHECK(module, "parallelize_module: expected a module, got null");
+  check_mesh(tp_mesh);
+  apply_work(validate_one("", module, style, tp_mesh->size(0)), tp_mesh);
+}
+
+torch::Tensor distribute_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim) {
+  return tp::detail::chunk_sequence(x, tp_mesh, dim);
+}
+
+torch::Tensor gather_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim) {
+  return tp::detail::unchunk_sequence(x, tp_mesh, dim);
+}
+
+std::vector<torch::Tensor> local_heads_of_fused(const torch::Tensor& local, const DeviceMeshPtr& tp_mesh,
+                                                int64_t n_fused) {
+  return tp::detail::fused_heads(local, tp_mesh, n_fused);
+}
+
+DTensor tp_param_dtensor(const torch::Tensor& param) {
+  const auto* p = tp::detail::find_tp_param(param);
+  TORCH_CHECK(p, "tp_param_dtensor: expected a parameter parallelised by parallelize_module, got a tensor of shape ",
+              param.sizes(), " that is not one");
+  fsdp::detail::NoInterception no_interception;
+  return DTensor(param.detach(), p->mesh, {p->placement}, p->global_shape);
+}
+
+}  // namespace fsdp::tp
