@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Brings everything a fresh machine needs, then builds into build/ (binaries in build/bin/).
-# Idempotent and quick when nothing changed. Usage: scripts/setup.sh
+# Idempotent and quick when nothing changed. Usage: scripts/setup.sh [TARGET...]
+#   With targets (e.g. `scripts/setup.sh fsdp fsdprun train_gpt`, what scripts/train.sh builds), only
+#   those and what they need are built; without, everything (library, tools, examples, benchmarks, tests).
 #
 # Two variants, each with its own Python environment and build folder:
 #   CPU  (.venv, build/):            the torch 2.13.0 CPU wheel (requirements.txt). The default.
@@ -85,5 +87,10 @@ if [ ! -f "$build/build.ninja" ]; then
 fi
 export CCACHE_DIR="${CCACHE_DIR:-$root/.ccache}"
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
-log "building $build (ninja -j$jobs)"
-cmake --build "$build" -j "$jobs" || { log "build failed"; exit 1; }
+if [ $# -gt 0 ]; then
+  log "building $* in $build (ninja -j$jobs)"
+  cmake --build "$build" -j "$jobs" --target "$@" || { log "build failed"; exit 1; }
+else
+  log "building $build (ninja -j$jobs)"
+  cmake --build "$build" -j "$jobs" || { log "build failed"; exit 1; }
+fi

@@ -159,10 +159,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   NoInterception no_interception;
   // A tensor-parallel module's op (linear / embedding on a TP weight) runs its style instead of the op,
   // after FSDP's part below when the weight is also FSDP's (unshard first: see [Note: FSDP over TP]).
-  auto run = [&] {
-    fsdp::tp::detail::wrap_partial_grad_params(op, stack);
-    if (!fsdp::tp::detail::tp_handle_op(op, ks, stack)) op.redispatchBoxed(ks & after, stack);
-  };
+  auto run = [&] { fsdp::tp::detail::tp_run_op(op, ks, stack); };
   if (found.empty()) return run();
 
   const bool grad_mode = torch::GradMode::is_enabled();
