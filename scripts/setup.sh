@@ -19,7 +19,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 #    wheel does not ship (headers only: the gloo code that runs is the one inside libtorch_cpu).
 #    fortunes + fortunes-min carry train_gpt's default corpus: 2.5 MB of English text in
 #    /usr/share/games/fortunes (the text itself, nothing is downloaded at run time).
-#    libopenmpi-dev + openmpi-bin: the "mpi" backend (src/process_group_mpi*.cpp) and mpirun; the build
+#    libopenmpi-dev + openmpi-bin: the "mpi" backend (src/c10d/mpi/) and mpirun; the build
 #    compiles that backend only when CMake finds MPI, so a machine without them still builds.
 #    slurmctld + slurmd + slurm-client (srun, sinfo): a real one-node Slurm that the `multinode` tests start
 #    on localhost (tests/python/slurm_cluster.py). Debian bookworm ships Slurm 22.05, which still has

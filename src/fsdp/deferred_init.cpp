@@ -59,9 +59,13 @@ struct Recorded {
   std::vector<std::vector<std::optional<TRef>>> touts;  // per result, per tensor: recorded ones
 };
 
-struct Member {  // a parameter or buffer of the module
+// A parameter or buffer of the module. Held weakly ([Note: identity by address]): the weak reference
+// keeps `key` from being reused by another tensor while the record exists, and a member that died before
+// materialisation is skipped instead of written through a dangling pointer.
+struct Member {
   std::string fqn;
-  c10::TensorImpl* impl;
+  const c10::TensorImpl* key;
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   TRef ref;
 };
 
@@ -175,7 +179,9 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
               shape_str(m.ref.sizes), " but its recorded initialisation gives ", shape_str(real.sizes()));
   torch::NoGradGuard no_grad;
   NoInterception no_interception;
-  auto it = managed.find(m.impl);
+  auto impl = m.impl.lock();
+  if (!impl) return;  // the tensor is gone (its module was dropped or the member replaced)
+  auto it = managed.find(m.key);
   if (it != managed.end()) {
     const FSDPParam& p = *it->second.second;
     if (p.local_rows > 0) {
@@ -183,7 +189,7 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
     }
     return;
   }
-  m.impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
+  impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
 }
 
 // In-place ops that overwrite all of their first argument without reading it: the values it had before
@@ -364,12 +370,14 @@ void end_deferred_init(const std::shared_ptr<torch::nn::Module>& module) {
   std::unordered_set<const c10::TensorImpl*> seen;
   auto add = [&](const std::string& fqn, const torch::Tensor& t) {
     if (!t.defined() || !log->made.count(sid(t)) || !seen.insert(t.unsafeGetTensorImpl()).second) return;
-    log->members.push_back({fqn, t.unsafeGetTensorImpl(), ref_of(t)});  // made outside: not ours; tied: first name
+    // (made outside: not ours; tied: under its first name)
+    log->members.push_back({fqn, t.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                            ref_of(t)});
   };
   for (const auto& p : module->named_parameters(/*recurse=*/true)) add(p.key(), p.value());
   for (const auto& b : module->named_buffers(/*recurse=*/true)) add(b.key(), b.value());
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& m : log->members) pending()[m.impl] = log;
+  for (const auto& m : log->members) pending()[m.key] = log;
 }
 
 }  // namespace detail
@@ -392,7 +400,7 @@ std::vector<std::shared_ptr<Log>> logs_of(const torch::nn::Module& module) {
 
 void forget(const Log& log) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& m : log.members) pending().erase(m.impl);
+  for (const auto& m : log.members) pending().erase(m.key);
 }
 }  // namespace
 }  // namespace detail
@@ -405,10 +413,10 @@ void to_empty(const std::shared_ptr<torch::nn::Module>& module) {
   const auto managed = detail::managed_params();
   for (const auto& log : logs) {
     for (const auto& m : log->members) {
-      auto it = managed.find(m.impl);
+      auto impl = m.impl.lock();
       // A managed parameter already is its zero-filled shard (FSDPParam's constructor).
-      if (it == managed.end()) {
-        m.impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
+      if (impl && !managed.count(m.key)) {
+        impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
       }
     }
     detail::forget(*log);

@@ -331,7 +331,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
     root_pre_forward();
   }
   enter_forward_stack();
-  input_node = nullptr;
+  input_node.reset();
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
   const auto& mp = options.mp_policy();
   if (mp.cast_forward_inputs() && mp.param_dtype()) {
@@ -358,7 +358,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
       // Passed as a TensorList: a std::vector argument would not be seen as tensors by autograd.
       auto outs = RegisterPostBackward::apply(at::TensorList(need), id);
       for (size_t j = 0; j < pos.size(); ++j) inputs[pos[j]] = outs[j];
-      if (is_root()) input_node = outs[0].grad_fn().get();
+      if (is_root()) input_node = outs[0].grad_fn();
     }
   }
   return inputs;
