@@ -14,6 +14,7 @@
 #include "fsdp/fsdp_interception.h"
 #include "fsdp/fsdp_param.h"
 #include "fsdp/fsdp_state.h"
+#include "fsdp/unmapping_allocator.h"
 #include "util.h"
 
 // [Note: deferred init]
@@ -429,6 +430,9 @@ void materialize_module(const std::shared_ptr<torch::nn::Module>& module) {
   TORCH_CHECK(!logs.empty(), "materialize_module: ", module->name(), " has no parameter or buffer waiting for ",
               "materialisation. Fix: construct it with fsdp::deferred_init([&] { return Model(...); }), and ",
               "call materialize_module once");
+  // The full-size temporaries go back to the kernel as soon as they are freed: [Note: materialisation
+  // memory] (unmapping_allocator.cpp).
+  detail::ScopedUnmappingAllocator unmapping;
   for (const auto& log : logs) {
     detail::replay(*log);
     detail::forget(*log);
