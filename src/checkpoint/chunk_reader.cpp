@@ -28,6 +28,7 @@ std::shared_ptr<Mapping> FileCache::get(const std::string& name) {
     m->base = static_cast<const char*>(p);
   }
   files_.emplace(name, m);
+  return m;
 }
 
 /// CRC-32Cs of a chunk's data blocks (empty when the checkpoint has none).
