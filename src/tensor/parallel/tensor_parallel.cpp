@@ -75,6 +75,16 @@ struct Work {
 };
 
 // SequenceParallel: LayerNorm (its affine parameters become replicated TP parameters) or Dropout.
+// Deferred parameters (fsdp::deferred_init: meta tensors until materialize_module) have no values to
+// shard yet, and their TP shards would have to be taken at materialisation, which is not done: refused
+// before anything changes, naming the parameter and the order that works (issue 28, item 2).
+void check_has_values(const torch::Tensor& t, const std::string& what, const std::string& name) {
+  TORCH_CHECK(!t.defined() || !t.is_meta(), "parallelize_module: ", what, ": parameter ", in_quotes(name),
+              " has no values yet (a meta tensor, e.g. built by fsdp::deferred_init): tensor parallelism of a deferred ",
+              "model is not supported yet. Fix: construct the model with values (eagerly, or fsdp::deferred_init then ",
+              "fsdp::materialize_module), then parallelize_module, then fully_shard");
+}
+
 Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style) {
   const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
   Work w;
@@ -87,6 +97,8 @@ Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::
     w.is_norm = true;
     w.weight = ln->weight;
     w.bias = ln->bias;
+    check_has_values(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
+    check_has_values(w.bias, what, fqn.empty() ? "bias" : fqn + ".bias");
     TORCH_CHECK(!(w.weight.defined() && tp::detail::find_tp_param(w.weight)), "parallelize_module: ", in_quotes(fqn),
                 " is already parallelised; plan each module once");
   } else {
@@ -129,6 +141,8 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
               ": expected a 2-D weight, got ", w.weight.defined() ? c10::str(w.weight.sizes()) : "none");
   TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
               " is already parallelised (its weight is a TP parameter); plan each module once");
+  check_has_values(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
+  check_has_values(w.bias.defined() ? w.bias : w.partial_bias, what, fqn.empty() ? "bias" : fqn + ".bias");
   // Supported layouts. Shard(d >= 0) is a sequence-sharded activation (sequence parallelism).
   const auto& in = style.input_layout;
   const auto& out = style.output_layout;
