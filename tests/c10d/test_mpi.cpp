@@ -348,7 +348,7 @@ TEST(MpiSubGroups, TwoDimensionalMeshGroupsReduceOverTheirMembers) {
 
 // ---------------------------------------------------------------------------------------------------
 // fully_shard on the mpi backend vs a single-process reference (the parity harness of
-// test_fully_shard.cpp, condensed): losses, full gradients and their norm at every step, final shards.
+// tests/fsdp/test_training.cpp, condensed): losses, full gradients and their norm at every step, final shards.
 constexpr double kRtol = 1e-5, kAtol = 1e-6, kGradRtol = 1e-4, kGradAtol = 1e-6;
 constexpr int kSteps = 8;
 constexpr int64_t kBatch = 12, kSeq = 3;

@@ -1,5 +1,5 @@
-// The shared-memory transport of one-host Gloo groups (src/c10d/shm_transport.h, issue 16; part of the
-// test_comm_bytes binary, label fully_shard): who gets it, results equal to Gloo's bit for bit over several
+// The shared-memory transport of one-host Gloo groups (src/c10d/shm_transport.h, issue 16; CTest
+// label fully_shard): who gets it, results equal to Gloo's bit for bit over several
 // rounds, in place and out of order, and failures that never hang: a rank that skips, ranks that disagree,
 // a rank whose process is gone.
 #include <gtest/gtest.h>
@@ -89,7 +89,7 @@ TEST_P(ShmTransport, AllGatherEqualsGlooBitForBit) {
 }
 
 // The reduce-scatter's all-to-all through shared memory gives Gloo's _reduce_scatter_base's bits (the
-// reduction order is test_comm_bytes.cpp's subject; here: several rounds, AVG, in place).
+// reduction order is test_gloo_reduce_scatter.cpp's subject; here: several rounds, AVG, in place).
 TEST_P(ShmTransport, ReduceScatterEqualsGlooBitForBit) {
   const int n = GetParam();
   run_ranks(n, [&](ProcessGroupPtr pg) {

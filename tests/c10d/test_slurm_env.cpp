@@ -1,4 +1,4 @@
-// Slurm's environment (src/slurm_env.{h,cpp}): the hostlist parser, the tasks-per-node list, the derived
+// Slurm's environment (src/c10d/slurm_env.{h,cpp}): the hostlist parser, the tasks-per-node list, the derived
 // MASTER_PORT, and read_launch_env under srun (rank 0's host from the node list, errors naming the variables).
 // The real srun launch is tests/python/test_slurm.py (label multinode).
 #include <gtest/gtest.h>

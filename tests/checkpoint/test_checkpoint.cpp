@@ -1,7 +1,9 @@
 // Distributed checkpoints (CTest label: checkpoint): save and load on any world size, bit-exact;
 // resume equivalence; async save; atomicity; and every bad input failing clearly without changing the
-// model or the optimizer. Ranks are threads over Gloo (tests/multi_rank.h). The crash of a real process
-// (kill -9 mid-save) and the interop with PyTorch are in tests/python/test_checkpoint_interop.py.
+// model or the optimizer; an unchanged LibTorch model's round trip and resume (Unchanged: label
+// unchanged_models, common/unchanged_harness.h; this file instantiates that fixture for test_checkpoint).
+// Ranks are threads over Gloo (common/multi_rank.h). The crash of a real process (kill -9 mid-save) and the
+// interop with PyTorch are in tests/python/test_checkpoint_interop.py.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -15,6 +17,7 @@
 #include "checkpoint/safetensors.h"
 #include "checkpoint_test_util.h"
 #include "multi_rank.h"
+#include "unchanged_harness.h"
 
 namespace fsdp::testing {
 namespace {
@@ -459,3 +462,64 @@ TEST(BadInput, FullDiskDuringSave) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing::unchanged_harness {
+namespace {
+
+// ---- An unchanged model (issue 13) ---------------------------------------------------------------------
+// Train 2 steps, dcp::save, train 2 more; a model built from other weights, loaded from the checkpoint,
+// holds the saved weights and trains on bit-identically.
+TEST_P(Unchanged, DcpSaveLoadRoundTripAndResume) {
+  const int ws = GetParam();
+  auto dir = temp_dir("unchanged_" + std::to_string(ws)) + "/step-2";
+  auto batches = make_batches(4, kBatch, kSeq);
+  std::vector<Trace> straight(ws), resumed(ws);
+  std::vector<std::map<std::string, torch::Tensor>> saved(ws), loaded(ws);
+  auto step = [](const Model& m, torch::optim::Optimizer& opt, ProcessGroupPtr pg, const Batch& global) {
+    const int64_t local = kBatch / pg->size();
+    auto b = global.slice(pg->rank() * local, local);
+    opt.zero_grad();
+    auto loss = loss_fn(m.forward(b.idx), b.targets);
+    loss.backward();
+    opt.step();
+    return global_loss(loss, *pg);
+  };
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    PlainNet net{nullptr};
+    Model m = sharded_plain(pg, {}, &net);
+    auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
+    for (int i = 0; i < 2; ++i) step(m, *opt, pg, batches[i]);
+    dcp::save(get_state_dict(net, *opt), dir);
+    saved[pg->rank()] = full_params(*net);
+    for (int i = 2; i < 4; ++i) straight[pg->rank()].losses.push_back(step(m, *opt, pg, batches[i]));
+    straight[pg->rank()].final_params = full_params(*net);
+  });
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto net = seeded<PlainNet>();  // other weights than initial_weights()
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {pg->size()}));
+    for (size_t i = 0; i < net->blocks->size(); ++i) fully_shard(net->blocks[i], opts);
+    fully_shard(net, opts);
+    Model m = as_model(net);
+    auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
+    auto sd = get_state_dict(net, *opt);
+    dcp::load(sd, dir);
+    set_state_dict(net, *opt, sd);
+    loaded[pg->rank()] = full_params(*net);
+    for (int i = 2; i < 4; ++i) resumed[pg->rank()].losses.push_back(step(m, *opt, pg, batches[i]));
+    resumed[pg->rank()].final_params = full_params(*net);
+  });
+  for (int r = 0; r < ws; ++r) {
+    EXPECT_FALSE(saved[r].empty());
+    Trace a, b;
+    a.final_params = saved[r];
+    b.final_params = loaded[r];
+    EXPECT_EQ(diff_traces(a, b), "") << "round trip, rank " << r;
+    EXPECT_EQ(straight[r].losses.size(), 2u);
+    EXPECT_EQ(diff_traces(straight[r], resumed[r]), "") << "resumed training, rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Unchanged, ::testing::Values(2, 3));
+
+}  // namespace
+}  // namespace fsdp::testing::unchanged_harness

@@ -2,7 +2,7 @@
 // its shards, as consolidate() and Hugging Face write them) straight into a sharded model (CTest labels:
 // checkpoint, large_model). Each rank must read only its own rows: LoadResult::bytes_read is checked to
 // be exactly the headers of the files plus the bytes of the rank's local pieces. Ranks are threads over
-// Gloo (tests/multi_rank.h); the tiny test model has uneven and empty shards on 2 and 3 ranks. A file
+// Gloo (common/multi_rank.h); the tiny test model has uneven and empty shards on 2 and 3 ranks. A file
 // written by Python's safetensors.torch.save_file: tests/python/test_checkpoint_consolidated.py.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// fsdp::dcp::save_file / load_file (part of the test_checkpoint binary, CTest label: checkpoint): one
+// fsdp::dcp::save_file / load_file (CTest label: checkpoint): one
 // safetensors file, every supported dtype bit for bit, scalars and empty tensors, the metadata, atomic
 // replacement, and clear errors for a bad path, a truncated file and what safetensors cannot store.
 // The interop with Python's safetensors package is in tests/python/test_checkpoint_interop.py.

@@ -1,15 +1,19 @@
-// Shared by the test_fully_shard binary's files (training, init and bad input, communication and
-// memory): the parity tolerances, the single-process reference run and the sharded model builder.
+// Shared by the fully_shard tests (tests/fsdp: training, initialisation, communication, memory, ...): the
+// parity tolerances, the single-process reference run, the sharded model builder and run_parity, which trains
+// the sharded model against the reference.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fsdp_test_model.h"
@@ -136,6 +140,88 @@ inline Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
     fully_shard(net, opts);
   }
   return net;
+}
+
+// ---- The parity harness of the training tests (test_training.cpp and the features that check parity) ----
+
+// Trains a sharded model on this rank's slice of each global batch; checks every step's loss, full
+// gradients and gradient norm, and the final parameters against the reference. Returns the largest
+// relative loss difference, |param diff| and |grad diff| seen.
+inline std::tuple<double, double, double> train_and_compare(const ShardConfig& cfg, ProcessGroupPtr pg,
+                                                            const std::vector<Batch>& batches,
+                                                            const Reference& ref) {
+  const int ws = pg->size();
+  const int64_t local = kBatch / ws;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  Net net{nullptr};
+  if (cfg.optimizer_before) {
+    // The optimizer holds the parameter tensors; fully_shard keeps their identity and swaps their data.
+    net = Net();
+    net->calls_per_block = cfg.calls_per_block;
+    load_full(*net, initial_weights());
+    opt = make_optimizer(net->parameters(), cfg.opt);
+    auto mesh = init_device_mesh(torch::kCPU, {ws});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    fully_shard(net, FullyShardOptions().mesh(mesh));
+  } else {
+    net = build_sharded(cfg, pg);
+    opt = make_optimizer(net->parameters(), cfg.opt);
+  }
+  FSDPModule<Net> model(net);
+  if (cfg.explicit_prefetch) {
+    auto& bl = net->blocks;
+    bl[0].set_modules_to_forward_prefetch({bl[1].ptr()});
+    bl[1].set_modules_to_backward_prefetch({bl[0].ptr()});
+  }
+  auto mesh = init_device_mesh(torch::kCPU, {ws});
+  double max_loss = 0, max_grad = 0;
+  for (size_t step = 0; step < batches.size(); ++step) {
+    auto b = batches[step].slice(pg->rank() * local, local);
+    opt->zero_grad();
+    if (cfg.explicit_unshard) {
+      auto h = model.unshard(/*async_op=*/true);
+      h.wait();
+    }
+    auto loss = loss_fn(model(b.idx), b.targets);
+    loss.backward();
+    max_grad = std::max(max_grad, compare_gradients(*net, mesh, {Shard(0)}, ref, step, pg->rank()));
+    opt->step();
+    auto global = loss.detach().clone();
+    all_reduce(global, *pg, ReduceOp::AVG);
+    double d = std::abs(global.item<double>() - ref.losses[step]) / std::abs(ref.losses[step]);
+    max_loss = std::max(max_loss, d);
+    EXPECT_LE(d, kRtol) << "step " << step << ": loss " << global.item<float>() << " vs reference "
+                        << ref.losses[step] << " on rank " << pg->rank();
+  }
+  // Compare the local shards with the reference's final parameters sliced the same way.
+  double max_param = 0;
+  for (const auto& p : net->named_parameters()) {
+    auto expect = distribute_tensor(ref.final_params.at(p.key()), mesh, {Shard(0)}).to_local();
+    EXPECT_EQ(p.value().sizes(), expect.sizes()) << p.key();
+    if (p.value().sizes() != expect.sizes()) continue;
+    max_param = std::max(max_param, max_abs_diff(p.value(), expect));
+    EXPECT_TRUE(torch::allclose(p.value(), expect, kRtol, kAtol))
+        << p.key() << " on rank " << pg->rank() << ": max |diff| " << max_abs_diff(p.value(), expect);
+  }
+  return {max_loss, max_param, max_grad};
+}
+
+inline void run_parity(int ws, const ShardConfig& cfg) {
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = run_reference(batches, cfg.calls_per_block, cfg.opt);
+  std::mutex mu;
+  double worst_loss = 0, worst_param = 0, worst_grad = 0;
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto [l, p, g] = train_and_compare(cfg, pg, batches, ref);
+    std::lock_guard<std::mutex> lock(mu);
+    worst_loss = std::max(worst_loss, l);
+    worst_param = std::max(worst_param, p);
+    worst_grad = std::max(worst_grad, g);
+  });
+  std::printf("[parity] world size %d, %s: max relative loss diff %.3g (tolerance %.0e), max |param diff| %.3g "
+              "(tolerance %.0e + %.0e * |ref|), max |grad diff| %.3g (tolerance %.0e + %.0e * |ref|)\n",
+              ws, cfg.opt == Opt::SGD ? "SGD" : "AdamW", worst_loss, kRtol, worst_param, kAtol, kRtol, worst_grad,
+              kGradAtol, kGradRtol);
 }
 
 // An embedding and an output projection sharing one weight (GPT-style weight tying).

@@ -1,4 +1,4 @@
-// Regressions of the multi-rank test harness itself (tests/multi_rank.h), issue 17 item 10: a rank that
+// Regressions of the multi-rank test harness itself (common/multi_rank.h; built into test_c10d), issue 17 item 10: a rank that
 // fails must never be reported as a rank that succeeded, whatever it threw.
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // Implicit groups (fully_shard on modules without an FSDPModule holder), the mechanism: parity with one
 // process and with the holder path, the forward stack, when the post-backward runs, what the optimizer
-// and reads outside forward see, and the errors. (Users' model shapes: tests/test_unchanged_models.cpp.)
+// and reads outside forward see, and the errors. (Users' model shapes: test_unchanged_models.cpp.)
 #include "fully_shard_test_util.h"
 
 #include "fsdp/fsdp_state.h"

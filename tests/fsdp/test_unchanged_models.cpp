@@ -1,11 +1,16 @@
-// fully_shard on unchanged LibTorch models (issue 13; CTest label: unchanged_models). Training parity of
-// every model shape of unchanged_models.h (Sequential elements, ModuleList and ModuleDict entries reached
-// through as<>() / at<>(), plain holder members, LSTM / MultiheadAttention / Conv) sharded per module by
-// fully_shard, by fully_shard_tree with module_types and with min_num_params, on 2 and 3 ranks, against
-// the single-process run: losses, full gradients (AdamW hides their scale) and final parameters.
-// The other file of this binary, test_unchanged_models_features.cpp: memory, communication timing,
-// mixed precision, activation checkpointing, a module called twice, checkpoints, explicit
-// unshard/reshard, gradient accumulation, the holder path's identical numbers and the errors.
+// fully_shard on unchanged LibTorch models (issue 13; CTest label: unchanged_models): per-module groups driven at
+// tensor level, no FSDPModule holder. Training parity of every model shape of unchanged_models.h (Sequential
+// elements, ModuleList and ModuleDict entries reached through as<>() / at<>(), plain holder members, LSTM /
+// MultiheadAttention / Conv) sharded per module by fully_shard, by fully_shard_tree with module_types and with
+// min_num_params, on 2 and 3 ranks, against the single-process run: losses, full gradients (AdamW hides their
+// scale) and final parameters. The same numbers as the holder model (bit for bit), reads of a parameter between
+// steps, and checkpoint_wrapper refused on an unchanged module.
+//
+// The other features on unchanged models are tested beside the same feature on the holder model (mixed
+// precision, memory, communication, prefetch, CPU offload, HSDP, reshard_after_forward, gradient accumulation,
+// modules used twice, collective checks, optimizers; checkpoints in tests/checkpoint; Join and activation
+// checkpointing in tests/algorithms), with common/unchanged_harness.h. This file instantiates its fixtures
+// Unchanged and UnchangedMore for test_fsdp.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -13,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "unchanged_harness.h"
 #include "unchanged_models.h"
 
 namespace fsdp::testing {
@@ -163,3 +169,92 @@ INSTANTIATE_TEST_SUITE_P(Shapes, UnchangedParity, ::testing::ValuesIn(parity_par
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing::unchanged_harness {
+namespace {
+
+// ---- The holder path and the unchanged path give identical numbers ----------------------------------
+
+TEST_P(Unchanged, HolderPathGivesBitIdenticalLossesGradientsParameters) {
+  plain_vs_holder(GetParam(), {}, "fp32");
+  Knobs indexed;
+  indexed.call_style = 1;
+  plain_vs_holder(GetParam(), indexed, "fp32, blocks indexed");
+}
+
+// ---- Outside forward: full reads between steps ------------------------------------------------------
+
+// Under NoGradGuard between steps (and before the first), reading a parameter gathers its group: the
+// values are the reference's full parameter after that step; training then continues to match. The
+// step ends with zero_grad() before the read (see the disabled test below for a read before it).
+TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesFullParameterAndTrainingContinues) {
+  const int ws = GetParam();
+  auto batches = make_batches(3, kBatch, kSeq);
+  auto ref = reference_with(adamw(), batches);
+  std::vector<Trace> traces(ws);
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    PlainNet net{nullptr};
+    Model m = plain_sharded(pg, {}, &net);
+    torch::optim::Optimizer* opt = nullptr;
+    auto check_reads = [&](const std::map<std::string, torch::Tensor>& expect, const std::string& when) {
+      torch::NoGradGuard g;
+      for (const auto& p : net->named_parameters()) {
+        const auto& full = expect.at(p.key());
+        const double sum = p.value().sum().item<double>();
+        EXPECT_NEAR(sum, full.sum().item<double>(), 1e-5 * (1 + full.abs().sum().item<double>()))
+            << p.key() << " " << when << ", rank " << pg->rank();
+        auto copy = p.value().clone();
+        EXPECT_EQ(copy.sizes(), full.sizes()) << p.key() << " " << when << ": the read saw the shard";
+        if (copy.sizes() == full.sizes()) {
+          EXPECT_TRUE(torch::allclose(copy, full, kRtol, kAtol))
+              << p.key() << " " << when << ": max |diff| " << max_abs_diff(copy, full);
+        }
+      }
+    };
+    check_reads(initial_weights(), "before training");
+    auto make_opt = [&](const std::vector<torch::Tensor>& params) {
+      auto o = make_optimizer(params, Opt::ADAMW);
+      opt = o.get();
+      return o;
+    };
+    traces[pg->rank()] = train_with(m, pg, batches, make_opt, [&](size_t s) {
+      opt->zero_grad();
+      check_reads(ref.params_after[s], "after step " + std::to_string(s));
+    });
+  });
+  for (int r = 0; r < ws; ++r) expect_parity(traces[r], ref.ref, "reads between steps, rank " + std::to_string(r));
+}
+
+// ---- Errors ------------------------------------------------------------------------------------------
+
+// checkpoint_wrapper needs a call site the library owns (an FSDPModule holder): on an unchanged module
+// it would silently not checkpoint, so fully_shard refuses it, naming the fix (fsdp::checkpoint at the
+// call site). The holder path still accepts it.
+TEST(UnchangedErrors, CheckpointWrapperOnImplicitModuleRefusedAtFullyShard) {
+  run_ranks(1, [](ProcessGroupPtr pg) {
+    PlainNet net;
+    checkpoint_wrapper(net->blocks[0]);
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {pg->size()}));
+    std::string msg;
+    try {
+      fully_shard(net->blocks[0], opts);
+    } catch (const c10::Error& e) {
+      msg = e.what_without_backtrace();
+    }
+    EXPECT_NE(msg.find("fully_shard"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("checkpoint_wrapper"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fsdp::checkpoint"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("BlockImpl"), std::string::npos) << "names the module type: " << msg;
+    EXPECT_EQ(detail::state_of(*net->blocks[0]), nullptr) << "a refused call leaves the module unsharded";
+    Net holder_net;
+    checkpoint_wrapper(holder_net->blocks[0]);
+    EXPECT_NO_THROW(fully_shard(holder_net->blocks[0], opts));
+  });
+}
+
+// The world sizes of the Unchanged and UnchangedMore tests of every file of test_fsdp.
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Unchanged, ::testing::Values(2, 3));
+INSTANTIATE_TEST_SUITE_P(WorldSizes, UnchangedMore, ::testing::Values(2, 3));
+
+}  // namespace
+}  // namespace fsdp::testing::unchanged_harness

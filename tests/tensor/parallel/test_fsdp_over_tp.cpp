@@ -388,37 +388,5 @@ TEST(FsdpOverTpCheckpoint, TensorParallelAloneSavesDTensorsThatLoadUnderFsdpAndB
   std::filesystem::remove_all(root);
 }
 
-TEST(DeviceMeshSlice, TransposedAndPartialSlicesOfThreeDims) {
-  run_ranks(8, [](ProcessGroupPtr pg) {
-    auto mesh = init_device_mesh(torch::kCPU, {2, 2, 2}, {"rep", "shard", "tp"});
-    const auto coord = mesh->get_coordinate();
-    auto t = mesh->slice({"tp", "rep", "shard"});
-    EXPECT_EQ(t->get_coordinate(), (std::vector<int64_t>{coord[2], coord[0], coord[1]}));
-    EXPECT_EQ(t->world(), mesh->world());
-    EXPECT_EQ(t->get_group("tp"), mesh->get_group("tp"));
-    // Row-major in the slice's order: (tp, rep, shard) -> rank 4 rep + 2 shard + tp.
-    std::vector<int> want;
-    for (int a = 0; a < 2; ++a)
-      for (int b = 0; b < 2; ++b)
-        for (int s = 0; s < 2; ++s) want.push_back(4 * b + 2 * s + a);
-    EXPECT_EQ(t->ranks(), want);
-    auto dp = mesh->slice({"rep", "shard"});
-    EXPECT_EQ(dp->root_mesh(), mesh);
-    EXPECT_EQ(dp->root_dims(), (std::vector<int64_t>{0, 1}));
-    EXPECT_EQ(dp->world()->size(), 4);
-    // The dp world holds the ranks with this rank's tp coordinate; a sum over it counts them.
-    auto x = torch::full({1}, static_cast<float>(pg->rank()));
-    all_reduce(x, *dp->world(), ReduceOp::SUM);
-    EXPECT_EQ(x.item<float>(), static_cast<float>(0 + 2 + 4 + 6 + 4 * coord[2]));
-    EXPECT_EQ((*dp)["shard"]->root_mesh(), mesh);
-    // The global rank on every slice (messages name it), not the rank in the slice's group.
-    EXPECT_EQ(dp->get_rank(), pg->rank());
-    EXPECT_EQ((*mesh)["tp"]->get_rank(), pg->rank());
-    EXPECT_EQ(t->get_rank(), pg->rank());
-    EXPECT_THROW(mesh->slice({"rep", "rep"}), c10::Error);
-    EXPECT_THROW(mesh->slice({"pp"}), c10::Error);
-  });
-}
-
 }  // namespace
 }  // namespace fsdp::testing

@@ -1,5 +1,7 @@
-// The tiny model and plans of the tensor-parallel tests (test_tensor_parallel*.cpp): unchanged LibTorch
-// model code (Embedding -> 2 residual MLP blocks in a ModuleList -> LayerNorm -> head), deterministic weights.
+// The tiny model and plans of the tensor-parallel tests (test_tensor_parallel.cpp, test_fsdp_over_tp.cpp):
+// unchanged LibTorch model code (Embedding -> 2 residual MLP blocks in a ModuleList -> LayerNorm -> head),
+// deterministic weights. Its fsdp::testing::NetImpl is not fsdp_test_model.h's: a binary that links both
+// would break the one-definition rule, so these tests have their binary (test_tensor) without that header.
 #pragma once
 
 #include <gtest/gtest.h>

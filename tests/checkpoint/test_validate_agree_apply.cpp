@@ -1,5 +1,7 @@
-// Regressions of [Note: validate, agree, apply] in the state-dict loads (issue 11): when one rank
-// rejects its dict, every rank throws naming that rank and its problem, and no rank changes anything.
+// [Note: validate, agree, apply] (issue 11; CTest labels: checkpoint, regressions): when one rank rejects its
+// state dict (set_model_state_dict, set_optimizer_state_dict, set_state_dict) or cannot read its part of a
+// checkpoint (dcp::load), every rank throws naming that rank and its problem, also when it is rank 0 (whose
+// message the others used to get unnamed), and no rank changes anything.
 #include <gtest/gtest.h>
 
 #include "agreed_failure.h"
@@ -49,6 +51,33 @@ TEST(RegressionsValidateAgreeApply, SetOptimizerStateDictOtherRanksNameTheRankTh
 TEST(RegressionsValidateAgreeApply, SetStateDictOtherRanksNameTheRankThatRejected) {
   one_rank_rejects(Api::BOTH, 0);
 }
+
+/// A checkpoint saved on 2 ranks, loaded on 3 where only rank `bad` asks for a key it lacks.
+void one_rank_rejects(int bad) {
+  const auto b = make_batches(1, kCkptBatch, kCkptSeq, 5);
+  const std::string dir = temp_dir("agree_" + std::to_string(bad)) + "/ck";
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    Trainer t(pg);
+    t.step(b[0]);
+    dcp::save(get_state_dict(t.net, *t.opt), dir);
+  });
+  auto errors = run_ranks_collect(3, [&](ProcessGroupPtr pg) {
+    Trainer t(pg, 8);
+    t.step(b[0]);
+    const auto before = local_state(t);
+    auto sd = get_state_dict(t.net, *t.opt);
+    if (pg->rank() == bad) sd.insert_or_assign("model.extra", torch::zeros({2}));
+    try {
+      dcp::load(sd, dir);
+    } catch (...) {
+      EXPECT_EQ(diff_states(local_state(t), before), "") << "rank " << pg->rank() << ": the failed load changed state";
+      throw;
+    }
+  });
+  expect_agreed_failure(errors, bad, {"key(s) of the state dict are not in", "'model.extra'"});
+}
+
+TEST(RegressionsValidateAgreeApply, DcpLoadOtherRanksNameRank0WhenItFails) { one_rank_rejects(0); }
 
 }  // namespace
 }  // namespace fsdp::testing

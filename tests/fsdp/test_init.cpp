@@ -1,63 +1,146 @@
-// Regressions of issue 17 about fully_shard's setup and its observable state (CTest label `regressions`):
-// item 9 (changes and modules that FSDP cannot honour are refused with a clear message, or reported)
-// and item 10 (tests that see memory and resharding, not only numbers).
-//
-//   RegressionsInit:             model->to(dtype) after fully_shard, sparse embeddings, fully_shard_tree's
-//                                min_num_params (wraps plain modules too), per-rank BatchNorm buffers.
-//   RegressionsMemory:           the unsharded storage of every resharded group is freed (0 bytes).
-//   RegressionsReshardAfterForward: rows, state and collectives after forward for true, false and 2.
+// fully_shard's initialisation and what it refuses (CTest label: fully_shard): the sharded layout (torch.chunk
+// rows, empty shards, ignored parameters), parameters FSDP cannot shard (scalars, non-contiguous, different
+// gather dtypes: the module is left unchanged), a child's forward before the root's, and (RegressionsInit,
+// RegressionsApi, issue 17 items 6 and 9: labels fully_shard, regressions) model->to(dtype) after fully_shard,
+// sparse embeddings and gradients, fully_shard_tree's min_num_params, per-rank BatchNorm buffers.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <mutex>
+#include <string>
 
 #include <unistd.h>
 
 #include "fsdp/fsdp_state.h"
-#include "fsdp_test_model.h"
-#include "multi_rank.h"
+#include "fully_shard_test_util.h"
+#include "resharding.h"
 
 namespace fsdp::testing {
 namespace {
 
-constexpr int64_t kSeq = 3;
+TEST(BadInput, FailedFullyShardLeavesTheModuleUnchanged) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto m = std::make_shared<torch::nn::Module>();
+    m->register_parameter("a", torch::ones({4, 3}));
+    m->register_parameter("b", torch::ones({4, 3}).t());  // non-contiguous: rejected
+    EXPECT_THROW(fully_shard(m, FullyShardOptions().mesh(mesh)), c10::Error);
+    EXPECT_EQ(m->named_parameters()["a"].size(0), 4) << "validated before sharding";
+    // Parameters that would be gathered in different dtypes are refused at fully_shard.
+    auto n = std::make_shared<torch::nn::Module>();
+    n->register_parameter("w", torch::ones({4, 3}));
+    n->register_parameter("ids", torch::zeros({4}, torch::kLong), /*requires_grad=*/false);
+    try {
+      fully_shard(n, FullyShardOptions().mesh(mesh));
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("different dtypes"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(n->named_parameters()["w"].size(0), 4);
+  });
+}
 
-std::map<std::string, torch::Tensor> init_weights() {
-  static std::map<std::string, torch::Tensor> w = [] {
-    torch::manual_seed(11);
+// Ignored parameters are neither sharded nor reduced.
+TEST(Layout, IgnoredParamsStayFull) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
     Net net;
-    return snapshot(*net);
-  }();
-  return w;
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto api = fully_shard(net, FullyShardOptions().mesh(mesh).ignored_params({net->head->weight}));
+    EXPECT_EQ(net->head->weight.size(0), kClasses);
+    EXPECT_EQ(net->wte->weight.size(0), pg->rank() == 0 ? 6 : 5);
+    for (const auto& [name, dt] : api.sharded_parameters()) EXPECT_NE(name, "head.weight");
+  });
 }
 
-// Blocks with `block_raf` (unset: the default), then the root with `root_raf`.
-Net shard_net(const DeviceMeshPtr& mesh, std::optional<ReshardAfterForward> block_raf = std::nullopt,
-              std::optional<ReshardAfterForward> root_raf = std::nullopt) {
-  Net net;
-  load_full(*net, init_weights());
-  for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh).reshard_after_forward(block_raf));
-  fully_shard(net, FullyShardOptions().mesh(mesh).reshard_after_forward(root_raf));
-  return net;
+TEST(Layout, ShardsFollowTorchChunkWithEmptyShards) {
+  run_ranks(4, [](ProcessGroupPtr pg) {
+    Net net = build_sharded({}, pg);
+    auto full = initial_weights();
+    auto mesh = init_device_mesh(torch::kCPU, {4});
+    // fc1.weight [5, 6] on 4 ranks: 2, 2, 1, 0 rows; head.weight [2, 6]: 1, 1, 0, 0.
+    std::vector<int64_t> fc1_rows{2, 2, 1, 0}, head_rows{1, 1, 0, 0};
+    EXPECT_EQ(net->blocks[0]->fc1->weight.size(0), fc1_rows[pg->rank()]);
+    EXPECT_EQ(net->head->weight.size(0), head_rows[pg->rank()]);
+    EXPECT_EQ(net->head->weight.size(1), kDim);
+    // The local shards (the root here has no FSDPModule holder: its parameters read as full tensors
+    // outside forward, as FSDP2's DTensor parameters, so the shards come from the state dict).
+    for (const auto& [key, value] : get_model_state_dict(*net)) {
+      const auto& local = std::get<DTensor>(value).to_local();
+      auto chunks = full.at(key).chunk(4, 0);
+      auto expect = pg->rank() < static_cast<int>(chunks.size()) ? chunks[pg->rank()] : full.at(key).narrow(0, 0, 0);
+      EXPECT_TRUE(torch::equal(local, expect)) << key << " on rank " << pg->rank();
+    }
+    // Full tensors gather back exactly.
+    for (const auto& [name, dt] : fsdp_api(*net).sharded_parameters()) {
+      EXPECT_TRUE(torch::equal(dt.full_tensor(), full.at(name))) << name;
+    }
+  });
 }
 
-// Bytes held by the unsharded parameters of a group (0 when they are freed).
-int64_t unsharded_bytes(const detail::FSDPParamGroup& g) {
-  int64_t b = 0;
-  for (const auto& p : g.params()) {
-    if (p.unsharded_padded.defined()) b += static_cast<int64_t>(p.unsharded_padded.storage().nbytes());
-  }
-  return b;
+TEST(BadInput, ScalarAndNonContiguousParametersNameTheParameter) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto m = std::make_shared<torch::nn::Module>();
+    m->register_parameter("temperature", torch::ones({}));
+    try {
+      fully_shard(m, FullyShardOptions().mesh(mesh));
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'temperature'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("scalar"), std::string::npos) << e.what();
+    }
+    auto n = std::make_shared<torch::nn::Module>();
+    n->register_parameter("w", torch::ones({4, 3}).t());
+    try {
+      fully_shard(n, FullyShardOptions().mesh(mesh));
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("not contiguous"), std::string::npos) << e.what();
+    }
+  });
 }
 
-// Bytes the unsharded parameters of a group need (ws * padded rows of each, in the gather dtype).
-int64_t full_unsharded_bytes(const detail::FSDPParamGroup& g) {
-  int64_t b = 0;
-  for (const auto& p : g.params()) {
-    b += g.shard_size() * p.padded_numel() * static_cast<int64_t>(c10::elementSize(p.param_dtype));
-  }
-  return b;
+TEST(BadInput, ChildForwardBeforeRootIsAnError) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Net net = build_sharded({}, pg);
+    net->blocks[0](torch::randn({2, kDim}));
+    FSDPModule<Net> model(net);
+    try {
+      model(torch::zeros({2, 3}, torch::kLong));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("running forward through the root module first"), std::string::npos)
+          << e.what();
+    }
+  });
 }
+
+// A child's forward before the root's: the error names the child by its path and type (it used to
+// call the child "the root").
+TEST(RegressionsApi, ChildBeforeRootErrorNamesPathAndType) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Net net;
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    fully_shard(net, FullyShardOptions().mesh(mesh));
+    net->blocks[1](torch::randn({2, kDim}));
+    FSDPModule<Net> model(net);
+    try {
+      model(torch::zeros({2, 3}, torch::kLong));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("'blocks.1' (fsdp::testing::BlockImpl) ran forward before the root"), std::string::npos) << msg;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
+
+namespace fsdp::testing::resharding {
+namespace {
 
 std::string what_of(const std::function<void()>& fn) {
   try {
@@ -251,126 +334,5 @@ TEST(RegressionsInit, BatchNormBuffersStayPerRankAndACheckpointHoldsRankZeros) {
   std::filesystem::remove_all(parent);
 }
 
-// ---- item 10: unsharded storage is freed ---------------------------------------------------------------
-// A free_unsharded() that did nothing (every rank keeps the whole model) passed every numeric test.
-TEST(RegressionsMemory, UnshardedStorageIsFreedAfterForwardAndAfterBackward) {
-  run_ranks(2, [](ProcessGroupPtr pg) {
-    auto mesh = init_device_mesh(torch::kCPU, {2});
-    auto batches = make_batches(2, 4, kSeq);
-    for (bool root_reshards : {false, true}) {
-      FSDPModule<Net> model(shard_net(mesh, std::nullopt, ReshardAfterForward(root_reshards)));
-      auto& root = *detail::fsdp_state(fsdp_api(model)).group;
-      for (int it = 0; it < 2; ++it) {
-        auto b = batches[it].slice(pg->rank() * 2, 2);
-        auto loss = loss_fn(model(b.idx), b.targets);
-        for (auto& blk : model->blocks) {
-          auto& g = *detail::fsdp_state(blk.fsdp()).group;
-          EXPECT_EQ(g.sharded_state(), detail::ShardedState::SHARDED);
-          EXPECT_EQ(unsharded_bytes(g), 0) << "block group after forward, iteration " << it;
-        }
-        if (root_reshards) {
-          EXPECT_EQ(unsharded_bytes(root), 0) << "root after forward with reshard_after_forward=true";
-        } else {
-          // The root keeps its parameters for backward: the positive control of the measurement.
-          EXPECT_EQ(unsharded_bytes(root), full_unsharded_bytes(root)) << "root after forward";
-          EXPECT_GT(unsharded_bytes(root), 0);
-        }
-        loss.backward();
-        for (auto& blk : model->blocks) {
-          EXPECT_EQ(unsharded_bytes(*detail::fsdp_state(blk.fsdp()).group), 0) << "block group after backward, iteration " << it;
-        }
-        EXPECT_EQ(unsharded_bytes(root), 0) << "root after backward, iteration " << it;
-      }
-      // An explicit unshard holds the full bytes; reshard frees them.
-      model->blocks[0].unshard();
-      auto& g0 = *detail::fsdp_state(model->blocks[0].fsdp()).group;
-      EXPECT_EQ(unsharded_bytes(g0), full_unsharded_bytes(g0));
-      model->blocks[0].reshard();
-      EXPECT_EQ(unsharded_bytes(g0), 0) << "after FSDPModule::reshard()";
-    }
-  });
-}
-
-// ---- item 10: reshard_after_forward is honoured ---------------------------------------------------------
-// The parity tests with false and 2 only check numbers, identical whatever the setting. Here: after
-// forward, the rows the parameters hold, the group's state and bytes; and the all-gathers backward issues.
-void check_reshard_after_forward(int ws, ReshardAfterForward raf) {
-  auto batches = make_batches(1, 12, kSeq);
-  Net ref;
-  load_full(*ref, init_weights());
-  loss_fn(ref->forward(batches[0].idx), batches[0].targets).backward();
-  run_ranks(ws, [&](ProcessGroupPtr pg) {
-    auto mesh = init_device_mesh(torch::kCPU, {ws});
-    FSDPModule<Net> model(shard_net(mesh, raf));
-    const int64_t local = 12 / ws;
-    auto b = batches[0].slice(pg->rank() * local, local);
-    const bool keep = std::holds_alternative<bool>(raf) && !std::get<bool>(raf);
-    const int k = std::holds_alternative<int>(raf) ? std::get<int>(raf) : 0;
-    const uint64_t nblocks = model->blocks.size();
-    auto ag0 = pg->collective_count("all_gather_into_tensor");
-    auto rs0 = pg->collective_count("reduce_scatter_tensor");
-    auto loss = loss_fn(model(b.idx), b.targets);
-    auto ag1 = pg->collective_count("all_gather_into_tensor");
-    EXPECT_EQ(ag1 - ag0, nblocks + 1) << "forward all-gathers";
-    std::vector<uint64_t> pf0;
-    for (auto& blk : model->blocks) {
-      auto& st = detail::fsdp_state(blk.fsdp());
-      auto& g = *st.group;
-      const auto& fc1 = blk->fc1->weight;
-      const int64_t local_rows = chunk_range(kHidden, ws, pg->rank()).length;
-      if (keep) {
-        EXPECT_EQ(g.sharded_state(), detail::ShardedState::UNSHARDED);
-        EXPECT_EQ(fc1.size(0), kHidden) << "kept unsharded after forward";
-        EXPECT_EQ(unsharded_bytes(g), full_unsharded_bytes(g));
-      } else {
-        EXPECT_EQ(fc1.size(0), local_rows) << "resharded after forward";
-        EXPECT_EQ(unsharded_bytes(g), 0);
-      }
-      if (k > 1) {
-        EXPECT_EQ(g.sharded_state(), detail::ShardedState::SHARDED_POST_FORWARD);
-        ASSERT_TRUE(st.post_forward_group);
-        EXPECT_EQ(st.post_forward_group->size(), k);
-        for (const auto& p : g.params()) {
-          ASSERT_TRUE(p.post_forward_shard.defined()) << p.fqn;
-          EXPECT_EQ(p.post_forward_shard.numel(), ws / k * p.padded_numel()) << p.fqn << ": a 1/" << k << " slice";
-        }
-        pf0.push_back(st.post_forward_group->collective_count("all_gather_into_tensor"));
-      } else if (!keep) {
-        EXPECT_EQ(g.sharded_state(), detail::ShardedState::SHARDED);
-      }
-    }
-    loss.backward();
-    auto ag2 = pg->collective_count("all_gather_into_tensor");
-    auto rs2 = pg->collective_count("reduce_scatter_tensor");
-    // Backward all-gathers over the whole shard group: one per block with true, none with false (kept)
-    // or k (gathered over the post-forward group of k ranks instead, one per block).
-    EXPECT_EQ(ag2 - ag1, (keep || k > 1) ? 0u : nblocks) << "backward all-gathers over the shard group";
-    for (size_t i = 0; i < pf0.size(); ++i) {
-      auto& st = detail::fsdp_state(model->blocks[i].fsdp());
-      EXPECT_EQ(st.post_forward_group->collective_count("all_gather_into_tensor") - pf0[i], 1u)
-          << "block " << i << " gathers over its post-forward group in backward";
-    }
-    EXPECT_EQ(rs2 - rs0, nblocks + 1) << "reduce-scatters";
-    // The numbers stay right: the sharded gradients are the reference's.
-    for (const auto& p : model->named_parameters()) {
-      auto expect = distribute_tensor(ref->named_parameters()[p.key()].grad(), mesh, {Shard(0)}).to_local();
-      ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      EXPECT_TRUE(torch::allclose(p.value().grad(), expect, 1e-5, 1e-6)) << p.key() << " on rank " << pg->rank();
-    }
-  });
-}
-
-TEST(RegressionsReshardAfterForward, TrueReshardsAfterForwardAndGathersAgainInBackward) {
-  check_reshard_after_forward(2, ReshardAfterForward(true));
-  check_reshard_after_forward(3, ReshardAfterForward(true));
-}
-TEST(RegressionsReshardAfterForward, FalseKeepsUnshardedAndSkipsTheBackwardAllGather) {
-  check_reshard_after_forward(2, ReshardAfterForward(false));
-  check_reshard_after_forward(3, ReshardAfterForward(false));
-}
-TEST(RegressionsReshardAfterForward, TwoOnFourRanksKeepsAHalfAndGathersOverPairs) {
-  check_reshard_after_forward(4, ReshardAfterForward(2));
-}
-
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::resharding
