@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fsdp/algorithms/join.h"
+#include "multi_rank.h"
 #include "two_level_model.h"
 #include "unchanged_harness.h"
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "multi_rank.h"
 #include "two_level_model.h"
 #include "unchanged_harness.h"
 
