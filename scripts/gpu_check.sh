@@ -120,8 +120,8 @@ say "build: $([ $build_ok = 1 ] && echo ok || echo FAILED) in $(( $(date +%s) - 
 report "$@"
 
 # Text to train on: this repository's documentation and sources (the machine may have no other text).
-mapfile -t data < <(cd "$root" && ls README.md docs/*.md src/*.cpp src/*.h src/checkpoint/* include/fsdp/*.h \
-  examples/train_gpt/*.cpp examples/train_gpt/*.h tests/*.cpp tests/*.h bench/*.py 2>/dev/null | sed "s|^|$root/|")
+mapfile -t data < <(cd "$root" && { ls README.md docs/*.md examples/train_gpt/*.cpp examples/train_gpt/*.h bench/*.py;
+  find src include tests -name '*.cpp' -o -name '*.h'; } 2>/dev/null | sort | sed "s|^|$root/|")
 if [ -d /usr/share/common-licenses ]; then
   while IFS= read -r f; do data+=("$f"); done < <(find /usr/share/common-licenses -maxdepth 1 -type f | sort)
 fi

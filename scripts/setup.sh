@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Brings everything a fresh machine needs, then builds into build/ (binaries in build/bin/).
-# Idempotent and quick when nothing changed. Usage: scripts/setup.sh
+# Idempotent and quick when nothing changed. Usage: scripts/setup.sh [TARGET...]
+#   With targets (e.g. `scripts/setup.sh fsdp fsdprun train_gpt`, what scripts/train.sh builds), only
+#   those and what they need are built; without, everything (library, tools, examples, benchmarks, tests).
 #
 # Two variants, each with its own Python environment and build folder:
 #   CPU  (.venv, build/):            the torch 2.13.0 CPU wheel (requirements.txt). The default.
@@ -17,7 +19,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 #    wheel does not ship (headers only: the gloo code that runs is the one inside libtorch_cpu).
 #    fortunes + fortunes-min carry train_gpt's default corpus: 2.5 MB of English text in
 #    /usr/share/games/fortunes (the text itself, nothing is downloaded at run time).
-#    libopenmpi-dev + openmpi-bin: the "mpi" backend (src/process_group_mpi*.cpp) and mpirun; the build
+#    libopenmpi-dev + openmpi-bin: the "mpi" backend (src/c10d/mpi/) and mpirun; the build
 #    compiles that backend only when CMake finds MPI, so a machine without them still builds.
 #    slurmctld + slurmd + slurm-client (srun, sinfo): a real one-node Slurm that the `multinode` tests start
 #    on localhost (tests/python/slurm_cluster.py). Debian bookworm ships Slurm 22.05, which still has
@@ -85,5 +87,10 @@ if [ ! -f "$build/build.ninja" ]; then
 fi
 export CCACHE_DIR="${CCACHE_DIR:-$root/.ccache}"
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
-log "building $build (ninja -j$jobs)"
-cmake --build "$build" -j "$jobs" || { log "build failed"; exit 1; }
+if [ $# -gt 0 ]; then
+  log "building $* in $build (ninja -j$jobs)"
+  cmake --build "$build" -j "$jobs" --target "$@" || { log "build failed"; exit 1; }
+else
+  log "building $build (ninja -j$jobs)"
+  cmake --build "$build" -j "$jobs" || { log "build failed"; exit 1; }
+fi

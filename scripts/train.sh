@@ -8,7 +8,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-scripts/setup.sh
+# Only what the main job needs (the library, fsdprun, train_gpt): scripts/test.sh builds the rest.
+scripts/setup.sh fsdp fsdprun train_gpt
 [ -x build/bin/train_gpt ] || { echo "train.sh: build/bin/train_gpt is missing after setup" >&2; exit 1; }
 
 out="${TRAIN_GPT_OUT:-runs/train_gpt}"

@@ -15,6 +15,8 @@
 //   optimizer.h/.cpp      AdamW (foreach kernels on CUDA) and the learning-rate schedule
 //   checkpointing.h/.cpp  --ckpt-dir and --resume: distributed checkpoints (fsdp::dcp)
 //   reporting.h/.cpp      banner, log lines, progress bar, --metrics, memory, MFU, summary
+//   evaluate.h            the loss, evaluate() and generate() (sampling)
+//   memory_estimate.h/.cpp  --estimate-memory: fsdp::estimate_memory for this model and these flags
 //   interop.h             --save-init, --dump-batches and --no-shard, for bench/compare_fsdp2.py
 //   data.h, model.h       the corpus and sampler, the model: plain LibTorch
 //   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
@@ -37,8 +39,10 @@
 
 #include "checkpointing.h"
 #include "data.h"
+#include "evaluate.h"
 #include "fsdp/fsdp.h"
 #include "interop.h"
+#include "memory_estimate.h"
 #include "model.h"
 #include "model_plain.h"
 #include "optimizer.h"
@@ -48,80 +52,6 @@
 
 namespace train_gpt {
 namespace {
-
-torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  // In fp32 whatever the compute dtype: a log-softmax over 256 classes in bf16 loses the small probabilities.
-  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, logits.size(-1)}),
-                                              targets.reshape({-1}));
-}
-
-// `Model`, here and below: the model holder of --model-impl, fsdp::FSDPModule<GPT> (holder) or PlainGPT
-// (plain). Both are called as `model(x)` and have the same members (cfg, num_params(), unique_parameters()).
-
-/// Mean loss over the fixed evaluation batches of the validation split, averaged over ranks.
-/// Every rank runs the same number of forwards (the blocks all-gather their parameters in each).
-template <typename Model>
-double evaluate(Model& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size, int tp,
-                fsdp::ProcessGroup& pg) {
-  model->eval();
-  torch::NoGradGuard no_grad;
-  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(pg.device()));
-  for (int64_t b = 0; b < num_batches; ++b) {
-    // The ranks of a TP group evaluate the same windows (each computes the same loss: the sum over all
-    // ranks is tp x the data-parallel sum, and so is the divisor below).
-    auto [x, y] = val.get(eval_indices(b, batch_size, pg.rank() / tp, pg.size() / tp));
-    sum += lm_loss(model(x.to(pg.device())), y.to(pg.device())).to(torch::kDouble);
-  }
-  fsdp::all_reduce(sum, pg, fsdp::ReduceOp::SUM);
-  model->train();
-  return sum.item<double>() / static_cast<double>(num_batches * pg.size());
-}
-
-/// Continues `prompt` by `num_tokens` bytes. Every rank runs every forward in lockstep (each forward
-/// all-gathers the blocks' parameters); rank 0 draws each byte and broadcasts it, so all ranks extend
-/// the same text even if their logits differed in the last bit. Deterministic given `seed`.
-template <typename Model>
-std::string generate(Model& model, const std::string& prompt, int64_t num_tokens,
-                     double temperature, int64_t top_k, uint64_t seed, fsdp::ProcessGroup& pg) {
-  model->eval();
-  torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  std::vector<int64_t> tokens;
-  for (unsigned char c : (prompt.empty() ? std::string("\n") : prompt)) tokens.push_back(c);
-  const int64_t context = model->cfg.block_size;
-  std::string out;
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    const auto begin = tokens.size() > static_cast<size_t>(context) ? tokens.end() - context : tokens.begin();
-    auto idx = torch::tensor(std::vector<int64_t>(begin, tokens.end()), torch::kLong).unsqueeze(0);  // [1, T]
-    const int64_t T = idx.size(1);
-    // Sequence parallelism splits the sequence evenly over the TP ranks: pad on the right to a multiple
-    // of tp (block_size is one). Exact: attention is causal, so no real position sees the padding.
-    if (const auto& sp = model->sequence_parallel_mesh) {
-      const int64_t tp = sp->size(0), padded = (T + tp - 1) / tp * tp;
-      idx = torch::cat({idx, torch::zeros({1, padded - T}, torch::kLong)}, 1);
-    }
-    auto logits = model(idx.to(pg.device())).select(1, T - 1).squeeze(0).to(torch::kCPU, torch::kFloat32);  // [vocab]
-    auto next = torch::zeros({1}, torch::kLong);
-    if (pg.rank() == 0) {
-      if (temperature == 0.0) {
-        next = logits.argmax().reshape({1});
-      } else {
-        logits = logits / temperature;
-        if (top_k > 0 && top_k < logits.size(0)) {
-          auto kth = std::get<0>(logits.topk(top_k)).min();
-          logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-        }
-        next = torch::multinomial(torch::softmax(logits, 0), 1, /*replacement=*/false, gen);
-      }
-    }
-    next = next.to(pg.device());  // NCCL broadcasts device tensors
-    fsdp::broadcast(next, /*src=*/0, pg);
-    tokens.push_back(next.item<int64_t>());
-    out.push_back(static_cast<char>(tokens.back()));
-  }
-  model->train();
-  return out;
-}
 
 /// What train_step() works on: built once by train().
 template <typename Model>
@@ -346,74 +276,6 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg);
   report.summary(start_step, last_step, wall, sample);
   return 0;
-}
-
-// ---- --estimate-memory (issue 14) ---------------------------------------------------------------------
-
-/// Peak activation bytes of one microbatch's forward + backward on one rank, from the model shape: what
-/// autograd saves (B x T x C elements unless said otherwise, in the compute dtype e), counted from
-/// model.cpp's forward:
-///   per block 16: its input (saved by ln_1), ln_1's output (by c_attn), qkv 3 (by SDPA, as q/k/v views),
-///     SDPA's output 1 (also c_proj's input: LibTorch's CPU flash attention allocates it [B, T, H, D], so
-///     transpose(1, 2).contiguous() is free), the residual sum 1 (by ln_2), ln_2's
-///     output 1 (by c_fc), c_fc's output 4 (by GELU), GELU's output 4 (by mlp.c_proj); plus fp32 stats:
-///     LayerNorm mean + rstd (2 x 2 x B x T) and SDPA's logsumexp (B x H x T);
-///   head: the last block's output (by ln_f) 1, ln_f's output 1 (by lm_head), the logits B x T x V in e
-///     (train_step keeps them), log_softmax's fp32 output B x T x V (by nll_loss);
-///   backward temporaries: the larger of the loss's two fp32 B x T x V gradients and a block's MLP
-///     gradients (4 + 4 + 2 residual).
-/// With activation checkpointing a block saves only its input; one block at a time is recomputed (its 15
-/// inner tensors and stats come back during its backward).
-int64_t gpt_activation_bytes(const GPTConfig& c, int64_t batch, int64_t e, bool checkpointing) {
-  const int64_t B = batch, T = c.block_size, C = c.n_embd, L = c.n_layer, H = c.n_head, V = c.vocab_size;
-  const int64_t btc = B * T * C * e;
-  const int64_t stats = 2 * 2 * B * T * 4 + B * H * T * 4;
-  const int64_t head = 2 * btc + B * T * V * e + B * T * V * 4;
-  const int64_t backward_tmp = std::max<int64_t>(2 * B * T * V * 4, 10 * btc);
-  const int64_t blocks = checkpointing ? (L * btc + 15 * btc + stats) : L * (16 * btc + stats);
-  return blocks + head + backward_tmp;
-}
-
-// LibTorch's own first-use memory on the CPU over the process baseline, independent of the model: the
-// OpenMP and autograd threads, oneDNN/MKL scratch and JIT code, glibc's per-thread arenas. Measured with
-// the tiny preset (model states and activations < 1 MiB, so its RSS growth is this overhead): 15 MiB in
-// fp32, 28 MiB with bf16/fp16 compute (oneDNN's reduced-precision kernels); see docs/BENCHMARKS.md,
-// "Memory estimator (issue 14, part 2)".
-int64_t cpu_runtime_overhead_bytes(torch::ScalarType compute) {
-  return (compute == torch::kFloat32 ? 15 : 28) * (int64_t(1) << 20);
-}
-
-/// Prints fsdp::estimate_memory's breakdown for this run (rank 0) without building anything but meta
-/// tensors: the same groups parallelize() makes (every block, then the root, which keeps its parameters
-/// unsharded from forward to backward).
-void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
-  const Options& o = s.opts;
-  auto model = fsdp::deferred_init([&] { return GPT(s.cfg); });  // meta tensors: sizes and dtypes only
-  std::vector<std::string> sharded = {""};  // forward order: the root (embeddings) first, then the blocks
-  for (int64_t i = 0; i < s.cfg.n_layer; ++i) sharded.push_back("h." + std::to_string(i));
-  auto groups = fsdp::shard_groups(*model, sharded);
-  groups[0].reshard_after_forward = false;  // the root's default
-  fsdp::MemoryEstimateOptions eo;
-  eo.world_size = world;
-  eo.reshard_after_forward = o.reshard_after_forward != "false";  // N (a slice kept) counts as true
-  if (s.parallel.param_dtype != torch::kFloat32) {
-    eo.param_dtype = s.parallel.param_dtype;
-    eo.reduce_dtype = torch::kFloat32;
-  }
-  eo.cpu_offload = o.cpu_offload;
-  eo.device_is_cpu = !cuda;
-  eo.optimizer_bytes_per_element = 8.0;  // AdamW: exp_avg + exp_avg_sq in fp32
-  const int64_t e = static_cast<int64_t>(c10::elementSize(s.parallel.param_dtype));
-  eo.activation_bytes = gpt_activation_bytes(s.cfg, o.batch_size, e, o.activation_checkpointing);
-  eo.runtime_overhead_bytes = cuda ? 0 : cpu_runtime_overhead_bytes(s.parallel.param_dtype);
-  const auto est = fsdp::estimate_memory(fsdp::param_infos(*model), groups, eo);
-  if (rank != 0) return;
-  std::cout << "memory estimate per rank: " << describe(s.cfg) << ", " << est.num_params << " parameters, "
-            << world << (world == 1 ? " rank" : " ranks") << ", batch " << o.batch_size << ", " << o.mixed_precision
-            << ", reshard_after_forward " << o.reshard_after_forward
-            << (o.activation_checkpointing ? ", activation checkpointing" : "") << (o.cpu_offload ? ", cpu offload" : "")
-            << (cuda ? " (CUDA: the caching allocator's peak)" : " (CPU: RSS growth over the process baseline)") << "\n"
-            << fsdp::format_memory_estimate(est);
 }
 
 /// The process group: from the launcher's environment, or a group of one when started without one.

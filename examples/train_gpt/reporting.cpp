@@ -277,8 +277,9 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
   ++steps_timed_;
   bar_.update(step, loss, train_seconds_ / static_cast<double>(steps_timed_));
 
-  const bool log_now = step % o_.log_every == 0 || step == o_.steps;
-  const bool eval_now = step % o_.eval_every == 0 || step == o_.steps;
+  // --log-every / --eval-every 0: only after the last step (and, for evaluations, before the first).
+  const bool log_now = (o_.log_every > 0 && step % o_.log_every == 0) || step == o_.steps;
+  const bool eval_now = (o_.eval_every > 0 && step % o_.eval_every == 0) || step == o_.steps;
   if (!log_now && !eval_now) return;
   const double mean_loss = interval_loss_ / static_cast<double>(interval_steps_);
   const double step_ms = 1e3 * interval_seconds_ / static_cast<double>(interval_steps_);

@@ -86,33 +86,80 @@ bool debug_mode() {
   return v && *v == "DETAIL";
 }
 
+namespace {
+
+// The environment variables of rank, world size and local rank, by launcher: torchrun/fsdprun, then
+// Open MPI's mpirun, then Slurm's srun.
+struct LauncherVars {
+  const char* source;
+  const char* rank;
+  const char* size;
+  const char* local;
+};
+LauncherVars detect_launcher() {
+  if (getenv_str("RANK") || getenv_str("WORLD_SIZE")) return {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"};
+  if (getenv_str("OMPI_COMM_WORLD_RANK")) {
+    return {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"};
+  }
+  if (getenv_str("SLURM_PROCID")) return {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"};
+  TORCH_CHECK(false,
+              "init_process_group: RANK is not set (nor SLURM_PROCID or OMPI_COMM_WORLD_RANK): expected the "
+              "environment of a launcher. Fix: start the program with `fsdprun --nproc-per-node N PROGRAM` "
+              "or `torchrun --no-python --nproc-per-node N PROGRAM`, or set RANK, WORLD_SIZE, MASTER_ADDR "
+              "and MASTER_PORT yourself");
+  return {};  // (not reached)
+}
+
+// The store's address of an srun step of several tasks: MASTER_ADDR/MASTER_PORT when set, else derived
+// from SLURM_* (fills `addr`, `port` and env.rendezvous_origin).
+void slurm_rendezvous(LaunchEnv& env, std::optional<std::string>& addr, std::optional<long>& port) {
+  // The batch script of `sbatch --ntasks N` sees SLURM_PROCID=0 and SLURM_NTASKS=N too, but it is one
+  // process, not N tasks: its rank 0 would wait for the others until the timeout. Only srun's tasks
+  // (a job step) have SLURM_STEP_ID.
+  TORCH_CHECK(getenv_str("SLURM_STEP_ID") || getenv_str("SLURM_STEPID"), "init_process_group: SLURM_PROCID=",
+              env.rank, " and SLURM_NTASKS=", env.world_size, " are set but SLURM_STEP_ID is not: this process "
+              "is the batch script of Slurm job ", getenv_str("SLURM_JOB_ID").value_or("?"), ", not one of ",
+              env.world_size, " tasks of an srun step, so the other ranks would never start. Fix: start it with "
+              "`srun PROGRAM` (one task per rank), or with `srun --ntasks-per-node 1 fsdprun ...` per node");
+  // See [Note: Slurm rendezvous] (src/c10d/slurm_env.h): the first host of the step, a port from the job id.
+  std::string origin;
+  if (!addr || addr->empty()) {
+    auto derived = detail::slurm_master_addr_from_env();
+    TORCH_CHECK(derived.has_value(), "init_process_group: MASTER_ADDR is not set, nor SLURM_STEP_NODELIST or "
+                "SLURM_JOB_NODELIST to take it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size,
+                "): expected srun to set the node list. Fix: launch with srun, or export MASTER_ADDR=<host of "
+                "rank 0>");
+    addr = derived->addr;
+    origin = "MASTER_ADDR from " + derived->origin;
+  } else {
+    origin = "MASTER_ADDR from the environment";
+  }
+  if (!port) {
+    auto job_id = getenv_int("SLURM_JOB_ID");
+    if (!job_id) job_id = getenv_int("SLURM_JOBID");
+    TORCH_CHECK(job_id.has_value() && *job_id >= 0, "init_process_group: MASTER_PORT is not set, nor SLURM_JOB_ID "
+                "to derive it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size, "): expected "
+                "srun to set SLURM_JOB_ID. Fix: launch with srun, or export MASTER_PORT=<free TCP port on ", *addr,
+                ">");
+    const long step_id = getenv_int("SLURM_STEP_ID").value_or(getenv_int("SLURM_STEPID").value_or(0));
+    port = detail::slurm_master_port(*job_id, step_id < 0 ? 0 : step_id);
+    origin += ", MASTER_PORT = 20000 + 10 * (SLURM_JOB_ID=" + std::to_string(*job_id) + " % 1000) + (SLURM_STEP_ID=" +
+              std::to_string(step_id) + " % 10); export MASTER_PORT to choose another";
+  } else {
+    origin += ", MASTER_PORT from the environment";
+  }
+  env.rendezvous_origin = origin;
+}
+
+}  // namespace
+
 LaunchEnv read_launch_env() {
   LaunchEnv env;
-  const char* rank_var = nullptr;
-  const char* size_var = nullptr;
-  const char* local_var = nullptr;
-  if (getenv_str("RANK") || getenv_str("WORLD_SIZE")) {
-    env.source = "torchrun";
-    rank_var = "RANK";
-    size_var = "WORLD_SIZE";
-    local_var = "LOCAL_RANK";
-  } else if (getenv_str("OMPI_COMM_WORLD_RANK")) {
-    env.source = "openmpi";
-    rank_var = "OMPI_COMM_WORLD_RANK";
-    size_var = "OMPI_COMM_WORLD_SIZE";
-    local_var = "OMPI_COMM_WORLD_LOCAL_RANK";
-  } else if (getenv_str("SLURM_PROCID")) {
-    env.source = "slurm";
-    rank_var = "SLURM_PROCID";
-    size_var = "SLURM_NTASKS";
-    local_var = "SLURM_LOCALID";
-  } else {
-    TORCH_CHECK(false,
-                "init_process_group: RANK is not set (nor SLURM_PROCID or OMPI_COMM_WORLD_RANK): expected the "
-                "environment of a launcher. Fix: start the program with `fsdprun --nproc-per-node N PROGRAM` "
-                "or `torchrun --no-python --nproc-per-node N PROGRAM`, or set RANK, WORLD_SIZE, MASTER_ADDR "
-                "and MASTER_PORT yourself");
-  }
+  const LauncherVars vars = detect_launcher();
+  env.source = vars.source;
+  const char* rank_var = vars.rank;
+  const char* size_var = vars.size;
+  const char* local_var = vars.local;
   auto rank = getenv_int(rank_var);
   auto size = getenv_int(size_var);
   TORCH_CHECK(rank.has_value(), "init_process_group: ", rank_var, " is not set (", size_var,
@@ -137,44 +184,7 @@ LaunchEnv read_launch_env() {
 
   auto addr = getenv_str("MASTER_ADDR");
   auto port = getenv_int("MASTER_PORT");
-  if (env.source == "slurm" && env.world_size > 1) {
-    // The batch script of `sbatch --ntasks N` sees SLURM_PROCID=0 and SLURM_NTASKS=N too, but it is one
-    // process, not N tasks: its rank 0 would wait for the others until the timeout. Only srun's tasks
-    // (a job step) have SLURM_STEP_ID.
-    TORCH_CHECK(getenv_str("SLURM_STEP_ID") || getenv_str("SLURM_STEPID"), "init_process_group: SLURM_PROCID=",
-                env.rank, " and SLURM_NTASKS=", env.world_size, " are set but SLURM_STEP_ID is not: this process "
-                "is the batch script of Slurm job ", getenv_str("SLURM_JOB_ID").value_or("?"), ", not one of ",
-                env.world_size, " tasks of an srun step, so the other ranks would never start. Fix: start it with "
-                "`srun PROGRAM` (one task per rank), or with `srun --ntasks-per-node 1 fsdprun ...` per node");
-    // See [Note: Slurm rendezvous] (src/c10d/slurm_env.h): the first host of the step, a port from the job id.
-    std::string origin;
-    if (!addr || addr->empty()) {
-      auto derived = detail::slurm_master_addr_from_env();
-      TORCH_CHECK(derived.has_value(), "init_process_group: MASTER_ADDR is not set, nor SLURM_STEP_NODELIST or "
-                  "SLURM_JOB_NODELIST to take it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size,
-                  "): expected srun to set the node list. Fix: launch with srun, or export MASTER_ADDR=<host of "
-                  "rank 0>");
-      addr = derived->addr;
-      origin = "MASTER_ADDR from " + derived->origin;
-    } else {
-      origin = "MASTER_ADDR from the environment";
-    }
-    if (!port) {
-      auto job_id = getenv_int("SLURM_JOB_ID");
-      if (!job_id) job_id = getenv_int("SLURM_JOBID");
-      TORCH_CHECK(job_id.has_value() && *job_id >= 0, "init_process_group: MASTER_PORT is not set, nor SLURM_JOB_ID "
-                  "to derive it from (SLURM_PROCID=", env.rank, ", SLURM_NTASKS=", env.world_size, "): expected "
-                  "srun to set SLURM_JOB_ID. Fix: launch with srun, or export MASTER_PORT=<free TCP port on ", *addr,
-                  ">");
-      const long step_id = getenv_int("SLURM_STEP_ID").value_or(getenv_int("SLURM_STEPID").value_or(0));
-      port = detail::slurm_master_port(*job_id, step_id < 0 ? 0 : step_id);
-      origin += ", MASTER_PORT = 20000 + 10 * (SLURM_JOB_ID=" + std::to_string(*job_id) + " % 1000) + (SLURM_STEP_ID=" +
-                std::to_string(step_id) + " % 10); export MASTER_PORT to choose another";
-    } else {
-      origin += ", MASTER_PORT from the environment";
-    }
-    env.rendezvous_origin = origin;
-  }
+  if (env.source == "slurm" && env.world_size > 1) slurm_rendezvous(env, addr, port);
   // Under mpirun with the mpi backend built in, the store's address comes over MPI (process_group_mpi.h).
   if (env.world_size > 1 && !detail::mpi_provides_rendezvous(env.source)) {
     TORCH_CHECK(addr.has_value() && !addr->empty(), "init_process_group: MASTER_ADDR is not set: expected the host of "

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -163,17 +164,55 @@ void remove_stale_segments() {
   }
 }
 
+// A round splits a slot into `size` regions of whole cache lines (all_to_all): bounded group size.
+constexpr int kMaxRanks = 256;
+
 class ShmWork : public c10d::Work {
  public:
   void done(std::exception_ptr e) { finish(std::move(e)); }
 };
 
+// Rank 0's part of the setup: compares every rank's host key with its own and, when all ranks share its
+// host (and the group is small enough), creates and maps the segment (the caller constructs it) (its name in `seg_name`, the mapping
+// in `base`, both set as soon as they exist so that the caller's cleanup releases them). A rank that
+// refused (a bad FSDP_SHM_TRANSPORT) fails every rank: its refusal is published as the segment.
+void create_segment_on_rank0(const std::function<std::string(const std::string&)>& get,
+                             const std::function<void(const std::string&, const std::string&)>& put, int size,
+                             uint64_t bytes, const std::string& name, std::string& seg_name, void*& base,
+                             std::string& error) {
+  const std::string mine = get("host/0");
+  bool one_host = mine != "off" && size <= kMaxRanks;
+  std::string refused;
+  for (int r = 1; r < size; ++r) {
+    const std::string theirs = get("host/" + std::to_string(r));
+    if (refused.empty() && !theirs.empty() && theirs[0] == '!') {
+      refused = theirs + " (rank " + std::to_string(r) + ")";
+    }
+    one_host = one_host && theirs == mine;
+  }
+  if (!refused.empty()) {
+    put("segment", refused);
+    TORCH_CHECK(false, "init_process_group: ", refused.substr(1));
+  }
+  if (one_host) {
+    remove_stale_segments();
+    std::random_device rd;
+    std::ostringstream os;
+    os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
+    seg_name = os.str();
+    base = map_segment(seg_name, bytes, /*create=*/true, error);
+    if (!base) {
+      TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go ",
+                 "through Gloo's sockets: ", error);
+      seg_name.clear();
+    }
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                    std::chrono::milliseconds timeout, const std::string& name) {
-  // A round splits a slot into `size` regions of whole cache lines (all_to_all): bounded group size.
-  constexpr int kMaxRanks = 256;
   if (size < 2 || !store) return nullptr;
   // Keys of this setup: one generation per group built on this store (every rank of a group adds once,
   // and a rank reaches the next group's setup only after the next Gloo rendezvous, i.e. after all ranks
@@ -207,35 +246,10 @@ std::shared_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
   };
   try {
     if (rank == 0) {
-      const std::string mine = get("host/0");
-      bool one_host = mine != "off" && size <= kMaxRanks;
-      std::string refused;
-      for (int r = 1; r < size; ++r) {
-        const std::string theirs = get("host/" + std::to_string(r));
-        if (refused.empty() && !theirs.empty() && theirs[0] == '!') {
-          refused = theirs + " (rank " + std::to_string(r) + ")";
-        }
-        one_host = one_host && theirs == mine;
-      }
-      if (!refused.empty()) {
-        put("segment", refused);
-        TORCH_CHECK(false, "init_process_group: ", refused.substr(1));
-      }
-      if (one_host) {
-        remove_stale_segments();
-        std::random_device rd;
-        std::ostringstream os;
-        os << "/fsdp-" << ::getpid() << "-" << std::hex << (static_cast<uint64_t>(rd()) << 32 | rd());
-        seg_name = os.str();
-        base = map_segment(seg_name, bytes, /*create=*/true, error);
-        if (base) {
-          auto* seg = new (base) Segment();
-          seg->size = static_cast<uint32_t>(size);
-        } else {
-          TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go ",
-                     "through Gloo's sockets: ", error);
-          seg_name.clear();
-        }
+      create_segment_on_rank0(get, put, size, bytes, name, seg_name, base, error);
+      if (base) {
+        auto* seg = new (base) Segment();
+        seg->size = static_cast<uint32_t>(size);
       }
       put("segment", seg_name.empty() ? "-" : seg_name);
     } else {

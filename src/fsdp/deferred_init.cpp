@@ -59,9 +59,13 @@ struct Recorded {
   std::vector<std::vector<std::optional<TRef>>> touts;  // per result, per tensor: recorded ones
 };
 
-struct Member {  // a parameter or buffer of the module
+// A parameter or buffer of the module. Held weakly ([Note: identity by address]): the weak reference
+// keeps `key` from being reused by another tensor while the record exists, and a member that died before
+// materialisation is skipped instead of written through a dangling pointer.
+struct Member {
   std::string fqn;
-  c10::TensorImpl* impl;
+  const c10::TensorImpl* key;
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   TRef ref;
 };
 
@@ -175,7 +179,9 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
               shape_str(m.ref.sizes), " but its recorded initialisation gives ", shape_str(real.sizes()));
   torch::NoGradGuard no_grad;
   NoInterception no_interception;
-  auto it = managed.find(m.impl);
+  auto impl = m.impl.lock();
+  if (!impl) return;  // the tensor is gone (its module was dropped or the member replaced)
+  auto it = managed.find(m.key);
   if (it != managed.end()) {
     const FSDPParam& p = *it->second.second;
     if (p.local_rows > 0) {
@@ -183,7 +189,7 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
     }
     return;
   }
-  m.impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
+  impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
 }
 
 // In-place ops that overwrite all of their first argument without reading it: the values it had before
@@ -198,10 +204,18 @@ bool overwrites_self(const c10::OperatorHandle& op) {
   return names.count(op.schema().name()) > 0;
 }
 
-void replay(Log& log) {
-  // Each storage's uses in order, cut into segments at the ops that overwrite it whole: a segment's
-  // values live from its first op to its last; the last segment's end is where the parameter is placed.
+// Each storage's uses in order, cut into segments at the ops that overwrite it whole: a segment's
+// values live from its first op to its last; the last segment's end is where the parameter is placed.
+struct Liveness {
   std::unordered_map<const c10::StorageImpl*, TRef> whole;  // the tensor that created each storage
+  // (op, storage) pairs after which the storage's current values are dead.
+  std::unordered_map<size_t, std::vector<const c10::StorageImpl*>> free_after;
+  std::unordered_map<const c10::StorageImpl*, size_t> final_use;  // its last op (where it is placed)
+};
+
+// The log's storages are kept alive by its TRefs, so their addresses identify them for the whole replay.
+Liveness liveness_of(const Log& log) {
+  Liveness lv;
   std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<size_t, bool>>> uses;  // (op, overwrites)
   for (size_t i = 0; i < log.ops.size(); ++i) {
     const auto& r = log.ops[i];
@@ -210,8 +224,8 @@ void replay(Log& log) {
       for (const auto& t : r.targs[a]) {
         if (!t) continue;
         const auto* st = t->storage.unsafeGetStorageImpl();
-        const auto w = whole.find(st);
-        const bool all = a == 0 && overwrites_self(r.op) && w != whole.end() && t->offset == w->second.offset &&
+        const auto w = lv.whole.find(st);
+        const bool all = a == 0 && overwrites_self(r.op) && w != lv.whole.end() && t->offset == w->second.offset &&
                          t->sizes == w->second.sizes && t->strides == w->second.strides;
         auto [it, fresh] = here.emplace(st, all);
         if (!fresh) it->second = false;  // also read by another argument
@@ -220,43 +234,38 @@ void replay(Log& log) {
     for (const auto& v : r.touts) {
       for (const auto& t : v) {
         if (!t) continue;
-        whole.emplace(t->storage.unsafeGetStorageImpl(), *t);
+        lv.whole.emplace(t->storage.unsafeGetStorageImpl(), *t);
         here.emplace(t->storage.unsafeGetStorageImpl(), false);
       }
     }
     for (const auto& [st, all] : here) uses[st].emplace_back(i, all);
   }
-  // (op, storage) pairs after which the storage's current values are dead; `placed`: its final use.
-  std::unordered_map<size_t, std::vector<const c10::StorageImpl*>> free_after;
-  std::unordered_map<const c10::StorageImpl*, size_t> final_use;
   for (const auto& [st, us] : uses) {
     for (size_t k = 0; k < us.size(); ++k) {
-      if (k + 1 == us.size() || us[k + 1].second) free_after[us[k].first].push_back(st);
+      if (k + 1 == us.size() || us[k + 1].second) lv.free_after[us[k].first].push_back(st);
     }
-    final_use[st] = us.back().first;
+    lv.final_use[st] = us.back().first;
   }
-  std::unordered_map<const c10::StorageImpl*, std::vector<const Member*>> members_of;
-  for (const auto& m : log.members) members_of[m.ref.storage.unsafeGetStorageImpl()].push_back(&m);
-  const auto managed = managed_params();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>();
-  gen.set_state(log.rng_state);
-  t_replay_generator = gen;
-  struct Reset {
-    ~Reset() { t_replay_generator.reset(); }
-  } reset;
-  c10::impl::IncludeDispatchKeyGuard include(kInterceptKey);
-  torch::NoGradGuard no_grad;
-  std::unordered_map<const c10::StorageImpl*, torch::Tensor> real;  // recorded storage -> a real tensor on it
-  auto view = [&](const TRef& t) {
+  return lv;
+}
+
+// The real tensors of the replay: recorded storage -> a real tensor on it, made when first needed.
+struct RealValues {
+  const Liveness& lv;
+  std::unordered_map<const c10::StorageImpl*, torch::Tensor> real;
+
+  torch::Tensor view(const TRef& t) {
     auto it = real.find(t.storage.unsafeGetStorageImpl());
     if (it == real.end()) {  // overwritten whole by this op: a fresh tensor, as its creator made it
-      const auto& w = whole.at(t.storage.unsafeGetStorageImpl());
+      const auto& w = lv.whole.at(t.storage.unsafeGetStorageImpl());
       it = real.emplace(t.storage.unsafeGetStorageImpl(), at::empty_strided(w.sizes, w.strides, at::TensorOptions().dtype(w.dtype)))
                .first;
     }
     return it->second.as_strided(t.sizes, t.strides, t.offset);
-  };
-  auto map_value = [&](const c10::IValue& v, const std::vector<std::optional<TRef>>& trefs) -> c10::IValue {
+  }
+
+  // A recorded argument with its tensors replaced by the real ones.
+  c10::IValue map_value(const c10::IValue& v, const std::vector<std::optional<TRef>>& trefs) {
     size_t j = 0;
     auto map_tensor = [&](const torch::Tensor& t) -> torch::Tensor {
       const auto& r = trefs.at(j++);
@@ -274,12 +283,28 @@ void replay(Log& log) {
       return out;
     }
     return v;
-  };
+  }
+};
+
+void replay(Log& log) {
+  const Liveness lv = liveness_of(log);
+  std::unordered_map<const c10::StorageImpl*, std::vector<const Member*>> members_of;
+  for (const auto& m : log.members) members_of[m.ref.storage.unsafeGetStorageImpl()].push_back(&m);
+  const auto managed = managed_params();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>();
+  gen.set_state(log.rng_state);
+  t_replay_generator = gen;
+  struct Reset {
+    ~Reset() { t_replay_generator.reset(); }
+  } reset;
+  c10::impl::IncludeDispatchKeyGuard include(kInterceptKey);
+  torch::NoGradGuard no_grad;
+  RealValues values{lv, {}};
   for (size_t i = 0; i < log.ops.size(); ++i) {
     auto& r = log.ops[i];
     torch::jit::Stack stack;
     stack.reserve(r.args.size());
-    for (size_t a = 0; a < r.args.size(); ++a) stack.push_back(map_value(r.args[a], r.targs[a]));
+    for (size_t a = 0; a < r.args.size(); ++a) stack.push_back(values.map_value(r.args[a], r.targs[a]));
     try {
       r.op.callBoxed(&stack);
     } catch (const c10::Error& e) {
@@ -290,20 +315,22 @@ void replay(Log& log) {
       size_t j = 0;
       for_each_tensor(stack[k], [&](const torch::Tensor& out) {
         const auto& ref = r.touts[k].at(j++);
-        if (ref && !real.count(ref->storage.unsafeGetStorageImpl())) real[ref->storage.unsafeGetStorageImpl()] = out;
+        if (ref && !values.real.count(ref->storage.unsafeGetStorageImpl())) {
+          values.real[ref->storage.unsafeGetStorageImpl()] = out;
+        }
       });
     }
     // Storages whose values die here: placed first if this is their final use.
-    auto f = free_after.find(i);
-    if (f == free_after.end()) continue;
+    auto f = lv.free_after.find(i);
+    if (f == lv.free_after.end()) continue;
     for (const auto* st : f->second) {
-      if (final_use.at(st) == i) {
+      if (lv.final_use.at(st) == i) {
         auto ms = members_of.find(st);
         if (ms != members_of.end()) {
-          for (const Member* m : ms->second) place(*m, view(m->ref), managed);
+          for (const Member* m : ms->second) place(*m, values.view(m->ref), managed);
         }
       }
-      real.erase(st);
+      values.real.erase(st);
     }
   }
   // The default generator continues where eager construction would have left it.
@@ -343,12 +370,14 @@ void end_deferred_init(const std::shared_ptr<torch::nn::Module>& module) {
   std::unordered_set<const c10::TensorImpl*> seen;
   auto add = [&](const std::string& fqn, const torch::Tensor& t) {
     if (!t.defined() || !log->made.count(sid(t)) || !seen.insert(t.unsafeGetTensorImpl()).second) return;
-    log->members.push_back({fqn, t.unsafeGetTensorImpl(), ref_of(t)});  // made outside: not ours; tied: first name
+    // (made outside: not ours; tied: under its first name)
+    log->members.push_back({fqn, t.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                            ref_of(t)});
   };
   for (const auto& p : module->named_parameters(/*recurse=*/true)) add(p.key(), p.value());
   for (const auto& b : module->named_buffers(/*recurse=*/true)) add(b.key(), b.value());
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& m : log->members) pending()[m.impl] = log;
+  for (const auto& m : log->members) pending()[m.key] = log;
 }
 
 }  // namespace detail
@@ -371,7 +400,7 @@ std::vector<std::shared_ptr<Log>> logs_of(const torch::nn::Module& module) {
 
 void forget(const Log& log) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& m : log.members) pending().erase(m.impl);
+  for (const auto& m : log.members) pending().erase(m.key);
 }
 }  // namespace
 }  // namespace detail
@@ -384,10 +413,10 @@ void to_empty(const std::shared_ptr<torch::nn::Module>& module) {
   const auto managed = detail::managed_params();
   for (const auto& log : logs) {
     for (const auto& m : log->members) {
-      auto it = managed.find(m.impl);
+      auto impl = m.impl.lock();
       // A managed parameter already is its zero-filled shard (FSDPParam's constructor).
-      if (it == managed.end()) {
-        m.impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
+      if (impl && !managed.count(m.key)) {
+        impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
       }
     }
     detail::forget(*log);

@@ -16,11 +16,22 @@
 namespace fsdp::detail {
 namespace {
 
+// [Note: identity by address]
+// The registries of the implicit path, of TP and of deferred init find tensors, storages and autograd
+// nodes by address, because that is what an op's arguments give. An address identifies an object only
+// while it lives: a freed object's address is soon another's (a new autograd node each step, a
+// temporary's storage). So each entry holds a weak reference to its object (weak_intrusive_ptr for
+// TensorImpl and StorageImpl, weak_ptr for autograd nodes). A weak reference keeps the object's memory
+// block, hence its address, from being reused while the entry exists, and says when the object died
+// (the entry is then ignored and erased at the next registration). Never a raw pointer as identity of
+// something that can be freed while the entry is kept.
 struct ParamEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   std::weak_ptr<FSDPState> state;
   size_t index = 0;
 };
 struct StorageEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   const c10::TensorImpl* param = nullptr;
   bool is_shard = false;
 };
@@ -77,11 +88,12 @@ bool resolve(const torch::Tensor& t, size_t arg, bool written, std::vector<Found
     f.is_param = true;
   } else {
     auto sit = r.storages.find(t.storage().unsafeGetStorageImpl());
-    if (sit == r.storages.end()) return false;  // an alias of a parameter that is gone
+    if (sit == r.storages.end() || sit->second.storage.expired()) return false;  // an alias of a parameter that is gone
     f.alias_of_shard = sit->second.is_shard;
     pit = r.params.find(sit->second.param);
     if (pit == r.params.end()) return false;
   }
+  if (pit->second.impl.expired()) return false;
   f.state = pit->second.state.lock();
   if (!f.state) return false;
   f.index = pit->second.index;
@@ -121,8 +133,8 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
     const auto& fn = t.grad_fn();
     if (!fn) return;
     for (FSDPState* s : states) {
-      if (s->last_hooked_node == fn.get()) continue;
-      s->last_hooked_node = fn.get();
+      if (s->last_hooked_node.lock() == fn) continue;
+      s->last_hooked_node = fn;
       fn->add_pre_hook(std::make_unique<PreBackwardHook>(s->id));
     }
   };
@@ -159,10 +171,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   NoInterception no_interception;
   // A tensor-parallel module's op (linear / embedding on a TP weight) runs its style instead of the op,
   // after FSDP's part below when the weight is also FSDP's (unshard first: see [Note: FSDP over TP]).
-  auto run = [&] {
-    fsdp::tp::detail::wrap_partial_grad_params(op, stack);
-    if (!fsdp::tp::detail::tp_handle_op(op, ks, stack)) op.redispatchBoxed(ks & after, stack);
-  };
+  auto run = [&] { fsdp::tp::detail::tp_run_op(op, ks, stack); };
   if (found.empty()) return run();
 
   const bool grad_mode = torch::GradMode::is_enabled();
@@ -219,17 +228,21 @@ void register_intercepted_param(const torch::Tensor& param, const std::shared_pt
   auto& r = intercept_registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
   // Forget the entries of destroyed states (their addresses may be reused).
-  for (auto it = r.params.begin(); it != r.params.end();) it = it->second.state.expired() ? r.params.erase(it) : std::next(it);
-  for (auto it = r.storages.begin(); it != r.storages.end();) {
-    it = r.params.count(it->second.param) ? std::next(it) : r.storages.erase(it);
+  for (auto it = r.params.begin(); it != r.params.end();) {
+    it = it->second.state.expired() || it->second.impl.expired() ? r.params.erase(it) : std::next(it);
   }
-  r.params[param.unsafeGetTensorImpl()] = ParamEntry{state, index};
+  for (auto it = r.storages.begin(); it != r.storages.end();) {
+    it = r.params.count(it->second.param) && !it->second.storage.expired() ? std::next(it) : r.storages.erase(it);
+  }
+  r.params.insert_or_assign(param.unsafeGetTensorImpl(),
+                            ParamEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), state, index});
 }
 
 void register_param_storage(const torch::Tensor& param, const torch::Tensor& alias, bool is_shard) {
   auto& r = intercept_registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
-  r.storages[alias.storage().unsafeGetStorageImpl()] = StorageEntry{param.unsafeGetTensorImpl(), is_shard};
+  r.storages.insert_or_assign(alias.storage().unsafeGetStorageImpl(),
+                              StorageEntry{alias.storage().getWeakStorageImpl(), param.unsafeGetTensorImpl(), is_shard});
 }
 
 }  // namespace fsdp::detail

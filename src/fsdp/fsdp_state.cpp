@@ -160,32 +160,37 @@ void FSDPState::init_params(const std::vector<std::pair<size_t, std::string>>& o
   }
 }
 
-void FSDPState::lazy_init() {
-  // This state runs forward first: it becomes the root of every state in its modules' trees.
-  auto root_module = modules[0].lock();
-  TORCH_INTERNAL_ASSERT(root_module, "lazy_init: module is gone");
-  for (const auto& p : root_module->named_parameters(/*recurse=*/true)) {
-    TORCH_CHECK(!is_deferred(p.value()), "fully_shard: parameter '", p.key(), "' of ", module_type, " on rank ",
-                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+namespace {
+
+// lazy_init's steps, in order.
+
+// Parameters and buffers built by deferred_init must be materialised before the first forward.
+void check_materialized(const torch::nn::Module& root_module, const FSDPState& root) {
+  for (const auto& p : root_module.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(p.value()), "fully_shard: parameter '", p.key(), "' of ", root.module_type, " on rank ",
+                root.mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
                 "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
   }
-  for (const auto& b : root_module->named_buffers(/*recurse=*/true)) {
-    TORCH_CHECK(!is_deferred(b.value()), "fully_shard: buffer '", b.key(), "' of ", module_type, " on rank ",
-                mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
+  for (const auto& b : root_module.named_buffers(/*recurse=*/true)) {
+    TORCH_CHECK(!is_deferred(b.value()), "fully_shard: buffer '", b.key(), "' of ", root.module_type, " on rank ",
+                root.mesh->get_rank(), " was built by fsdp::deferred_init and has no values yet. Fix: call ",
                 "fsdp::materialize_module(model) after the fully_shard calls, before the first forward");
   }
-  ctx = std::make_shared<FSDPContext>();
-  ctx->root = this;
-  fqn = "";
+}
+
+// Gathers every state in `root`'s module tree into root.ctx (root first) and records each state's
+// module paths from the root (several for fully_shard({a, b})).
+void collect_states(FSDPState& root, torch::nn::Module& root_module) {
+  auto& ctx = root.ctx;
   std::unordered_set<FSDPState*> seen;
-  module_fqns.assign(modules.size(), std::nullopt);
-  for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
+  root.module_fqns.assign(root.modules.size(), std::nullopt);
+  for (const auto& item : root_module.named_modules("", /*include_self=*/true)) {
     auto s = state_of(*item.value());
     if (!s) continue;
     if (seen.insert(s.get()).second) {
-      if (s.get() != this) {
+      if (s.get() != &root) {
         TORCH_CHECK(!s->ctx, "fully_shard: FSDP requires running forward through the root module first: '",
-                    item.key(), "' (", s->module_type, ") ran forward before the root (", module_type, "). Fix: ",
+                    item.key(), "' (", s->module_type, ") ran forward before the root (", root.module_type, "). Fix: ",
                     "call the root model's forward (the module fully_shard was applied to last) before any submodule's");
         s->ctx = ctx;
         s->fqn = item.key();
@@ -193,36 +198,76 @@ void FSDPState::lazy_init() {
       }
       ctx->states.push_back(s.get());
     }
-    // The path of each module of the state (several for fully_shard({a, b})).
     for (size_t i = 0; i < s->modules.size(); ++i) {
       if (!s->module_fqns[i] && s->modules[i].lock().get() == item.value().get()) s->module_fqns[i] = item.key();
     }
   }
-  // Each state's nearest sharded ancestor (the forward stack nests states by it).
+}
+
+// Each state's nearest sharded ancestor (the forward stack nests states by it).
+void link_parents(FSDPState& root) {
   std::unordered_map<std::string, FSDPState*> by_path;
-  for (FSDPState* s : ctx->states) {
+  for (FSDPState* s : root.ctx->states) {
     for (const auto& f : s->module_fqns) {
       if (f) by_path.emplace(*f, s);
     }
   }
-  for (FSDPState* s : ctx->states) {
+  for (FSDPState* s : root.ctx->states) {
     s->parent = nullptr;
-    if (s == this || s->module_fqns.empty() || !s->module_fqns[0]) continue;
+    if (s == &root || s->module_fqns.empty() || !s->module_fqns[0]) continue;
     std::string path = *s->module_fqns[0];
     while (!s->parent) {
       auto dot = path.rfind('.');
       path = dot == std::string::npos ? "" : path.substr(0, dot);
       auto it = by_path.find(path);
       if (it != by_path.end() && it->second != s) s->parent = it->second;
-      if (path.empty() && !s->parent) s->parent = this;
+      if (path.empty() && !s->parent) s->parent = &root;
     }
   }
+}
+
+// Resolves `s`'s reshard_after_forward (default: true except for the root). See [Note:
+// reshard_after_forward=k] (fsdp_param_group.cpp).
+void resolve_reshard_after_forward(FSDPState& s, bool root) {
+  ReshardAfterForward raf = s.options.reshard_after_forward().value_or(ReshardAfterForward(!root));
+  int shard_size = s.group ? s.group->shard_size() : 1;
+  if (std::holds_alternative<bool>(raf)) {
+    s.reshard_after_forward_k = std::get<bool>(raf) ? 1 : 0;
+    return;
+  }
+  int k = std::get<int>(raf);
+  TORCH_CHECK(k >= 1 && shard_size % k == 0, "fully_shard: reshard_after_forward=", k, " of ", s.name(),
+              " must divide the shard group size ", shard_size);
+  s.reshard_after_forward_k = k == shard_size ? 1 : (k == 1 ? 0 : k);
+  if (s.reshard_after_forward_k > 1) {
+    // Groups of k consecutive ranks of the shard group, as FSDP2's post-forward mesh.
+    auto& pg = s.group->mesh()->get_group(s.group->mesh()->ndim() - 1);
+    int base = pg->rank() / k * k;
+    std::vector<int> members;
+    for (int i = 0; i < k; ++i) members.push_back(base + i);
+    s.post_forward_group = new_group(
+        pg, members, "post_forward" + std::to_string(ProcessGroupAccess::next_subgroup_id(*pg)) + "/" + std::to_string(base));
+  }
+}
+
+}  // namespace
+
+void FSDPState::lazy_init() {
+  // This state runs forward first: it becomes the root of every state in its modules' trees.
+  auto root_module = modules[0].lock();
+  TORCH_INTERNAL_ASSERT(root_module, "lazy_init: module is gone");
+  check_materialized(*root_module, *this);
+  ctx = std::make_shared<FSDPContext>();
+  ctx->root = this;
+  fqn = "";
+  collect_states(*this, *root_module);
+  link_parents(*this);
   for (FSDPState* s : ctx->states) {
     if (!s->group) continue;
     const auto& ps = s->group->params();
     for (size_t i = 0; i < ps.size(); ++i) ctx->param_index.emplace(ps[i].param.unsafeGetTensorImpl(), std::make_pair(s, i));
   }
-  // Resolve reshard_after_forward and name parameters by their path from the root.
+  // Name parameters by their path from the root, and resolve reshard_after_forward.
   for (FSDPState* s : ctx->states) {
     if (s->group) {
       for (auto& p : s->group->params()) {
@@ -231,28 +276,7 @@ void FSDPState::lazy_init() {
         p.fqn = mfqn->empty() ? p.name_in_module : *mfqn + "." + p.name_in_module;
       }
     }
-    bool root = s == this;
-    // See [Note: reshard_after_forward=k] (fsdp_param_group.cpp).
-    ReshardAfterForward raf = s->options.reshard_after_forward().value_or(ReshardAfterForward(!root));
-    int shard_size = s->group ? s->group->shard_size() : 1;
-    if (std::holds_alternative<bool>(raf)) {
-      s->reshard_after_forward_k = std::get<bool>(raf) ? 1 : 0;
-    } else {
-      int k = std::get<int>(raf);
-      TORCH_CHECK(k >= 1 && shard_size % k == 0, "fully_shard: reshard_after_forward=", k, " of ", s->name(),
-                  " must divide the shard group size ", shard_size);
-      s->reshard_after_forward_k = k == shard_size ? 1 : (k == 1 ? 0 : k);
-      if (s->reshard_after_forward_k > 1) {
-        // Groups of k consecutive ranks of the shard group, as FSDP2's post-forward mesh.
-        auto& pg = s->group->mesh()->get_group(s->group->mesh()->ndim() - 1);
-        int base = pg->rank() / k * k;
-        std::vector<int> members;
-        for (int i = 0; i < k; ++i) members.push_back(base + i);
-        s->post_forward_group =
-            new_group(pg, members, "post_forward" + std::to_string(ProcessGroupAccess::next_subgroup_id(*pg)) + "/" +
-                                       std::to_string(base));
-      }
-    }
+    resolve_reshard_after_forward(*s, s == this);
   }
   // Every rank must have the same groups with the same collective sizes (a c10::Error, not a Gloo abort).
   // See [Note: collective order].
@@ -307,7 +331,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
     root_pre_forward();
   }
   enter_forward_stack();
-  input_node = nullptr;
+  input_node.reset();
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
   const auto& mp = options.mp_policy();
   if (mp.cast_forward_inputs() && mp.param_dtype()) {
@@ -334,7 +358,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
       // Passed as a TensorList: a std::vector argument would not be seen as tensors by autograd.
       auto outs = RegisterPostBackward::apply(at::TensorList(need), id);
       for (size_t j = 0; j < pos.size(); ++j) inputs[pos[j]] = outs[j];
-      if (is_root()) input_node = outs[0].grad_fn().get();
+      if (is_root()) input_node = outs[0].grad_fn();
     }
   }
   return inputs;

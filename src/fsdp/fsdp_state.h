@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -70,6 +71,34 @@ struct FSDPContext {
   void reset_backward();
 };
 
+/// A weak reference to an autograd node ([Note: identity by address], fsdp/fsdp_interception.cpp).
+/// LibTorch holds nodes by c10::intrusive_ptr (2.13 and later) or std::shared_ptr (earlier): this works
+/// with either. lock() gives the node, or null once it was freed.
+class WeakNode {
+ public:
+  using Ptr = std::decay_t<decltype(std::declval<const torch::Tensor&>().grad_fn())>;
+  WeakNode& operator=(const Ptr& node) {
+    weak_.reset();
+    if (node) weak_.emplace(node);
+    return *this;
+  }
+  void reset() { weak_.reset(); }
+  Ptr lock() const { return weak_ ? weak_->lock() : Ptr(); }
+
+ private:
+  template <typename P>
+  struct WeakOf;
+  template <typename T>
+  struct WeakOf<std::shared_ptr<T>> {
+    using type = std::weak_ptr<T>;
+  };
+  template <typename T>
+  struct WeakOf<c10::intrusive_ptr<T>> {
+    using type = c10::weak_intrusive_ptr<T>;
+  };
+  std::optional<typename WeakOf<Ptr>::type> weak_;
+};
+
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, FullyShardOptions options);
@@ -116,13 +145,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<size_t> post_forward_indices;  // positions in ctx->post_forward_order (backward prefetch)
   // The RegisterPostBackward node of this call's inputs (root only): the forward graph check stops
   // there (what lies beyond is the inputs' history, e.g. another forward).
-  const torch::autograd::Node* input_node = nullptr;
+  // Held weakly ([Note: identity by address]): a freed node's address can be reused by a new node.
+  WeakNode input_node;
 
   // Implicit states, per parameter: used with grad enabled in this forward / in this backward (a
   // recomputation), and whose gradient autograd accumulated in this backward. The post-backward runs
   // once every used trainable parameter has its gradient.
   std::vector<char> fwd_used, bwd_used, grad_accumulated;
-  const torch::autograd::Node* last_hooked_node = nullptr;  // the fallback hooks each node once
+  // The fallback hooks each node once. Held weakly ([Note: identity by address]): compared by address, a
+  // new node allocated where a freed one was would never be hooked, and the group's backward never run.
+  WeakNode last_hooked_node;
 
   // Per backward (reset at its end).
   int bwd_calls = 0;       // calls made during this backward (recomputation inside a checkpoint)

@@ -30,6 +30,7 @@ void FSDPState::check_forward_graph(const std::vector<torch::Tensor>& outputs) c
   // one node (their parameters are used in the recomputation).
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
+  const auto input = input_node.lock();  // held for the walk
   for (const auto& t : outputs) {
     if (t.defined() && t.requires_grad() && t.grad_fn() && seen.insert(t.grad_fn().get()).second) {
       stack.push_back(t.grad_fn().get());
@@ -43,7 +44,7 @@ void FSDPState::check_forward_graph(const std::vector<torch::Tensor>& outputs) c
       if (!fn || !seen.insert(fn).second) continue;
       auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn);
       if (!acc) {
-        if (fn != input_node) stack.push_back(fn);
+        if (fn != input.get()) stack.push_back(fn);
         continue;
       }
       auto it = ctx->param_index.find(acc->variable.unsafeGetTensorImpl());

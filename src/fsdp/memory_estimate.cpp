@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <unordered_set>
@@ -77,15 +78,19 @@ std::vector<ShardGroupInfo> shard_groups(const torch::nn::Module& module, const 
   return groups;
 }
 
-MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::vector<ShardGroupInfo>& groups,
-                               const MemoryEstimateOptions& o) {
+namespace {
+
+int64_t elem(torch::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+// Checks the inputs; returns the parameters by FQN and the FQNs that are in a group.
+std::pair<std::map<std::string, const ParamInfo*>, std::set<std::string>> check_inputs(
+    const std::vector<ParamInfo>& params, const std::vector<ShardGroupInfo>& groups, const MemoryEstimateOptions& o) {
   TORCH_CHECK(o.world_size >= 1, "estimate_memory: world_size must be >= 1 (the shard group's size), got ",
               o.world_size, ". Fix: pass the number of ranks that shard each parameter (e.g. WORLD_SIZE)");
   TORCH_CHECK(o.activation_bytes >= 0 && o.runtime_overhead_bytes >= 0 && o.optimizer_bytes_per_element >= 0,
               "estimate_memory: activation_bytes (", o.activation_bytes, "), runtime_overhead_bytes (",
               o.runtime_overhead_bytes, ") and optimizer_bytes_per_element (", o.optimizer_bytes_per_element,
               ") must be >= 0");
-  const int64_t N = o.world_size;
   std::map<std::string, const ParamInfo*> by_fqn;
   for (const auto& p : params) {
     TORCH_CHECK(by_fqn.emplace(p.fqn, &p).second, "estimate_memory: parameter '", p.fqn,
@@ -104,15 +109,16 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
                   "again in '", g.name, "'); fully_shard manages each parameter in exactly one group");
     }
   }
-  auto elem = [](torch::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); };
-  auto compute_dtype = [&](const ParamInfo& p) {
-    return (o.param_dtype && at::isFloatingType(p.dtype)) ? *o.param_dtype : p.dtype;
-  };
+  return {std::move(by_fqn), std::move(grouped)};
+}
 
-  MemoryEstimate e;
-  int64_t largest_trainable_shard = 0;  // elements, for the optimizer's temporaries
-  // Model states: shards of grouped parameters (rank 0 holds ceil(dim0/N) rows of each), full replicas
-  // of the others.
+// Model states: shards of grouped parameters (rank 0 holds ceil(dim0/N) rows of each), full replicas
+// of the others. Fills e's parameter, gradient and optimizer fields; returns the largest trainable shard
+// (elements, for the optimizer's temporaries).
+int64_t add_model_states(const std::vector<ParamInfo>& params, const std::set<std::string>& grouped,
+                         const MemoryEstimateOptions& o, MemoryEstimate& e) {
+  const int64_t N = o.world_size;
+  int64_t largest_trainable_shard = 0;
   for (const auto& p : params) {
     const bool sharded = grouped.count(p.fqn) > 0;
     const int64_t rows = sharded ? (dim0(p) + N - 1) / N : dim0(p);
@@ -126,21 +132,29 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
       largest_trainable_shard = std::max(largest_trainable_shard, shard);
     }
   }
+  return largest_trainable_shard;
+}
 
-  // Per group: unsharded size (all-gather buffer = unsharded padded params, param_dtype), full-size
-  // gradient (compute dtype, unpadded), reduce-scatter input [N, M + P] and output [M + P].
-  // Per group: unsharded size U (the all-gather buffer is as large: world_size padded shards in
-  // param_dtype), full-size gradient size (compute dtype, unpadded), reduce-scatter input [N, M + P] and
-  // output [M + P] (reduce dtype), and the sharded gradients the output becomes (the parameters' dtype).
-  struct G {
-    std::string name;
-    int64_t unsharded = 0, grad = 0, rs_in = 0, rs_out = 0, shard_grad = 0;
-    bool reshard = true, trainable = false;
+// Per group: unsharded size U (the all-gather buffer is as large: world_size padded shards in
+// param_dtype), full-size gradient size (compute dtype, unpadded), reduce-scatter input [N, M + P] and
+// output [M + P] (reduce dtype), and the sharded gradients the output becomes (the parameters' dtype).
+struct GroupBytes {
+  std::string name;
+  int64_t unsharded = 0, grad = 0, rs_in = 0, rs_out = 0, shard_grad = 0;
+  bool reshard = true, trainable = false;
+};
+
+std::vector<GroupBytes> group_bytes(const std::vector<ShardGroupInfo>& groups,
+                                    const std::map<std::string, const ParamInfo*>& by_fqn,
+                                    const MemoryEstimateOptions& o, MemoryEstimate& e) {
+  const int64_t N = o.world_size;
+  auto compute_dtype = [&](const ParamInfo& p) {
+    return (o.param_dtype && at::isFloatingType(p.dtype)) ? *o.param_dtype : p.dtype;
   };
-  std::vector<G> gs;
+  std::vector<GroupBytes> gs;
   int64_t largest = -1;
   for (const auto& g : groups) {
-    G x;
+    GroupBytes x;
     x.name = g.name;
     x.reshard = g.reshard_after_forward.value_or(o.reshard_after_forward);
     int64_t m = 0, np = 0;
@@ -168,7 +182,115 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
     }
     gs.push_back(x);
   }
-  const size_t n = gs.size();
+  return gs;
+}
+
+// The step as a sequence of moments (see the header): at each, what is alive besides the sharded
+// parameters and optimizer state. The largest is the peak; its parts are the breakdown (in `e`).
+struct StepWalk {
+  const MemoryEstimateOptions& o;
+  const std::vector<GroupBytes>& gs;
+  MemoryEstimate& e;
+  int64_t dev_params, dev_opt, grads_at_start, rs_held;
+  bool host_states;
+  // FSDP's CPU buffer pool: the most of its buffers alive at once, and the largest moment without them.
+  int64_t pool_high_water = 0, others_peak = -1;
+  std::string others_moment;
+
+  void consider(int64_t unsharded, int64_t full_grads, int64_t rs, int64_t shard_grads, int64_t acts,
+                const std::string& what) {
+    const int64_t total = dev_params + dev_opt + shard_grads + unsharded + full_grads + rs + acts;
+    const int64_t pooled = unsharded + rs + (shard_grads - grads_at_start);
+    pool_high_water = std::max(pool_high_water, pooled);
+    if (total - pooled > others_peak) {
+      others_peak = total - pooled;
+      others_moment = what;
+    }
+    if (total > e.peak_backward) {
+      e.peak_backward = total;
+      e.grads_at_peak = shard_grads;
+      e.unsharded_params = unsharded;
+      e.unsharded_grads = full_grads;
+      e.reduce_scatter = rs;
+      e.activations = acts;
+      e.peak_moment = what;
+    }
+  }
+  int64_t acts_of(size_t groups_saved) const {
+    const size_t n = gs.size();
+    return n == 0 ? o.activation_bytes : o.activation_bytes * static_cast<int64_t>(groups_saved) / static_cast<int64_t>(n);
+  }
+  std::string named(const char* what, size_t k) const {
+    return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
+  }
+  int64_t pending_bytes(size_t j) const { return gs[j].rs_out + rs_held * gs[j].rs_in; }
+
+  // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
+  // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
+  // Returns the bytes of the groups kept unsharded.
+  int64_t forward() {
+    const size_t n = gs.size();
+    consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
+    int64_t kept = 0;
+    for (size_t k = 0; k < n; ++k) {
+      consider(kept + 2 * gs[k].unsharded, 0, 0, grads_at_start, acts_of(k), named("forward all-gather copy-out of", k));
+      if (k + 1 < n) {
+        consider(kept + gs[k].unsharded + gs[k + 1].unsharded, 0, 0, grads_at_start, acts_of(k + 1),
+                 named("forward with the next all-gather in flight,", k));
+      }
+      if (!gs[k].reshard) kept += gs[k].unsharded;
+    }
+    return kept;
+  }
+
+  // Backward, groups in reverse. The root's (first) group gets gradients from the first op of the
+  // backward to the last: its full-size gradients are counted throughout. A group's reduce-scatter is
+  // issued by its post-backward and finished at the next group's ([Note: one reduce-scatter in flight]):
+  // until then its output and rs_held input-sized buffers stay. While it is issued the input exists in
+  // any case.
+  void backward(int64_t kept) {
+    std::optional<size_t> pending;
+    int64_t done = grads_at_start;  // sharded gradients copied out so far
+    for (size_t k = gs.size(); k-- > 0;) {
+      const int64_t prev = pending ? pending_bytes(*pending) : 0;
+      const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0;  // backward prefetch
+      const int64_t root_grads = k > 0 ? gs[0].grad : 0;
+      int64_t cur = 0;
+      if (gs[k].reshard) {
+        consider(kept + 2 * gs[k].unsharded, root_grads, prev, done, acts_of(k + 1), named("backward all-gather copy-out of", k));
+        cur = gs[k].unsharded;
+      }
+      consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
+      if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
+      if (!gs[k].trainable) continue;
+      // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
+      // the output and the backend's buffers.
+      consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
+               named("reduce-scatter copy-in of", k));
+      consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
+               acts_of(k), named("reduce-scatter of", k));
+      if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
+        consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
+                 acts_of(k), named("copy-out of the reduce-scatter before", k));
+        if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
+      }
+      pending = k;
+    }
+    if (pending) {
+      consider(kept, 0, pending_bytes(*pending), done + gs[*pending].shard_grad, 0, "end of the backward");
+    }
+  }
+};
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::vector<ShardGroupInfo>& groups,
+                               const MemoryEstimateOptions& o) {
+  const auto [by_fqn, grouped] = check_inputs(params, groups, o);
+  const int64_t N = o.world_size;
+  MemoryEstimate e;
+  const int64_t largest_trainable_shard = add_model_states(params, grouped, o, e);
+  const std::vector<GroupBytes> gs = group_bytes(groups, by_fqn, o, e);
   e.activations = o.activation_bytes;
   e.runtime_overhead = o.runtime_overhead_bytes;
 
@@ -187,9 +309,12 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(o.device_is_cpu ? 2 : 1);
   TORCH_CHECK(rs_held >= 0, "estimate_memory: reduce_scatter_held_inputs must be >= 0, got ", rs_held);
 
-  // The step as a sequence of moments (see the header): at each, what is alive besides the sharded
-  // parameters and optimizer state. The largest is the peak; its parts are the breakdown.
   e.peak_backward = -1;
+  StepWalk walk{o, gs, e, dev_params, dev_opt, grads_at_start, rs_held, host_states};
+  walk.backward(walk.forward());
+  // AdamW's step: LibTorch's computes two shard-sized fp32 temporaries for the parameter being updated
+  // (exp_avg_sq.sqrt() and its quotient by the bias correction).
+  e.peak_optimizer_step = dev_params + dev_grads + dev_opt + (dev_opt > 0 ? 2 * largest_trainable_shard * 4 : 0);
   // FSDP's CPU buffer pool (src/fsdp/fsdp_buffer_pool.h; off unless FSDP_CPU_BUFFER_POOL=1): the all-gather and
   // reduce-scatter buffers, the unsharded parameters and the reduce-scatter outputs (which the reduced
   // gradients alias) stay allocated between uses, so after the first step the pool holds up to twice the
@@ -197,92 +322,14 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   // it the peak is bounded by the largest moment of everything else plus twice that mark.
   const char* pool_env = std::getenv("FSDP_CPU_BUFFER_POOL");
   const bool pool = o.device_is_cpu && pool_env && std::string(pool_env) == "1";
-  int64_t pool_high_water = 0, others_peak = -1;
-  std::string others_moment;
-  auto consider = [&](int64_t unsharded, int64_t full_grads, int64_t rs, int64_t shard_grads, int64_t acts,
-                      const std::string& what) {
-    const int64_t total = dev_params + dev_opt + shard_grads + unsharded + full_grads + rs + acts;
-    const int64_t pooled = unsharded + rs + (shard_grads - grads_at_start);
-    pool_high_water = std::max(pool_high_water, pooled);
-    if (total - pooled > others_peak) {
-      others_peak = total - pooled;
-      others_moment = what;
-    }
-    if (total > e.peak_backward) {
-      e.peak_backward = total;
-      e.grads_at_peak = shard_grads;
-      e.unsharded_params = unsharded;
-      e.unsharded_grads = full_grads;
-      e.reduce_scatter = rs;
-      e.activations = acts;
-      e.peak_moment = what;
-    }
-  };
-  auto acts_of = [&](size_t groups_saved) {
-    return n == 0 ? o.activation_bytes : o.activation_bytes * static_cast<int64_t>(groups_saved) / static_cast<int64_t>(n);
-  };
-  auto named = [&](const char* what, size_t k) {
-    return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
-  };
-  consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
-  // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
-  // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
-  int64_t kept = 0;
-  for (size_t k = 0; k < n; ++k) {
-    consider(kept + 2 * gs[k].unsharded, 0, 0, grads_at_start, acts_of(k), named("forward all-gather copy-out of", k));
-    if (k + 1 < n) {
-      consider(kept + gs[k].unsharded + gs[k + 1].unsharded, 0, 0, grads_at_start, acts_of(k + 1),
-               named("forward with the next all-gather in flight,", k));
-    }
-    if (!gs[k].reshard) kept += gs[k].unsharded;
-  }
-  // Backward, groups in reverse. The root's (first) group gets gradients from the first op of the
-  // backward to the last: its full-size gradients are counted throughout. A group's reduce-scatter is
-  // issued by its post-backward and finished at the next group's ([Note: one reduce-scatter in flight]):
-  // until then its output and rs_held input-sized buffers stay. While it is issued the input exists in
-  // any case.
-  auto pending_bytes = [&](size_t j) { return gs[j].rs_out + rs_held * gs[j].rs_in; };
-  std::optional<size_t> pending;
-  int64_t done = grads_at_start;  // sharded gradients copied out so far
-  for (size_t k = n; k-- > 0;) {
-    const int64_t prev = pending ? pending_bytes(*pending) : 0;
-    const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0;  // backward prefetch
-    const int64_t root_grads = k > 0 ? gs[0].grad : 0;
-    int64_t cur = 0;
-    if (gs[k].reshard) {
-      consider(kept + 2 * gs[k].unsharded, root_grads, prev, done, acts_of(k + 1), named("backward all-gather copy-out of", k));
-      cur = gs[k].unsharded;
-    }
-    consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
-    if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
-    if (!gs[k].trainable) continue;
-    // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
-    // the output and the backend's buffers.
-    consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
-             named("reduce-scatter copy-in of", k));
-    consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
-             acts_of(k), named("reduce-scatter of", k));
-    if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
-      consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
-               acts_of(k), named("copy-out of the reduce-scatter before", k));
-      if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
-    }
-    pending = k;
-  }
-  if (pending) {
-    consider(kept, 0, pending_bytes(*pending), done + gs[*pending].shard_grad, 0, "end of the backward");
-  }
-  // AdamW's step: LibTorch's computes two shard-sized fp32 temporaries for the parameter being updated
-  // (exp_avg_sq.sqrt() and its quotient by the bias correction).
-  e.peak_optimizer_step = dev_params + dev_grads + dev_opt + (dev_opt > 0 ? 2 * largest_trainable_shard * 4 : 0);
   if (pool) {
-    if (others_peak + 2 * pool_high_water > e.peak_backward) {
-      e.peak_backward = others_peak + 2 * pool_high_water;
-      e.peak_moment = others_moment + ", with FSDP's CPU buffer pool holding up to twice its high-water mark (" +
-                      std::to_string(2 * pool_high_water / 1048576) + " MiB)";
+    if (walk.others_peak + 2 * walk.pool_high_water > e.peak_backward) {
+      e.peak_backward = walk.others_peak + 2 * walk.pool_high_water;
+      e.peak_moment = walk.others_moment + ", with FSDP's CPU buffer pool holding up to twice its high-water mark (" +
+                      std::to_string(2 * walk.pool_high_water / 1048576) + " MiB)";
     }
     // The reduced gradients are pool blocks too: the pool's bound covers them.
-    e.peak_optimizer_step += std::max<int64_t>(0, 2 * pool_high_water - grouped_grads);
+    e.peak_optimizer_step += std::max<int64_t>(0, 2 * walk.pool_high_water - grouped_grads);
   }
   e.total_peak = std::max(e.peak_backward, e.peak_optimizer_step) + e.runtime_overhead;
   return e;

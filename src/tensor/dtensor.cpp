@@ -1,8 +1,10 @@
 #include "fsdp/tensor/dtensor.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "fsdp/c10d/collectives.h"
+#include "util.h"
 
 namespace fsdp {
 
@@ -201,9 +203,187 @@ DTensor DTensor::redistribute(std::vector<Placement> target) const {
   return DTensor(std::move(local), mesh_, std::move(target), global_shape_);
 }
 
+namespace {
+
+using detail::shape_str;
+
+// [Note: from_local's run_check]
+// DTensor::from_local is called by every rank with its own piece. Checked rank by rank, ranks can
+// diverge: with Shard(1) widths 2/3/4/5 over 14 columns one rank's width matches torch.chunk and it
+// builds a DTensor while the others throw (the next collective hangs), and two replica rows of a 2-D
+// mesh can each sum their row to a different global shape without any error. So by default every rank
+// publishes what it was given (placements, local shape, global shape) with one all-gather over the
+// mesh's ranks, and every rank runs the same checks on the same table: all build the same DTensor, or
+// all throw the same message naming the ranks and shapes. run_check=false skips it (no communication
+// beyond the global shape's all-reduces) when the caller guarantees consistent pieces.
+
+// One rank's row of the table: [placements (kind * 1024 + dim, one per mesh dim), local ndim, given
+// global ndim (-1: none), local sizes (k), given sizes (k)].
+struct FromLocalRow {
+  std::vector<int64_t> placements, local, given;
+  bool has_given = false;
+};
+
+std::string placements_str(const std::vector<int64_t>& codes) {
+  std::string out = "(";
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const int64_t kind = codes[i] / 1024, dim = codes[i] % 1024;
+    out += (i ? ", " : "") + (kind == 0 ? "Shard(dim=" + std::to_string(dim) + ")" : kind == 1 ? "Replicate()" : "Partial(sum)");
+  }
+  return out + ")";
+}
+
+std::vector<FromLocalRow> gather_rows(const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                                      const torch::Tensor& local, const std::vector<int64_t>& given) {
+  auto& world = *mesh.world();
+  const auto opts = torch::TensorOptions(torch::kInt64).device(world.device());
+  auto k = torch::full({1}, std::max<int64_t>(local.dim(), static_cast<int64_t>(given.size())), opts);
+  all_reduce(k, world, ReduceOp::MAX);
+  const int64_t K = k.item<int64_t>(), M = mesh.ndim(), W = M + 2 + 2 * K;
+  std::vector<int64_t> row(W, 0);
+  for (int64_t d = 0; d < M; ++d) {
+    const auto& p = placements[d];
+    row[d] = (p.is_shard() ? 0 : p.is_replicate() ? 1 : 2) * 1024 + (p.is_shard() ? p.dim : 0);
+  }
+  row[M] = local.dim();
+  row[M + 1] = given.empty() ? -1 : static_cast<int64_t>(given.size());
+  for (int64_t i = 0; i < local.dim(); ++i) row[M + 2 + i] = local.size(i);
+  for (size_t i = 0; i < given.size(); ++i) row[M + 2 + K + i] = given[i];
+  auto mine = torch::tensor(row, torch::kInt64).to(world.device());
+  auto all = torch::empty({world.size() * W}, opts);
+  all_gather_into_tensor(all, mine, world);
+  auto cpu = all.cpu();
+  const int64_t* v = cpu.data_ptr<int64_t>();
+  std::vector<FromLocalRow> rows(world.size());
+  for (int r = 0; r < world.size(); ++r) {
+    const int64_t* x = v + r * W;
+    rows[r].placements.assign(x, x + M);
+    rows[r].local.assign(x + M + 2, x + M + 2 + x[M]);
+    rows[r].has_given = x[M + 1] >= 0;
+    if (rows[r].has_given) rows[r].given.assign(x + M + 2 + K, x + M + 2 + K + x[M + 1]);
+  }
+  return rows;
+}
+
+// The mesh coordinate of each row (rows are in the order of the mesh's world group).
+std::vector<std::vector<int64_t>> coordinates_of_rows(const DeviceMesh& mesh) {
+  const auto& ranks = mesh.ranks();
+  const auto& members = mesh.world()->global_ranks();
+  std::vector<std::vector<int64_t>> coords;
+  for (int r = 0; r < mesh.world()->size(); ++r) {
+    const int g = members.empty() ? r : members[r];
+    int64_t pos = std::find(ranks.begin(), ranks.end(), g) - ranks.begin();
+    std::vector<int64_t> c(mesh.ndim());
+    for (int64_t d = mesh.ndim() - 1; d >= 0; --d) {
+      c[d] = pos % mesh.size(d);
+      pos /= mesh.size(d);
+    }
+    coords.push_back(std::move(c));
+  }
+  return coords;
+}
+
+std::string rank_name(const DeviceMesh& mesh, int row) {
+  const auto& members = mesh.world()->global_ranks();
+  return "rank " + std::to_string(members.empty() ? row : members[row]);
+}
+
+// What every rank would compute as the global shape without a given one: the innermost mesh dim's sums
+// first, as the all-reduces of run_check=false.
+std::vector<std::vector<int64_t>> summed_shapes(const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                                                const std::vector<FromLocalRow>& rows,
+                                                const std::vector<std::vector<int64_t>>& coords) {
+  std::vector<std::vector<int64_t>> cur;
+  for (const auto& r : rows) cur.push_back(r.local);
+  for (int64_t d = mesh.ndim() - 1; d >= 0; --d) {
+    if (!placements[d].is_shard() || cur[0].empty()) continue;
+    const int64_t t = placements[d].dim;
+    auto next = cur;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      int64_t sum = 0;
+      for (size_t q = 0; q < rows.size(); ++q) {
+        bool same_line = true;
+        for (int64_t e = 0; e < mesh.ndim(); ++e) same_line = same_line && (e == d || coords[q][e] == coords[r][e]);
+        if (same_line) sum += cur[q][t];
+      }
+      next[r][t] = sum;
+    }
+    cur = std::move(next);
+  }
+  return cur;
+}
+
+// The checks of run_check on the gathered table: the same verdict on every rank. Returns the problem, or "".
+std::string check_rows(const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                       const std::vector<FromLocalRow>& rows, std::vector<int64_t>& global) {
+  std::ostringstream os;
+  for (size_t r = 1; r < rows.size(); ++r) {
+    if (rows[r].placements != rows[0].placements) {
+      return "the ranks pass different placements: " + rank_name(mesh, 0) + " " + placements_str(rows[0].placements) +
+             ", " + rank_name(mesh, static_cast<int>(r)) + " " + placements_str(rows[r].placements);
+    }
+    if (rows[r].local.size() != rows[0].local.size() || rows[r].has_given != rows[0].has_given ||
+        rows[r].given != rows[0].given) {
+      return "the ranks disagree on the tensor's rank or global shape: " + rank_name(mesh, 0) + " local " +
+             shape_str(rows[0].local) + (rows[0].has_given ? " global " + shape_str(rows[0].given) : "") + ", " +
+             rank_name(mesh, static_cast<int>(r)) + " local " + shape_str(rows[r].local) +
+             (rows[r].has_given ? " global " + shape_str(rows[r].given) : "");
+    }
+  }
+  const auto coords = coordinates_of_rows(mesh);
+  if (rows[0].has_given) {
+    global = rows[0].given;
+  } else {
+    const auto shapes = summed_shapes(mesh, placements, rows, coords);
+    for (size_t r = 1; r < rows.size(); ++r) {
+      if (shapes[r] != shapes[0]) {
+        return "the local pieces add up to different global shapes on different ranks: " + shape_str(shapes[0]) +
+               " on " + rank_name(mesh, 0) + ", " + shape_str(shapes[r]) + " on " + rank_name(mesh, static_cast<int>(r)) +
+               " (replicas of a mesh dim must hold the same pieces)";
+      }
+    }
+    global = shapes[0];
+  }
+  if (global.size() != rows[0].local.size()) return "the global shape " + shape_str(global) + " and the local shapes differ in rank";
+  std::string bad;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::vector<int64_t> expect = global;
+    for (int64_t d = 0; d < mesh.ndim(); ++d) {
+      if (placements[d].is_shard()) expect[placements[d].dim] = chunk_range(expect[placements[d].dim], mesh.size(d), coords[r][d]).length;
+    }
+    if (expect != rows[r].local) {
+      bad += (bad.empty() ? "" : ", ") + rank_name(mesh, static_cast<int>(r)) + " has " + shape_str(rows[r].local) +
+             " (expected " + shape_str(expect) + ")";
+    }
+  }
+  if (!bad.empty()) return "the local shapes do not match global shape " + shape_str(global) + " under torch.chunk sharding: " + bad;
+  return "";
+}
+
+}  // namespace
+
 DTensor DTensor::from_local(torch::Tensor local, DeviceMeshPtr mesh, std::vector<Placement> placements,
-                            std::vector<int64_t> global_shape) {
+                            std::vector<int64_t> global_shape, bool run_check) {
   TORCH_CHECK(mesh, "DTensor::from_local: expected a mesh, got null");
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh->ndim(), "DTensor::from_local: ", placements.size(),
+              " placements for a ", mesh->ndim(), "-D mesh: expected one per mesh dimension");
+  if (run_check) {
+    // See [Note: from_local's run_check]. Range errors of a Shard dim are found on the table too, so that
+    // every rank throws (a rank that threw alone here would leave the others in the all-gather).
+    const auto rows = gather_rows(*mesh, placements, local, global_shape);
+    std::vector<int64_t> global;
+    std::string problem;
+    for (const auto& p : placements) {
+      if (p.is_shard() && (p.dim < 0 || p.dim >= static_cast<int64_t>(rows[0].local.size())) && problem.empty()) {
+        problem = p.str() + " is out of range for a " + std::to_string(rows[0].local.size()) + "-D tensor";
+      }
+    }
+    if (problem.empty()) problem = check_rows(*mesh, placements, rows, global);
+    TORCH_CHECK(problem.empty(), "DTensor::from_local on ", mesh->str(), ": ", problem,
+                ". Every rank raises this error. Fix: pass pieces that torch.chunk of one global tensor gives each ",
+                "rank (and the same placements and shape on every rank)");
+    return DTensor(std::move(local), std::move(mesh), std::move(placements), std::move(global));
+  }
   check_placements(*mesh, placements, local.dim(), "DTensor::from_local");
   if (global_shape.empty() && local.dim() > 0) {
     // Sum the local sizes along each sharded dim over its mesh dim (innermost first).

@@ -30,6 +30,7 @@ struct Options {
   bool standalone = false;
   std::string nnodes = "1";
   int node_rank = 0;
+  bool node_rank_given = false;  // --node-rank or PET_NODE_RANK was set (ignored under c10d: warned)
   std::string nproc_per_node = "1";
   std::string master_addr = "127.0.0.1";
   std::optional<int> master_port;
@@ -114,6 +115,9 @@ void install_signal_handlers();
 Attempt run_attempt(const Plan& plan, int restart);
 /// "exit code 3" or "signal 9 (SIGKILL)".
 std::string describe_exit(int exitcode);
+/// How each of the attempt's workers ended, one line each ("  rank 1 (local_rank 1): exit code 1, the
+/// first failure"), for the message of a failed attempt that is restarted.
+std::string describe_workers(const Attempt& a);
 /// torchrun's ChildFailedError report, plus the failed rank's last stderr lines.
 void print_summary(const Plan& plan, const Attempt& a, int restart);
 

@@ -130,9 +130,11 @@ int run_attempts(Plan& plan, Nodes& nodes) {
                       std::to_string(plan.max_restarts) + "): " + what);
       return 1;
     }
+    // Every worker of this node with how it ended, as the final summary lists them.
     warn("attempt " + std::to_string(restart) + " failed: " + what + "; restarting the worker group" +
          (multi ? " on every node" : "") + " (restart " + std::to_string(restart + 1) + " of " +
-         std::to_string(plan.max_restarts) + ")");
+         std::to_string(plan.max_restarts) + "). " + (multi ? nodes.describe(plan.node_rank) + "'s" : "The") +
+         " workers ended with:" + describe_workers(a));
   }
 }
 

@@ -112,7 +112,9 @@ Options parse_args(int argc, char** argv) {
   app.add_flag("--standalone", o.standalone,
                "Single node: host the store on a free port of localhost (ignores --nnodes/--master-*)");
   app.add_option("--nnodes", o.nnodes, "Number of nodes")->envname("PET_NNODES")->capture_default_str();
-  app.add_option("--node-rank,--node_rank", o.node_rank, "Rank of this node (0 hosts the store)")
+  auto* node_rank = app.add_option("--node-rank,--node_rank", o.node_rank,
+                                   "Rank of this node (0 hosts the store); with --rdzv-backend c10d ranks are "
+                                   "assigned in order of arrival and this is ignored (with a warning)")
       ->envname("PET_NODE_RANK")->capture_default_str()->check(number_in(0, kIntMax, true));
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
                  "Workers on this node: an integer, cpu, gpu or auto")
@@ -158,6 +160,7 @@ Options parse_args(int argc, char** argv) {
     std::replace(what.begin(), what.end(), '\n', ' ');
     die(what + " (see fsdprun --help)");
   }
+  o.node_rank_given = node_rank->count() > 0;
   o.command = app.remaining();
   if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
   if (o.command.empty()) die("no PROGRAM given (see fsdprun --help)");
@@ -248,6 +251,13 @@ Plan make_plan(const Options& opt) {
     plan.c10d = true;
     plan.run_id = opt.rdzv_id;
     plan.node_rank = 0;  // assigned by the rendezvous
+    // As torchrun: c10d assigns node ranks in order of arrival. Never silently: a user who gave one is told.
+    if (opt.node_rank_given) {
+      warn("--node-rank " + std::to_string(opt.node_rank) + " is ignored with --rdzv-backend c10d: node ranks are "
+           "assigned in order of arrival at the rendezvous (the rank this node gets is printed when the rendezvous "
+           "completes). Fix: drop --node-rank, or use the static rendezvous (--master-addr, --master-port, "
+           "--node-rank) to fix each node's rank");
+    }
   } else if (opt.rdzv_backend != "static" && opt.rdzv_backend != "c10d") {
     die("--rdzv-backend " + opt.rdzv_backend + ": expected static or c10d");
   }

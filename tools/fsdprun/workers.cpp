@@ -449,6 +449,20 @@ std::string describe_exit(int exitcode) {
   return "signal " + std::to_string(-exitcode) + " (" + signame(-exitcode) + ")";
 }
 
+std::string describe_workers(const Attempt& a) {
+  std::ostringstream s;
+  for (size_t i = 0; i < a.workers.size(); ++i) {
+    const Worker& w = a.workers[i];
+    s << "\n  rank " << w.rank << " (local_rank " << w.local_rank << "): " << describe_exit(w.exitcode);
+    if (static_cast<int>(i) == a.root) {
+      s << ", the first failure";
+    } else if (w.stopped_by_us) {
+      s << ", after fsdprun began stopping the group";
+    }
+  }
+  return s.str();
+}
+
 void print_summary(const Plan& plan, const Attempt& a, int restart) {
   char host[256] = "localhost";
   ::gethostname(host, sizeof host - 1);

@@ -62,7 +62,7 @@ LaunchEnv read_launch_env();
 /// Options of init_process_group. Every field is optional.
 /// Example: `fsdp::init_process_group(fsdp::InitOptions().device_type(torch::kCUDA).timeout(std::chrono::minutes(5)))`
 struct InitOptions {
-  /// "gloo", "nccl" or "mpi" (CPU; builds with Open MPI, see README "MPI"). (Default: "nccl" when
+  /// "gloo", "nccl" or "mpi" (CPU; builds with Open MPI, see docs/MULTINODE.md, MPI). (Default: "nccl" when
   /// `device_type` is CUDA; "mpi" under mpirun without MASTER_ADDR in a build with MPI; else "gloo")
   TORCH_ARG(std::optional<std::string>, backend);
   /// Device type to compute on: kCPU or kCUDA; with kCUDA each rank takes cuda:LOCAL_RANK.

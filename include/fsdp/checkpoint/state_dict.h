@@ -1,6 +1,6 @@
 // State dicts of sharded modules and their optimizers: what a checkpoint saves, and where it loads.
 //
-//   // Save: every rank writes its own shards (see fsdp/checkpoint.h).
+//   // Save: every rank writes its own shards (see fsdp/checkpoint/checkpoint.h).
 //   fsdp::dcp::save(fsdp::get_state_dict(model, opt), "ckpt/step-1000");
 //
 //   // Load, on any number of ranks: the dict's DTensors alias the local shards, so dcp::load writes

@@ -83,12 +83,21 @@ class DTensor {
   /// Mirrors DTensor.redistribute(device_mesh, placements).
   DTensor redistribute(std::vector<Placement> placements) const;
 
-  /// Builds a DTensor from each rank's local piece. When `global_shape` is empty it is computed with
-  /// one all-reduce of the local sizes per Shard mesh dim (so uneven and empty shards are described
-  /// exactly). The local pieces of a Partial mesh dim must have equal shapes.
-  /// Mirrors DTensor.from_local(..., shape=...).
+  /// Builds a DTensor from each rank's local piece. Collective over the mesh's ranks: every rank calls it.
+  /// When `global_shape` is empty it is the sum of the local sizes along each Shard mesh dim (so uneven
+  /// and empty shards are described exactly). The local pieces of a Replicate or Partial mesh dim must
+  /// have equal shapes.
+  /// `run_check` (default true; PyTorch's default is false): the ranks compare what they were given (one
+  /// all-reduce and one all-gather of a few integers per rank over the mesh) and either all build the
+  /// same DTensor or all throw the same c10::Error naming the ranks and shapes: different placements or
+  /// global shapes, local shapes that are not torch.chunk's pieces of one global shape, replicas whose
+  /// pieces sum to different global shapes. With run_check=false only this rank's piece is checked (an
+  /// inconsistent set can then make some ranks throw and others hang in the next collective).
+  /// Throws c10::Error for a wrong number of placements or a Shard dim out of range.
+  /// Mirrors DTensor.from_local(local_tensor, device_mesh, placements, run_check=..., shape=...).
+  /// Example: auto dt = DTensor::from_local(torch::ones({2, 3}), mesh, {Shard(0)});  // global [2 * N, 3]
   static DTensor from_local(torch::Tensor local, DeviceMeshPtr mesh, std::vector<Placement> placements,
-                            std::vector<int64_t> global_shape = {});
+                            std::vector<int64_t> global_shape = {}, bool run_check = true);
 
   std::string str() const;
 

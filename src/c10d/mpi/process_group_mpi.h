@@ -11,7 +11,7 @@
 //  - mpi_thread.{h,cpp}: the MPI thread (init, queue, polling, finalize) and MpiWork;
 //  - mpi_types.{h,cpp}: datatypes and reduce ops.
 //
-// Design, in short (details in those files and README "MPI"):
+// Design, in short (details in those files and docs/MULTINODE.md, MPI):
 //  - MPI is initialised once per process (MPI_Init_thread, MPI_THREAD_SERIALIZED requested) on one
 //    process-wide MPI thread, which then runs every MPI call of every "mpi" group in issue order; a
 //    collective returns a c10d::Work at once and completes on that thread, so communication overlaps

@@ -1,7 +1,7 @@
 // The ops of tensor-parallel modules: aten::linear and aten::embedding on a TP weight, run with the
 // collectives of the module's style (Megatron-LM's f/g functions, as PyTorch's ColwiseParallel and
-// RowwiseParallel place them through DTensor redistributes). Reached from the dispatcher fallback in
-// fsdp_interception.cpp; see docs/TENSOR_PARALLEL.md section 2.
+// RowwiseParallel place them through DTensor redistributes). Reached from the interception's fallback
+// (tensor/intercept.h; tp_run_op below is TP's layer); see docs/TENSOR_PARALLEL.md section 2.
 #include "tensor/parallel/tp_ops.h"
 
 #include <algorithm>
@@ -29,7 +29,13 @@ struct Registry {
   std::unordered_map<const c10::TensorImpl*, Entry> params;
   // Storage of each TP weight -> the weight: F::linear transposes the weight (a view on its storage)
   // before addmm/matmul, so those ops see an alias, not the parameter.
-  std::unordered_map<const c10::StorageImpl*, const c10::TensorImpl*> storages;
+  // Held weakly too ([Note: identity by address] in fsdp/fsdp_interception.cpp): a weight's storage can be
+  // replaced (fully_shard gives it one of its own) and the old one freed while the weight lives.
+  struct StorageEntry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const c10::TensorImpl* weight;
+  };
+  std::unordered_map<const c10::StorageImpl*, StorageEntry> storages;
 };
 Registry& registry() {
   static auto* r = new Registry();  // never destroyed: read by the fallback until the process ends
@@ -264,8 +270,13 @@ void register_tp_param(const torch::Tensor& param, TPParam info) {
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
   for (auto it = r.params.begin(); it != r.params.end();) it = it->second.impl.expired() ? r.params.erase(it) : std::next(it);
-  for (auto it = r.storages.begin(); it != r.storages.end();) it = r.params.count(it->second) ? std::next(it) : r.storages.erase(it);
-  if (info.is_weight) r.storages[param.storage().unsafeGetStorageImpl()] = param.unsafeGetTensorImpl();
+  for (auto it = r.storages.begin(); it != r.storages.end();) {
+    it = r.params.count(it->second.weight) && !it->second.storage.expired() ? std::next(it) : r.storages.erase(it);
+  }
+  if (info.is_weight) {
+    r.storages.insert_or_assign(param.storage().unsafeGetStorageImpl(),
+                                Registry::StorageEntry{param.storage().getWeakStorageImpl(), param.unsafeGetTensorImpl()});
+  }
   r.params.insert_or_assign(param.unsafeGetTensorImpl(),
                             Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), std::move(info)});
 }
@@ -321,8 +332,8 @@ const TPParam* find_transposed_weight(const torch::Tensor& t, torch::Tensor* wei
   if (t.is_view()) pit = r.params.find(t._base().unsafeGetTensorImpl());
   if (pit == r.params.end()) {
     auto sit = r.storages.find(t.storage().unsafeGetStorageImpl());
-    if (sit == r.storages.end()) return nullptr;
-    pit = r.params.find(sit->second);
+    if (sit == r.storages.end() || sit->second.storage.expired()) return nullptr;
+    pit = r.params.find(sit->second.weight);
   }
   if (pit == r.params.end() || pit->second.info.is_embedding) return nullptr;
   auto impl = pit->second.impl.lock();

@@ -1,6 +1,7 @@
 // Tensor parallelism's op side (tp_ops.cpp): the registry of TP parameters and the handling of the ops
 // that run a parallelised module (aten::linear, aten::embedding) inside the dispatcher fallback of
-// fsdp_interception.cpp. The plan side (matching, validation, sharding) is tensor_parallel.cpp.
+// the interception (tensor/intercept.h: TP's layer, or fsdp's above it). The plan side (matching,
+// validation, sharding) is tensor_parallel.cpp.
 #pragma once
 
 #include <string>

@@ -1,0 +1,81 @@
+// --estimate-memory (issue 14): fsdp::estimate_memory for train_gpt's model and options.
+#include "memory_estimate.h"
+
+#include <algorithm>
+#include <iostream>
+
+#include "fsdp/fsdp.h"
+#include "model.h"
+
+namespace train_gpt {
+namespace {
+
+/// Peak activation bytes of one microbatch's forward + backward on one rank, from the model shape: what
+/// autograd saves (B x T x C elements unless said otherwise, in the compute dtype e), counted from
+/// model.cpp's forward:
+///   per block 16: its input (saved by ln_1), ln_1's output (by c_attn), qkv 3 (by SDPA, as q/k/v views),
+///     SDPA's output 1 (also c_proj's input: LibTorch's CPU flash attention allocates it [B, T, H, D], so
+///     transpose(1, 2).contiguous() is free), the residual sum 1 (by ln_2), ln_2's
+///     output 1 (by c_fc), c_fc's output 4 (by GELU), GELU's output 4 (by mlp.c_proj); plus fp32 stats:
+///     LayerNorm mean + rstd (2 x 2 x B x T) and SDPA's logsumexp (B x H x T);
+///   head: the last block's output (by ln_f) 1, ln_f's output 1 (by lm_head), the logits B x T x V in e
+///     (train_step keeps them), log_softmax's fp32 output B x T x V (by nll_loss);
+///   backward temporaries: the larger of the loss's two fp32 B x T x V gradients and a block's MLP
+///     gradients (4 + 4 + 2 residual).
+/// With activation checkpointing a block saves only its input; one block at a time is recomputed (its 15
+/// inner tensors and stats come back during its backward).
+int64_t gpt_activation_bytes(const GPTConfig& c, int64_t batch, int64_t e, bool checkpointing) {
+  const int64_t B = batch, T = c.block_size, C = c.n_embd, L = c.n_layer, H = c.n_head, V = c.vocab_size;
+  const int64_t btc = B * T * C * e;
+  const int64_t stats = 2 * 2 * B * T * 4 + B * H * T * 4;
+  const int64_t head = 2 * btc + B * T * V * e + B * T * V * 4;
+  const int64_t backward_tmp = std::max<int64_t>(2 * B * T * V * 4, 10 * btc);
+  const int64_t blocks = checkpointing ? (L * btc + 15 * btc + stats) : L * (16 * btc + stats);
+  return blocks + head + backward_tmp;
+}
+
+// LibTorch's own first-use memory on the CPU over the process baseline, independent of the model: the
+// OpenMP and autograd threads, oneDNN/MKL scratch and JIT code, glibc's per-thread arenas. Measured with
+// the tiny preset (model states and activations < 1 MiB, so its RSS growth is this overhead): 15 MiB in
+// fp32, 28 MiB with bf16/fp16 compute (oneDNN's reduced-precision kernels); see docs/BENCHMARKS.md,
+// "Memory estimator (issue 14, part 2)".
+int64_t cpu_runtime_overhead_bytes(torch::ScalarType compute) {
+  return (compute == torch::kFloat32 ? 15 : 28) * (int64_t(1) << 20);
+}
+
+}  // namespace
+
+/// Prints fsdp::estimate_memory's breakdown for this run (rank 0) without building anything but meta
+/// tensors: the same groups parallelize() makes (every block, then the root, which keeps its parameters
+/// unsharded from forward to backward).
+void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
+  const Options& o = s.opts;
+  auto model = fsdp::deferred_init([&] { return GPT(s.cfg); });  // meta tensors: sizes and dtypes only
+  std::vector<std::string> sharded = {""};  // forward order: the root (embeddings) first, then the blocks
+  for (int64_t i = 0; i < s.cfg.n_layer; ++i) sharded.push_back("h." + std::to_string(i));
+  auto groups = fsdp::shard_groups(*model, sharded);
+  groups[0].reshard_after_forward = false;  // the root's default
+  fsdp::MemoryEstimateOptions eo;
+  eo.world_size = world;
+  eo.reshard_after_forward = o.reshard_after_forward != "false";  // N (a slice kept) counts as true
+  if (s.parallel.param_dtype != torch::kFloat32) {
+    eo.param_dtype = s.parallel.param_dtype;
+    eo.reduce_dtype = torch::kFloat32;
+  }
+  eo.cpu_offload = o.cpu_offload;
+  eo.device_is_cpu = !cuda;
+  eo.optimizer_bytes_per_element = 8.0;  // AdamW: exp_avg + exp_avg_sq in fp32
+  const int64_t e = static_cast<int64_t>(c10::elementSize(s.parallel.param_dtype));
+  eo.activation_bytes = gpt_activation_bytes(s.cfg, o.batch_size, e, o.activation_checkpointing);
+  eo.runtime_overhead_bytes = cuda ? 0 : cpu_runtime_overhead_bytes(s.parallel.param_dtype);
+  const auto est = fsdp::estimate_memory(fsdp::param_infos(*model), groups, eo);
+  if (rank != 0) return;
+  std::cout << "memory estimate per rank: " << describe(s.cfg) << ", " << est.num_params << " parameters, "
+            << world << (world == 1 ? " rank" : " ranks") << ", batch " << o.batch_size << ", " << o.mixed_precision
+            << ", reshard_after_forward " << o.reshard_after_forward
+            << (o.activation_checkpointing ? ", activation checkpointing" : "") << (o.cpu_offload ? ", cpu offload" : "")
+            << (cuda ? " (CUDA: the caching allocator's peak)" : " (CPU: RSS growth over the process baseline)") << "\n"
+            << fsdp::format_memory_estimate(est);
+}
+
+}  // namespace train_gpt
