@@ -6,6 +6,7 @@
 #include <mutex>
 #include <vector>
 
+#include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {

@@ -10,6 +10,8 @@
 
 #include <unistd.h>
 
+#include "fsdp/c10d/collectives.h"
+#include "fsdp/c10d/flight_recorder.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {

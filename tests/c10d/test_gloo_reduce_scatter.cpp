@@ -15,6 +15,7 @@
 
 #include <unistd.h>
 
+#include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
