@@ -36,19 +36,11 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_testing import clean_env
+
 DAEMONS = ("slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel", "sbatch", "scontrol")
 START_TIMEOUT_S = 30
 STOP_TIMEOUT_S = 10
-
-LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                           r"|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|PET_\w+|SLURM_\w+|SLURMD_\w+|OMPI_\w+"
-                           r"|PMIX_\w+)$")
-
-
-def clean_env():
-    """The environment without any launcher's variables (a test may itself run under fsdprun or Slurm)."""
-    return {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-
 
 def _free_ports(n):
     """n distinct TCP ports that are free on this host now (held together while chosen, so distinct)."""

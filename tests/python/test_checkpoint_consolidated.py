@@ -6,29 +6,21 @@ split Hugging Face layout (model-0000K-of-0000N.safetensors + model.safetensors.
 dcp::load reads them into the sharded test model on 2 and 3 ranks (real processes under fsdprun), each rank only
 its rows; the gathered model equals the file's tensors (bf16 widened exactly to fp32).
 
-The C++ side is build/bin/checkpoint_interop `load` (tests/checkpoint_interop.cpp). FSDP_BUILD_DIR is the CMake
-build directory (default: <repo>/build). Every subprocess has a timeout.
+The C++ side is build/bin/checkpoint_interop `load` (tests/checkpoint/checkpoint_interop.cpp). FSDP_BUILD_DIR is
+the CMake build directory (default: <repo>/build). Every subprocess has a timeout.
 """
 
 import json
-import os
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-FSDPRUN = BUILD / "bin" / "fsdprun"
-INTEROP = BUILD / "bin" / "checkpoint_interop"
+from fsdp_testing import FSDPRUN, INTEROP, interop
 
-LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                           r"|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|PET_\w+|FSDP_TIMEOUT_S)$")
+BINARIES = (FSDPRUN, INTEROP)
 
-# The test model's FQNs and shapes (tests/fsdp_test_model.h): uneven and empty shards on 2 and 3 ranks.
+# The test model's FQNs and shapes (tests/common/fsdp_test_model.h): uneven and empty shards on 2 and 3 ranks.
 SHAPES = {"wte.weight": (11, 6), "head.weight": (2, 6), "head.bias": (2,)}
 for b in range(2):
     SHAPES.update({f"blocks.{b}.norm.weight": (6,), f"blocks.{b}.norm.bias": (6,), f"blocks.{b}.fc1.weight": (5, 6),
@@ -36,19 +28,9 @@ for b in range(2):
                    f"blocks.{b}.scale": (1,)})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, INTEROP):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
-
-
 def load_with_libfsdp(nproc, ckpt, out):
     """dcp::load of `ckpt` into the sharded test model on `nproc` ranks; rank 0 writes the gathered model to `out`."""
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env.update({"OMP_NUM_THREADS": "1", "FSDPRUN_GRACE_S": "2", "FSDP_TIMEOUT_S": "60"})
-    cmd = [FSDPRUN, "--standalone", "--nproc-per-node", nproc, "--", INTEROP, "load", "--dir", ckpt, "--out", out,
-           "--prefix", ""]
-    p = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=120)
+    p = interop(nproc, "load", "--dir", ckpt, "--out", out, "--prefix", "")
     assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return load_file(out)
 

@@ -2,13 +2,14 @@
 
 Runs real processes. FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build); torchrun comes
 from <repo>/.venv. Every subprocess has a timeout, and every job's processes carry a unique marker in
-their environment so that the tests can prove none is left behind (and kill them if a test fails).
+their environment so that the tests can prove none is left behind (and kill them if a test fails). Its
+regressions (issue 17 item 6, marked `regressions`: their own ctest entry, labels foundation, checkpoint,
+regressions): flag errors in one line, the OMP_NUM_THREADS notice in one line of its own.
 """
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,22 +18,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-FSDPRUN = BUILD / "bin" / "fsdprun"
-HELLO = BUILD / "bin" / "fsdp_hello"
-TORCHRUN = REPO / ".venv" / "bin" / "torchrun"
+from fsdp_testing import FSDPRUN, HELLO, TORCHRUN, clean_env, free_port, show
 
-# Variables a launcher sets (or must not inherit from the test's own environment).
-LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                           r"|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|TORCHELASTIC_\w+|TORCH_NCCL_\w+|PET_\w+"
-                           r"|SLURM_\w+|OMPI_\w+|FSDP_TIMEOUT_S|FSDPRUN_GRACE_S|TORCH_ELASTIC_\w+)$")
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+BINARIES = (FSDPRUN, HELLO)
 
 
 def procs_with_marker(marker):
@@ -62,11 +50,6 @@ def marker():
             pass
 
 
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, HELLO):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
-
 
 def fsdprun(args, marker=None, timeout=60, **env):
     env = clean_env(**env)
@@ -76,10 +59,6 @@ def fsdprun(args, marker=None, timeout=60, **env):
     p = subprocess.run([str(FSDPRUN), *args], env=env, capture_output=True, text=True, timeout=timeout)
     p.elapsed = time.monotonic() - t0
     return p
-
-
-def show(p):
-    return f"rc={p.returncode}\n--- stdout ---\n{p.stdout[-4000:]}\n--- stderr ---\n{p.stderr[-4000:]}"
 
 
 def rank_lines(text):
@@ -178,9 +157,7 @@ def test_env_matches_torchrun(tmp_path):
 
 def test_static_env_and_inherited_omp(marker):
     """Without --standalone: MASTER_ADDR/--master-port as given, run id "none", OMP_NUM_THREADS kept."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     p = fsdprun(["--nproc_per_node=2", f"--master_port={port}", "sh", "-c",
                  "echo $MASTER_ADDR:$MASTER_PORT:$TORCHELASTIC_RUN_ID:$OMP_NUM_THREADS:$NCCL_DEBUG"],
                 marker, OMP_NUM_THREADS=3, NCCL_DEBUG="INFO")
@@ -356,9 +333,7 @@ def test_hello_restart_uses_new_store_prefix(marker):
 
 def test_hello_multinode_static_two_agents(marker):
     """--nnodes 2 on one machine: node 0 hosts the store, node 1 joins it; ranks 0..3 all-reduce."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = clean_env(FSDPRUN_TEST_MARKER=marker)
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     procs = [subprocess.Popen([str(FSDPRUN), *common, "--node-rank", str(n), str(HELLO)], env=env,
@@ -388,12 +363,6 @@ def test_hello_under_torchrun():
 
 # --------------------------------------------------------------------------------------------------
 # 9. Bad environments fail with a message naming the variable.
-def closed_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("env,name", [
     ({}, "RANK"),
     ({"RANK": 0, "WORLD_SIZE": 0}, "WORLD_SIZE"),
@@ -404,12 +373,39 @@ def closed_port():
 def test_hello_bad_env(env, name):
     env = dict(env)
     if env.get("MASTER_PORT") == "closed":
-        env["MASTER_PORT"] = closed_port()
+        env["MASTER_PORT"] = free_port()  # nothing listens there
     t0 = time.monotonic()
     p = subprocess.run([str(HELLO)], env=clean_env(**env), capture_output=True, text=True, timeout=60)
     assert p.returncode != 0, show(p)
     assert name in p.stderr, show(p)
     assert time.monotonic() - t0 < 45, show(p)
+
+
+# 10. Flag errors in one line, the OMP_NUM_THREADS notice in one line of its own (issue 17 item 6, marked
+#     `regressions`: their own ctest entry, labels foundation, checkpoint, regressions).
+@pytest.mark.regressions
+def test_fsdprun_omp_notice_is_one_line_of_its_own(tmp_path):
+    p = subprocess.run([str(FSDPRUN), "--standalone", "--nproc-per-node", "2", "--", "true"], env=clean_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stderr.splitlines() if "OMP_NUM_THREADS" in l]
+    assert lines == ["fsdprun: OMP_NUM_THREADS is unset: each of this node's 2 workers gets 1 thread so that they do "
+                     "not oversubscribe the CPUs; set OMP_NUM_THREADS to choose another number"], p.stderr
+    assert "*****" not in p.stderr and "Setting OMP_NUM_THREADS environment variable" not in p.stderr, p.stderr
+
+
+@pytest.mark.regressions
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-restarts", "-1", "--max-restarts: expected an integer >= 0, got '-1'"),
+    ("--max-restarts", "1.5", "--max-restarts: expected an integer >= 0, got '1.5'"),
+    ("--shutdown-timeout", "nan", "--shutdown-timeout: expected a finite number >= 0 and <= 86400, got 'nan'"),
+    ("--master-port", "70000", "--master-port: expected an integer >= 0 and <= 65535, got 70000, which is out of range"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("-") else None)
+def test_fsdprun_flag_errors_are_one_line(flag, value, message):
+    p = subprocess.run([str(FSDPRUN), "--standalone", flag, value, "--", "true"], env=clean_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.splitlines() == [f"fsdprun: {message} (see fsdprun --help)"], p.stderr
 
 
 if __name__ == "__main__":

@@ -9,43 +9,18 @@ ranks than cores --oversubscribe; --bind-to none leaves the threads unpinned as 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
-import json
-import os
-import re
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-FSDPRUN = BUILD / "bin" / "fsdprun"
-TRAIN_GPT = BUILD / "bin" / "train_gpt"
-TEST_MPI = BUILD / "bin" / "test_mpi"
-LICENSES = Path("/usr/share/common-licenses")
+from fsdp_testing import FSDPRUN, TEST_MPI, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metric, parity_args
+
+BINARIES = (FSDPRUN, TRAIN_GPT, TEST_MPI)
 MPIRUN = shutil.which("mpirun")
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
 RTOL = 1e-5
-
-LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                           r"|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|TORCHELASTIC_\w+|PET_\w+|SLURM_\w+|OMPI_\w+"
-                           r"|PMIX_\w+)$")
-
-
-def clean_env():
-    return {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-
-
-def text_files():
-    return sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
-
-
-def args(out, *extra):
-    return ["--model", "tiny", "--data", *text_files(), "--batch-size", "4", "--seed", "7", "--threads", "1",
-            "--steps", "6", "--log-every", "1", "--eval-every", "3", "--warmup-steps", "2", "--sample-tokens", "0",
-            "--metrics", str(out), *extra]
 
 
 def run(cmd, timeout=240):
@@ -56,54 +31,39 @@ def run(cmd, timeout=240):
     return p
 
 
-def losses(path, key):
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-    return {r["step"]: r[key] for r in rows if r.get(key) is not None}
-
-
-def assert_close(mine, ref, what):
-    assert mine.keys() == ref.keys() and mine, (what, sorted(mine), sorted(ref))
-    worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
-    assert worst <= RTOL, f"{what}: max relative difference {worst:.3g} > {RTOL:g}\nmpi  {mine}\ngloo {ref}"
-    return worst
+def close(mine, ref, what):
+    return assert_close(mine, ref, RTOL, what, names=("mpi ", "gloo"))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, TRAIN_GPT, TEST_MPI):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
+def mpirun():
     assert MPIRUN, "mpirun is missing: apt-get install openmpi-bin (scripts/setup.sh does)"
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_mpirun_matches_fsdprun(tmp_path, nproc):
-    mpi = run([MPIRUN, *MPIRUN_FLAGS, "-np", str(nproc), str(TRAIN_GPT), *args(tmp_path / "mpi.jsonl")])
+    mpi = run([MPIRUN, *MPIRUN_FLAGS, "-np", str(nproc), str(TRAIN_GPT), *parity_args(tmp_path / "mpi.jsonl")])
     # train_gpt names its backend: mpi, chosen by default under mpirun without MASTER_ADDR.
     assert f"train_gpt: {nproc} ranks x 1 thread (mpi on cpu)" in mpi.stdout, mpi.stdout[-2000:]
-    gloo = run([str(FSDPRUN), "--standalone", "--nproc-per-node", str(nproc), "--", str(TRAIN_GPT),
-                *args(tmp_path / "gloo.jsonl")])
+    gloo = run(fsdprun_cmd(nproc, TRAIN_GPT, *parity_args(tmp_path / "gloo.jsonl")))
     assert "(gloo on cpu)" in gloo.stdout, gloo.stdout[-2000:]
-    worst = assert_close(losses(tmp_path / "mpi.jsonl", "loss"), losses(tmp_path / "gloo.jsonl", "loss"),
-                         "train loss")
-    assert_close(losses(tmp_path / "mpi.jsonl", "eval_loss"), losses(tmp_path / "gloo.jsonl", "eval_loss"),
-                 "eval loss")
-    assert_close(losses(tmp_path / "mpi.jsonl", "grad_norm"), losses(tmp_path / "gloo.jsonl", "grad_norm"),
-                 "grad norm")
+    worst = close(metric(tmp_path / "mpi.jsonl", "loss"), metric(tmp_path / "gloo.jsonl", "loss"), "train loss")
+    close(metric(tmp_path / "mpi.jsonl", "eval_loss"), metric(tmp_path / "gloo.jsonl", "eval_loss"), "eval loss")
+    close(metric(tmp_path / "mpi.jsonl", "grad_norm"), metric(tmp_path / "gloo.jsonl", "grad_norm"), "grad norm")
     print(f"[mpi vs gloo] {nproc} ranks: max relative train-loss difference {worst:.3g}")
 
 
 def test_explicit_gloo_under_mpirun_is_honoured_by_master_addr(tmp_path):
     """With MASTER_ADDR/MASTER_PORT exported, mpirun keeps the Gloo default (the user's choice)."""
     cmd = [MPIRUN, *MPIRUN_FLAGS, "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29731", "-np", "2",
-           str(TRAIN_GPT), *args(tmp_path / "m.jsonl", "--steps", "2")]
+           str(TRAIN_GPT), *parity_args(tmp_path / "m.jsonl", "--steps", "2")]
     p = run(cmd)
     assert "(gloo on cpu)" in p.stdout, p.stdout[-2000:]
 
 
 def test_backend_mpi_under_fsdprun_fails_naming_the_fix():
     """fsdprun's processes are MPI jobs of one each: backend mpi refuses, naming mpirun."""
-    p = run([str(FSDPRUN), "--standalone", "--nproc-per-node", "2", "--", str(TEST_MPI), "--expect-launch-error"],
-            timeout=120)
+    p = run(fsdprun_cmd(2, TEST_MPI, "--expect-launch-error"), timeout=120)
     assert "not started by one mpirun" in p.stdout, p.stdout[-2000:]
 
 

@@ -26,8 +26,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns_hosts import netns_hosts  # noqa: E402,F401 (a fixture)
-from test_train_gpt import (BUILD, FSDPRUN, TRAIN_GPT, assert_close, clean_env, metrics,  # noqa: E402,F401
-                            text_files, train_losses)
+from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metrics, train_losses  # noqa: E402
+
+BINARIES = (FSDPRUN, TRAIN_GPT)
 
 PORT = 29611  # inside the test's own namespaces: no other process can hold it
 RTOL = 1e-5   # the issue's tolerance (same world size and order: the losses are in fact bit-identical)
@@ -97,18 +98,11 @@ def show(*agents):
     return "\n".join(a.text() for a in agents)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, TRAIN_GPT):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
-
-
 @pytest.fixture(scope="module")
 def reference(text_files, tmp_path_factory):
     """1 host x 4 ranks, the same global batch (4 ranks x --batch-size 4): the losses to match."""
     d = tmp_path_factory.mktemp("ref")
-    cmd = [str(FSDPRUN), "--standalone", "--nproc-per-node", "4", "--", str(TRAIN_GPT), *RUN, "--data", *text_files,
-           "--metrics", str(d / "m.jsonl")]
+    cmd = fsdprun_cmd(4, TRAIN_GPT, *RUN, "--data", *text_files, "--metrics", d / "m.jsonl")
     p = subprocess.run(cmd, env=job_env(GLOO_SOCKET_IFNAME=""), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = train_losses(metrics(d / "m.jsonl"))

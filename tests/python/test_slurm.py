@@ -10,8 +10,6 @@ tests/python/slurm_cluster.py (skipped with the reason where its daemons cannot 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
-import json
-import os
 import socket
 import subprocess
 import time
@@ -19,42 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import clean_env, running_slurm_cluster, slurm_cluster  # noqa: F401 (fixture)
+from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metric, parity_args, show
+from slurm_cluster import running_slurm_cluster, slurm_cluster  # noqa: F401 (fixture)
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-FSDPRUN = BUILD / "bin" / "fsdprun"
-TRAIN_GPT = BUILD / "bin" / "train_gpt"
-LICENSES = Path("/usr/share/common-licenses")
+BINARIES = (FSDPRUN, TRAIN_GPT)
 RTOL = 1e-5
 # srun: fail the step as soon as one task fails (also KillOnBadExit=1 in the cluster's slurm.conf).
 SRUN = ["--ntasks", "2", "--kill-on-bad-exit=1"]
 
 
-def text_files():
-    return sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
-
-
-def args(out, *extra):
-    return ["--model", "tiny", "--data", *text_files(), "--batch-size", "4", "--seed", "7", "--threads", "1",
-            "--steps", "6", "--log-every", "1", "--eval-every", "3", "--warmup-steps", "2", "--sample-tokens", "0",
-            "--metrics", str(out), *extra]
-
-
-def output(p):
-    return f"rc={p.returncode}\n--- stdout ---\n{p.stdout[-4000:]}\n--- stderr ---\n{p.stderr[-4000:]}"
-
-
-def losses(path, key):
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-    return {r["step"]: r[key] for r in rows if r.get(key) is not None}
-
-
-def assert_close(mine, ref, what):
-    assert mine.keys() == ref.keys() and mine, (what, sorted(mine), sorted(ref))
-    worst = max(abs(mine[s] - ref[s]) / abs(ref[s]) for s in ref)
-    assert worst <= RTOL, f"{what}: max relative difference {worst:.3g} > {RTOL:g}\nsrun    {mine}\nfsdprun {ref}"
-    return worst
+def close(mine, ref, what):
+    return assert_close(mine, ref, RTOL, what, names=("srun   ", "fsdprun"))
 
 
 def derived_port(job_id, step_id=0):
@@ -74,46 +47,36 @@ class PortHolder:
         self.sock.close()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, TRAIN_GPT):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
-
-
 def test_srun_trains_like_fsdprun(slurm_cluster, tmp_path):
     t0 = time.monotonic()
-    p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *args(tmp_path / "srun.jsonl")])
-    assert p.returncode == 0, output(p)
+    p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *parity_args(tmp_path / "srun.jsonl")])
+    assert p.returncode == 0, show(p)
     t_srun = time.monotonic() - t0
     # Two ranks from SLURM_NTASKS, Gloo: nothing but Slurm's variables told train_gpt about the job.
-    assert "train_gpt: 2 ranks x 1 thread (gloo on cpu)" in p.stdout, output(p)
-    gloo = subprocess.run([str(FSDPRUN), "--standalone", "--nproc-per-node", "2", "--", str(TRAIN_GPT),
-                           *args(tmp_path / "fsdprun.jsonl")], env=clean_env(), capture_output=True, encoding="utf-8",
-                          errors="replace", timeout=180)
-    assert gloo.returncode == 0, output(gloo)
-    worst = assert_close(losses(tmp_path / "srun.jsonl", "loss"), losses(tmp_path / "fsdprun.jsonl", "loss"),
-                         "train loss")
-    assert_close(losses(tmp_path / "srun.jsonl", "eval_loss"), losses(tmp_path / "fsdprun.jsonl", "eval_loss"),
-                 "eval loss")
-    assert_close(losses(tmp_path / "srun.jsonl", "grad_norm"), losses(tmp_path / "fsdprun.jsonl", "grad_norm"),
-                 "grad norm")
+    assert "train_gpt: 2 ranks x 1 thread (gloo on cpu)" in p.stdout, show(p)
+    gloo = subprocess.run(fsdprun_cmd(2, TRAIN_GPT, *parity_args(tmp_path / "fsdprun.jsonl")), env=clean_env(),
+                          capture_output=True, encoding="utf-8", errors="replace", timeout=180)
+    assert gloo.returncode == 0, show(gloo)
+    worst = close(metric(tmp_path / "srun.jsonl", "loss"), metric(tmp_path / "fsdprun.jsonl", "loss"), "train loss")
+    close(metric(tmp_path / "srun.jsonl", "eval_loss"), metric(tmp_path / "fsdprun.jsonl", "eval_loss"), "eval loss")
+    close(metric(tmp_path / "srun.jsonl", "grad_norm"), metric(tmp_path / "fsdprun.jsonl", "grad_norm"), "grad norm")
     print(f"[srun vs fsdprun] max relative train-loss difference {worst:.3g}; srun run {t_srun:.1f} s")
 
 
 def test_one_fsdprun_per_node_under_srun(slurm_cluster, tmp_path):
     """docs/SLURM.md's form (b): srun starts one fsdprun per node with --nnodes/--node-rank/--master-addr from
     Slurm; fsdprun's RANK/WORLD_SIZE/MASTER_* win over the SLURM_* its workers inherit. Same losses as (a)."""
-    ref = slurm_cluster.srun([*SRUN, TRAIN_GPT, *args(tmp_path / "srun.jsonl", "--steps", "3")])
-    assert ref.returncode == 0, output(ref)
-    train = " ".join([str(TRAIN_GPT), *args(tmp_path / "agent.jsonl", "--steps", "3")])
+    ref = slurm_cluster.srun([*SRUN, TRAIN_GPT, *parity_args(tmp_path / "srun.jsonl", "--steps", "3")])
+    assert ref.returncode == 0, show(ref)
+    train = " ".join([str(TRAIN_GPT), *parity_args(tmp_path / "agent.jsonl", "--steps", "3")])
     script = ('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
               f'exec {FSDPRUN} --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --master-addr "$head" '
               f'--master-port 0 --nproc-per-node 2 -- {train}')
     # --master-port 0 (a free port) is allowed with one node; a multi-node job names a fixed port.
     p = slurm_cluster.srun(["--ntasks-per-node", "1", "--nodes", "1", "--kill-on-bad-exit=1", "bash", "-c", script])
-    assert p.returncode == 0, output(p)
-    assert "train_gpt: 2 ranks x 1 thread (gloo on cpu)" in p.stdout, output(p)
-    assert_close(losses(tmp_path / "agent.jsonl", "loss"), losses(tmp_path / "srun.jsonl", "loss"), "train loss")
+    assert p.returncode == 0, show(p)
+    assert "train_gpt: 2 ranks x 1 thread (gloo on cpu)" in p.stdout, show(p)
+    close(metric(tmp_path / "agent.jsonl", "loss"), metric(tmp_path / "srun.jsonl", "loss"), "train loss")
 
 
 def test_the_store_listens_on_the_port_derived_from_the_job_id(slurm_cluster, tmp_path):
@@ -124,16 +87,16 @@ def test_the_store_listens_on_the_port_derived_from_the_job_id(slurm_cluster, tm
     holder = PortHolder(port)
     try:
         t0 = time.monotonic()
-        p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *args(tmp_path / "a.jsonl", "--steps", "1")],
+        p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *parity_args(tmp_path / "a.jsonl", "--steps", "1")],
                                env=slurm_cluster.env(FSDP_TIMEOUT_S=20))
         elapsed = time.monotonic() - t0
         out = p.stdout + p.stderr
-        assert p.returncode != 0, output(p)
-        assert f"MASTER_ADDR:MASTER_PORT = localhost:{port} (hosted by this rank)" in out, output(p)
-        assert f"SLURM_JOB_ID={job} % 1000" in out, output(p)
-        assert "export MASTER_PORT to choose another" in out, output(p)
-        assert "first host of SLURM_STEP_NODELIST=localhost" in out, output(p)
-        assert elapsed < 20, f"the failing step took {elapsed:.0f} s\n{output(p)}"
+        assert p.returncode != 0, show(p)
+        assert f"MASTER_ADDR:MASTER_PORT = localhost:{port} (hosted by this rank)" in out, show(p)
+        assert f"SLURM_JOB_ID={job} % 1000" in out, show(p)
+        assert "export MASTER_PORT to choose another" in out, show(p)
+        assert "first host of SLURM_STEP_NODELIST=localhost" in out, show(p)
+        assert elapsed < 20, f"the failing step took {elapsed:.0f} s\n{show(p)}"
         # The override: the next job's derived port is taken too, but MASTER_PORT is exported.
         holder2 = PortHolder(derived_port(slurm_cluster.next_job_id()))
         try:
@@ -141,10 +104,10 @@ def test_the_store_listens_on_the_port_derived_from_the_job_id(slurm_cluster, tm
             free.bind(("127.0.0.1", 0))
             free_port = free.getsockname()[1]
             free.close()
-            p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *args(tmp_path / "b.jsonl", "--steps", "1")],
+            p = slurm_cluster.srun([*SRUN, TRAIN_GPT, *parity_args(tmp_path / "b.jsonl", "--steps", "1")],
                                    env=slurm_cluster.env(MASTER_PORT=free_port))
-            assert p.returncode == 0, output(p)
-            assert "train_gpt: 2 ranks" in p.stdout, output(p)
+            assert p.returncode == 0, show(p)
+            assert "train_gpt: 2 ranks" in p.stdout, show(p)
         finally:
             holder2.close()
     finally:
@@ -155,13 +118,13 @@ def test_program_run_by_the_batch_script_is_refused_naming_srun(slurm_cluster, t
     """`sbatch --ntasks 2` whose script runs train_gpt itself (no srun): one process that would wait for a second
     rank forever. It fails at once, naming SLURM_STEP_ID and `srun`."""
     log = tmp_path / "batch.out"
-    cmd = " ".join([str(TRAIN_GPT), *args(tmp_path / "m.jsonl", "--steps", "1")])
+    cmd = " ".join([str(TRAIN_GPT), *parity_args(tmp_path / "m.jsonl", "--steps", "1")])
     t0 = time.monotonic()
     p = slurm_cluster.run(["sbatch", "--wait", "--ntasks", "2", "-o", str(log), "--wrap", cmd], timeout=120)
     elapsed = time.monotonic() - t0
     text = log.read_text(errors="replace") if log.exists() else ""
-    assert p.returncode != 0, output(p) + text
-    assert "SLURM_STEP_ID is not" in text, output(p) + text
+    assert p.returncode != 0, show(p) + text
+    assert "SLURM_STEP_ID is not" in text, show(p) + text
     assert "srun PROGRAM" in text, text
     assert elapsed < 30, f"took {elapsed:.0f} s\n{text}"
 
@@ -169,14 +132,14 @@ def test_program_run_by_the_batch_script_is_refused_naming_srun(slurm_cluster, t
 def test_wrong_master_addr_fails_every_rank_naming_it(slurm_cluster, tmp_path):
     """An exported MASTER_ADDR wins over the node list; an unresolvable one fails within seconds, naming it."""
     t0 = time.monotonic()
-    p = slurm_cluster.srun([*SRUN, "--label", TRAIN_GPT, *args(tmp_path / "m.jsonl", "--steps", "1")],
+    p = slurm_cluster.srun([*SRUN, "--label", TRAIN_GPT, *parity_args(tmp_path / "m.jsonl", "--steps", "1")],
                            env=slurm_cluster.env(MASTER_ADDR="no-such-host.invalid"))
     elapsed = time.monotonic() - t0
-    assert p.returncode != 0, output(p)
+    assert p.returncode != 0, show(p)
     for rank in (0, 1):  # srun --label prefixes each line with its task's rank
         assert f"{rank}: train_gpt: error: init_process_group: MASTER_ADDR=no-such-host.invalid cannot be resolved" \
-            in p.stderr, output(p)
-    assert elapsed < 30, f"took {elapsed:.0f} s\n{output(p)}"
+            in p.stderr, show(p)
+    assert elapsed < 30, f"took {elapsed:.0f} s\n{show(p)}"
 
 
 def _cmdline(pid):

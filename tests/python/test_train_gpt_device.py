@@ -10,29 +10,19 @@ FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-TRAIN_GPT = BUILD / "bin" / "train_gpt"
-LICENSES = Path("/usr/share/common-licenses")
-
-
-def text():
-    return sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
+from fsdp_testing import TRAIN_GPT, clean_env, licence_texts
 
 
 def train(tmp_path, name, *flags):
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [str(TRAIN_GPT), "--model", "tiny", "--steps", "8", "--batch-size", "4", "--log-every", "1",
            "--eval-every", "1000", "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1",
-           "--metrics", str(metrics), "--data", *text(), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+           "--metrics", str(metrics), "--data", *licence_texts(), *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     return p, [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 

@@ -13,7 +13,9 @@ FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 
 import pytest
 
-from test_train_gpt import binaries, metrics, run, show, text_files  # noqa: F401 (fixtures)
+from fsdp_testing import FSDPRUN, TRAIN_GPT, metrics, run, show
+
+BINARIES = (FSDPRUN, TRAIN_GPT)
 
 RTOL = 1e-5
 STEPS = 10

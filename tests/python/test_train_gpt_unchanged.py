@@ -11,43 +11,23 @@ FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
 import json
-import os
-import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("FSDP_BUILD_DIR", REPO / "build"))
-FSDPRUN = BUILD / "bin" / "fsdprun"
-TRAIN_GPT = BUILD / "bin" / "train_gpt"
-LICENSES = Path("/usr/share/common-licenses")
-LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+"
-                           r"|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|TORCHELASTIC_\w+|PET_\w+|SLURM_\w+|OMPI_\w+)$")
+from fsdp_testing import FSDPRUN, TRAIN_GPT, clean_env, fsdprun_cmd
+
+BINARIES = (FSDPRUN, TRAIN_GPT)
 STEPS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in (FSDPRUN, TRAIN_GPT):
-        assert b.is_file(), f"{b} is missing: build it with `cmake --build {BUILD} --target {b.name}`"
-
-
-@pytest.fixture(scope="module")
-def text_files():
-    return sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def train(impl, text_files, out, *extra, nproc=2):
     """Runs train_gpt --model-impl `impl` on `nproc` ranks; returns (per-step records, sample text)."""
     metrics = out / f"{impl}_{len(list(out.glob('*.jsonl')))}.jsonl"  # a fresh file per run (a resume appends)
-    cmd = [str(FSDPRUN), "--standalone", "--nproc-per-node", str(nproc), "--", str(TRAIN_GPT),
-           "--model-impl", impl, "--model", "tiny", "--data", *text_files, "--batch-size", "4", "--seed", "7",
-           "--threads", "1", "--steps", str(STEPS), "--log-every", "1", "--eval-every", "3", "--eval-batches", "2",
-           "--sample-tokens", "16", "--metrics", str(metrics), *map(str, extra)]
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    p = subprocess.run(cmd, env=env, capture_output=True, encoding="utf-8", timeout=240)
+    cmd = fsdprun_cmd(nproc, TRAIN_GPT, "--model-impl", impl, "--model", "tiny", "--data", *text_files, "--batch-size",
+                      "4", "--seed", "7", "--threads", "1", "--steps", str(STEPS), "--log-every", "1", "--eval-every",
+                      "3", "--eval-batches", "2", "--sample-tokens", "16", "--metrics", str(metrics), *map(str, extra))
+    p = subprocess.run(cmd, env=clean_env(), capture_output=True, encoding="utf-8", timeout=240)
     assert p.returncode == 0, f"--model-impl {impl}: rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
     start = p.stdout.find("[default0]:sample (seed 7")  # the sample, between its two "----" lines

@@ -17,24 +17,20 @@ FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from fsdp_testing import FSDPRUN, REPO, TRAIN_GPT
+
 sys.path.insert(0, str(REPO / "bench"))
 import compare_fsdp2 as cmp  # noqa: E402  (bench/compare_fsdp2.py: the launchers)
+
+BINARIES = (TRAIN_GPT, FSDPRUN)
 
 TOLERANCE = 1e-5  # issue 8: fp32, 20 steps
 STEPS = 20
 # Warmup 5 of 20: the cosine part of the schedule runs too.
 TINY = ["--model", "tiny", "--batch-size", "4", "--seed", "7", "--steps", str(STEPS), "--warmup-steps", "5"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def binaries():
-    for b in ("train_gpt", "fsdprun"):
-        assert (cmp.BUILD / "bin" / b).is_file(), f"{cmp.BUILD / 'bin' / b} is missing: cmake --build {cmp.BUILD} --target {b}"
 
 
 def train_both(tmp, flags, maths):
