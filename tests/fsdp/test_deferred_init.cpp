@@ -6,11 +6,14 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include <unistd.h>
 #include <map>
 
 #include <optional>
+
+#include <c10/core/CPUAllocator.h>
 
 #include "counting_allocator.h"
 #include "fsdp/fsdp.h"
@@ -135,9 +138,9 @@ TEST_P(DeferredInitWorldSizes, ToEmptyThenLoadingAFullCheckpointGivesTheCheckpoi
 // construction would hold 64 MiB per rank; sharded init must stay under (64/2 + 16) * 1.1 MiB.
 struct BigImpl : torch::nn::Module {
   torch::nn::ModuleList layers;
-  BigImpl() {
+  explicit BigImpl(int num_layers = 4) {
     layers = register_module("layers", torch::nn::ModuleList());
-    for (int i = 0; i < 4; ++i) layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(2048, 2048).bias(false)));
+    for (int i = 0; i < num_layers; ++i) layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(2048, 2048).bias(false)));
     // A second initialisation of every weight after all are made (as GPT-2's init loop): the first
     // values are dead, so the replay must not keep every parameter alive until this loop.
     torch::NoGradGuard no_grad;
@@ -174,6 +177,54 @@ TEST(LargeModelDeferredInit, PeakPerRankIsShardsPlusLargestParameter) {
     EXPECT_LE(peaks[r], (total / ws + param_bytes) * 1.1) << "rank " << r;
     EXPECT_GE(peaks[r], total / ws) << "rank " << r << ": the shards alone are that big";
   }
+}
+
+// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); resetting VmHWM needs Linux >= 4.0.
+double rss_bytes(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(status, line)) {
+    if (line.compare(0, key.size(), key) == 0) return std::stod(line.substr(key.size())) * 1024.0;  // "  123 kB"
+  }
+  ADD_FAILURE() << field << " not in /proc/self/status";
+  return 0;
+}
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// The bound of sharded initialisation in RSS, with LibTorch's default allocator (glibc's malloc), which
+// is what a user's process sees (issue 28, item 3; [Note: materialisation memory],
+// src/fsdp/unmapping_allocator.cpp). The ranks are threads of this process, so the process's RSS peak is
+// the sum of theirs: bound 1.1 x ws x (shards + the largest parameter).
+TEST(LargeModelDeferredInit, RssPeakIsShardsPlusLargestParameter) {
+  ASSERT_EQ(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator()) << "this test measures the default allocator";
+  const int ws = 2;
+  const double param_bytes = 2048.0 * 2048 * 4, total = 8 * param_bytes;
+  double baseline = 0, peak = 0;
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {ws}, {}, pg);
+    barrier(*pg);
+    if (pg->rank() == 0) {
+      reset_peak_rss();
+      baseline = rss_bytes("VmRSS");
+    }
+    barrier(*pg);
+    {
+      auto m = deferred_init([] { return Big(/*layers=*/8); });
+      for (const auto& l : *m->layers) fully_shard(l, FullyShardOptions().mesh(mesh));
+      fully_shard(m.ptr(), FullyShardOptions().mesh(mesh));
+      materialize_module(m);
+      barrier(*pg);
+      if (pg->rank() == 0) peak = rss_bytes("VmHWM");
+      barrier(*pg);
+    }
+  });
+  const double bound = 1.1 * ws * (total / ws + param_bytes);
+  std::printf("[memory] RSS growth %.1f MiB for %d ranks during deferred_init + fully_shard + materialize_module "
+              "(bound %.1f MiB; the shards alone %.1f MiB)\n",
+              (peak - baseline) / 1048576.0, ws, bound / 1048576.0, total / 1048576.0);
+  EXPECT_LE(peak - baseline, bound);
+  EXPECT_GE(peak - baseline, total) << "the shards alone are that big: the measurement is off";
 }
 
 TEST(LargeModelDeferredInit, ForwardBeforeMaterializeNamesTheParameter) {

@@ -45,7 +45,7 @@ def test_ckpt_verify_detects_damage(saved, tmp_path):
     ok = run_program([FSDP_CKPT, "verify", saved / "ck"])
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), show(ok)
     bad = tmp_path / "bad"
-    subprocess.run_program(["cp", "-r", str(saved / "ck"), str(bad)], check=True)
+    subprocess.run(["cp", "-r", str(saved / "ck"), str(bad)], check=True)
     f = bad / "shard-00003-model-00001-of-00001.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF

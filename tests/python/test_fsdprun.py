@@ -221,7 +221,25 @@ def test_max_restarts(tmp_path, marker):
     assert sorted(log.read_text().split()) == sorted(f"{r}:{k}:2" for r in range(2) for k in range(3)), show(p)
     assert p.stderr.count("restarting the worker group") == 2, show(p)
     assert re.search(r"exitcode\s*:\s*7\b", p.stderr), show(p)
+    # Each restarted attempt names every worker with how it ended, as the final summary does (issue 28, item 7).
+    assert p.stderr.count("rank 1 (local_rank 1): exit code 7, the first failure") == 2, show(p)
+    assert len(re.findall(r"rank 0 \(local_rank 0\): (signal \d+ \(SIG\w+\)|exit code \d+), after fsdprun began "
+                          r"stopping the group", p.stderr)) == 2, show(p)
     assert procs_with_marker(marker) == []
+
+
+# A node rank given with the c10d rendezvous (which assigns ranks in order of arrival) is warned about, never
+# silently ignored (issue 28, item 7).
+def test_node_rank_with_c10d_is_warned_as_ignored(marker):
+    port = free_port()
+    p = fsdprun(["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nr",
+                 "--node-rank", "1", "--nproc-per-node", "1", "true"], marker)
+    assert p.returncode == 0, show(p)
+    assert "--node-rank 1 is ignored with --rdzv-backend c10d" in p.stderr, show(p)
+    assert "Fix: drop --node-rank" in p.stderr, show(p)
+    q = fsdprun(["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                 "--rdzv-id", "nr2", "--nproc-per-node", "1", "true"], marker)
+    assert q.returncode == 0 and "--node-rank" not in q.stderr, show(q)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -316,3 +316,16 @@ def test_flag_errors_are_one_clear_line(flag, value, message):
 def test_help_still_exits_0():
     p = subprocess.run([str(TRAIN_GPT), "--help"], env=clean_env(), capture_output=True, encoding="utf-8", timeout=30)
     assert p.returncode == 0 and "--resume" in p.stdout and "TORCHELASTIC_RESTART_COUNT" in p.stdout, show(p)
+
+# 9. The periodic flags agree (issue 28, item 9): 0 means "only at the ends" for --eval-every and --log-every,
+# as it does for --ckpt-every (--eval-every 0 was refused: "expected an integer >= 1").
+@pytest.mark.regressions
+def test_periodic_flags_zero_mean_only_at_the_ends(text_files, tmp_path):
+    p = run(tiny(text_files, tmp_path, "--steps", "4", "--warmup-steps", "1", "--eval-every", "0", "--log-every", "0"))
+    assert p.returncode == 0, show(p)
+    rows = metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [0, 4], rows
+    assert sorted(eval_losses(rows)) == [0, 4], rows
+    assert sorted(train_losses(rows)) == [4], rows
+    h = subprocess.run([str(TRAIN_GPT), "--help"], env=clean_env(), capture_output=True, encoding="utf-8", timeout=30)
+    assert "(0: only those two)" in h.stdout and "(0: only after the last step)" in h.stdout, show(h)

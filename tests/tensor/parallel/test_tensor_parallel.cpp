@@ -9,6 +9,7 @@
 
 #include "fsdp/fsdp.h"
 #include "multi_rank.h"
+#include "tensor/parallel/tp_ops.h"
 #include "tp_test_model.h"
 
 namespace fsdp::testing {
@@ -205,6 +206,29 @@ TEST(TensorParallel, RowwiseLinearGivenTheFullInputSaysHowToFixIt) {
       EXPECT_NE(std::string(e.what()).find("use RowwiseParallel().input_layouts(Replicate())"), std::string::npos)
           << e.what();
     }
+  });
+}
+
+// A deferred model (meta parameters) is refused by parallelize_module before anything changes, naming the
+// parameter and the order that works (issue 28, item 2: was LibTorch's raw "set_data ... incompatible tensor
+// type"). After materialize_module the same plan applies.
+TEST(TensorParallel, DeferredModelIsRefusedNamingTheParameterAndTheOrder) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"}, pg);
+    auto model = deferred_init([] { return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Linear(6, 4)); });
+    const tp::ParallelizePlan plan{{"0", tp::ColwiseParallel()}, {"1", tp::RowwiseParallel()}};
+    try {
+      tp::parallelize_module(model.ptr(), mesh, plan);
+      ADD_FAILURE() << "parallelize_module accepted a deferred model";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("parameter '0.weight' has no values yet"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("then parallelize_module, then fully_shard"), std::string::npos) << msg;
+    }
+    for (const auto& p : model->parameters()) EXPECT_FALSE(tp::detail::find_tp_param(p));  // nothing changed
+    materialize_module(model.ptr());
+    tp::parallelize_module(model.ptr(), mesh, plan);
+    EXPECT_EQ(model[0]->as<torch::nn::Linear>()->weight.size(0), 3);
   });
 }
 
