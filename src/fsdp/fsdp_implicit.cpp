@@ -95,19 +95,26 @@ std::shared_ptr<FSDPState> root_for(FSDPState& s) {
 
 }  // namespace
 
-void FSDPState::enable_interception() {
-  implicit = true;
+void FSDPState::register_params() {
   if (!group) return;
   ensure_interception_registered();
   auto self = shared_from_this();
+  auto& ps = group->params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    register_intercepted_param(ps[i].param, self, i);
+    register_param_storage(ps[i].param, ps[i].padded_shard, /*is_shard=*/true);
+  }
+}
+
+void FSDPState::enable_interception() {
+  implicit = true;
+  if (!group) return;
   auto& ps = group->params();
   fwd_used.assign(ps.size(), 0);
   bwd_used.assign(ps.size(), 0);
   grad_accumulated.assign(ps.size(), 0);
   for (size_t i = 0; i < ps.size(); ++i) {
     auto& p = ps[i];
-    register_intercepted_param(p.param, self, i);
-    register_param_storage(p.param, p.padded_shard, /*is_shard=*/true);
     p.enable_interception();
     if (p.param.requires_grad()) {
       torch::autograd::impl::set_post_acc_grad_hooks(p.param, std::make_unique<PostAccumulateGrad>(id, i));
@@ -239,6 +246,21 @@ void FSDPState::on_grad_accumulated(size_t index) {
   }
   NoInterception no_interception;
   post_backward();
+}
+
+void FSDPState::raise_use_outside_forward(const FSDPParam& p, const std::string& op) const {
+  raise_bypass(p, "is used by " + op + " during a forward, while it holds only its shard,");
+}
+
+void FSDPState::raise_read_with_grad(const FSDPParam& p, const std::string& op) const {
+  TORCH_CHECK(false, "fully_shard: parameter '", p.fqn, "' of ", name(), " on rank ", mesh->get_rank(), " is read by ",
+              op, " with grad enabled while no forward is open. Between steps a parameter is this rank's shard ",
+              "(shape ", shape_str(p.sharded_data.sizes()), " of ", c10::IntArrayRef(p.orig_size), ") and reads never ",
+              "communicate; with grad enabled the op might also be the first op of a forward that begins with ",
+              "parameters only, which would compute on the shard. Fix: read under torch::NoGradGuard or through ",
+              "p.detach() (the local shard; full values: fsdp::get_model_state_dict with full_state_dict, or ",
+              "FSDPModuleAPI::unshard()); if this op begins your model's forward, begin the forward with an op on ",
+              "its input, or call the root through an fsdp::FSDPModule holder");
 }
 
 void FSDPState::raise_stale_alias(const FSDPParam& p, const std::string& op) const {

@@ -118,6 +118,42 @@ bool reads_with_own_grad(const std::vector<Found>& found, const torch::jit::Stac
   return false;
 }
 
+// [Note: reads of a sharded parameter]
+// A sharded parameter's metadata are its local shard's (p.sizes() is the shard's shape), and every
+// shard carries the interception key, holder or implicit group, so every op that uses it is seen here.
+// The rule (issue 28, items 5 and 8): a use sees what the parameter holds, no plain read is a hidden
+// collective, and a use that would compute a forward on the shard raises at the use.
+// - Between steps (no forward open: before the first forward, after a backward, after the root's
+//   reshard()), an op whose operands are only sharded parameters and aliases of them, apart from the
+//   tensors it writes (p.sum(), p.clone(), p.detach(), dst.copy_(p), torch::save), is a read: it runs on
+//   the local shard, on this rank alone, and changes no state. A rank whose shard is empty may skip it.
+//   Ops on an alias taken by such a read are reads too, whatever else they take: p.detach() is the local
+//   shard as a tensor (p.detach().narrow(...), p.detach().equal(ref), p.detach() - ref).
+//   An implicit group's read with grad enabled (other than detach/alias) raises instead: with grad
+//   enabled it may as well be the first op of a forward whose first use of the model takes only
+//   parameters, which computed on the shard would be wrong and which the fallback cannot tell from a read.
+//   A view of the parameter itself (w.t(), p.narrow(...)) stays a forward use: that is how forwards
+//   begin to use a weight (x.matmul(w.t()) runs w.t() first). Under NoGradGuard a forward whose first op
+//   takes only parameters and is not a view (exp(log_scale)) computes that op on the shard: its result
+//   has the shard's shape, which the next op almost always refuses (documented in fully_shard.h; the fix
+//   is an FSDPModule holder for such a root, whose forward opens explicitly).
+// - While a forward is open: an implicit group's use all-gathers it (a forward use; [Note: implicit
+//   groups]). A holder group unshards only in its module's forward, and its unsharded data carry no key
+//   (zero overhead there), so a holder parameter seen here while a forward is open is being used outside
+//   its module's forward (e.g. a tied weight read as `matmul(h, head->weight.t())` in the root's forward):
+//   raise, in train and eval mode alike. Every rank runs the same forward, so every rank raises there.
+// - In-place writes (optimizer updates, init) and reads together with the parameter's own gradient under
+//   no_grad (weight decay) use the shard, as before.
+// What stays a forward: between steps an implicit group's parameter itself combined with another tensor
+// (linear(x, w) starts an evaluation forward; so does `p - ref`, which therefore all-gathers): with no
+// module hook, an operand that is not a parameter is what tells a forward's first op. Take the shard
+// first (p.detach()) to combine it with other tensors. The residue: a forward whose very first op is
+// w.detach() or w.data() (a stop-gradient on a weight, before any op on the input) computes on the shard.
+bool is_alias_op(const c10::OperatorHandle& op) {
+  const auto& name = op.schema().name();
+  return name == "aten::detach" || name == "aten::alias";
+}
+
 struct PreBackwardHook : torch::autograd::FunctionPreHook {
   explicit PreBackwardHook(int64_t id) : state_id(id) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
@@ -148,6 +184,36 @@ void hook_outputs(const std::vector<FSDPState*>& states, torch::jit::Stack& stac
   }
 }
 
+// Whether the op is a read between steps ([Note: reads of a sharded parameter]); raises for an implicit
+// group's read with grad enabled.
+bool read_between_steps(const c10::OperatorHandle& op, const std::vector<Found>& found, size_t other_operands,
+                        bool grad_mode) {
+  bool on_param = false;  // else only aliases of shards, taken by earlier reads between steps
+  for (const auto& f : found) {
+    if (f.written) return false;
+    const auto& ctx = f.state->ctx;
+    if (ctx && (ctx->forward_open || ctx->in_backward)) return false;
+    on_param = on_param || f.is_param;
+  }
+  if (!on_param) return true;  // p.detach() is the local shard, whatever it is combined with
+  if (other_operands > 0) return false;
+  if (is_alias_op(op)) return true;
+  // A view of the parameter itself (w.t(), w.narrow(...)) is how most forwards begin to use a weight
+  // (x.matmul(w.t())): it stays a forward use, which all-gathers.
+  const auto& returns = op.schema().returns();
+  if (!returns.empty() && returns[0].alias_info()) return false;
+  if (grad_mode) {
+    for (const auto& f : found) {
+      FSDPState& s = *f.state;
+      const auto& p = s.group->params()[f.index];
+      if (s.implicit && p.requires_grad() && s.group->sharded_state() != ShardedState::UNSHARDED) {
+        s.raise_read_with_grad(p, op.schema().name());
+      }
+    }
+  }
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (deferred_init_active()) return deferred_init_fallback(op, ks, stack);
   const OpInfo& info = op_info(op);
@@ -156,14 +222,18 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   const size_t nret = op.schema().returns().size();
   const size_t base = stack->size() - nargs;
   std::vector<Found> found;
+  size_t other_operands = 0;  // tensors read that are not sharded parameters (an input, a reference)
+  auto scan = [&](const torch::Tensor& t, size_t a, bool w) {
+    if (!resolve(t, a, w, found) && t.defined() && !w) ++other_operands;
+  };
   for (size_t a = 0; a < nargs; ++a) {
     const auto& iv = (*stack)[base + a];
     const bool w = info.written[a] != 0;
     if (iv.isTensor()) {
-      resolve(iv.toTensor(), a, w, found);
+      scan(iv.toTensor(), a, w);
     } else if (iv.isList()) {
       for (const auto& e : iv.toListRef()) {
-        if (e.isTensor()) resolve(e.toTensor(), a, w, found);
+        if (e.isTensor()) scan(e.toTensor(), a, w);
       }
     }
   }
@@ -175,10 +245,20 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   if (found.empty()) return run();
 
   const bool grad_mode = torch::GradMode::is_enabled();
+  if (read_between_steps(op, found, other_operands, grad_mode)) return run();
   std::vector<FSDPState*> forward_states;
   const bool optimizer_read = !grad_mode && reads_with_own_grad(found, *stack, base, nargs);
   for (const auto& f : found) {
     FSDPState& s = *f.state;
+    if (!s.implicit) {
+      // A holder group: see [Note: reads of a sharded parameter].
+      // (A TP parameter's unsharded data carry the key too: its own module's forward is fine.)
+      const bool in_forward = s.ctx && s.ctx->forward_open && !s.ctx->in_backward;
+      if (in_forward && !f.written && !optimizer_read && s.group->sharded_state() == ShardedState::SHARDED) {
+        s.raise_use_outside_forward(s.group->params()[f.index], op.schema().name());
+      }
+      continue;
+    }
     if (s.ctx && s.ctx->in_backward) {
       s.implicit_backward_use(f.index, grad_mode);
     } else if (f.written) {
@@ -211,10 +291,22 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   if (grad_mode && !forward_states.empty()) hook_outputs(forward_states, *stack, nret);
 }
 
+bool takes_fsdp_param(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const size_t nargs = op.schema().arguments().size();
+  std::vector<Found> found;
+  for (size_t a = stack.size() - nargs; a < stack.size(); ++a) {
+    if (stack[a].isTensor() && resolve(stack[a].toTensor(), a, false, found)) return true;
+  }
+  return false;
+}
+
 void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   // A TP module's op goes through the fallback (FSDP's pre-forward, then the style); any other call
   // decomposes below the key, and its ops reach the fallback one by one.
   if (!deferred_init_active() && fsdp::tp::detail::is_tp_op(op, *stack)) return fallback(op, ks, stack);
+  // An FSDP parameter's linear/matmul is classified as one op (x is an operand: a forward, not a read
+  // between steps), then decomposes without interception.
+  if (!deferred_init_active() && takes_fsdp_param(op, *stack)) return fallback(op, ks, stack);
   redispatch_below_intercept(op, ks, stack);
 }
 

@@ -53,33 +53,29 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
   padded_shard = torch::zeros(padded_shape, tensor.options().device(shard_device));
   if (pin_memory && torch::cuda::is_available()) padded_shard = padded_shard.pin_memory();
   sharded_data = padded_shard.narrow(0, 0, local_rows);
-  if (tensor.is_meta()) {
-    // Built by deferred_init: the shard is filled by materialize_module. set_data refuses to turn a meta
-    // tensor into a CPU one, so the parameter takes the shard's metadata directly (what set_data does
-    // after its check); it stays the same object for the module, optimizers and state dicts.
-    param.unsafeGetTensorImpl()->shallow_copy_from(sharded_data.getIntrusivePtr());
-    return;
-  }
-  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
   if (const auto* tp = tp::detail::find_tp_param(param)) {
     tp_mesh = tp->mesh;
     tp_placement = tp->placement;
     tp_global_shape = tp->global_shape;
-    sharded_intercepted = intercepted(sharded_data);
   }
-  param.set_data(keyed() ? sharded_intercepted : sharded_data);
-}
-
-void FSDPParam::enable_interception() {
-  intercept = true;
-  if (!sharded_intercepted.defined()) sharded_intercepted = intercepted(sharded_data);
+  if (tensor.is_meta()) {
+    // Built by deferred_init: the shard is filled by materialize_module. set_data refuses to turn a meta
+    // tensor into a CPU one, so the parameter takes the shard's metadata directly (what set_data does
+    // after its check); it stays the same object for the module, optimizers and state dicts.
+    sharded_intercepted = intercepted(sharded_data);
+    param.unsafeGetTensorImpl()->shallow_copy_from(sharded_intercepted.getIntrusivePtr());
+    return;
+  }
+  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
+  sharded_intercepted = intercepted(sharded_data);
   param.set_data(sharded_intercepted);
 }
 
+void FSDPParam::enable_interception() { intercept = true; }
+
 void FSDPParam::disable_interception() {
   intercept = false;
-  param.set_data(keyed() ? sharded_intercepted : sharded_data);
-  if (!keyed()) sharded_intercepted = unsharded_intercepted = torch::Tensor();
+  if (!keyed()) unsharded_intercepted = torch::Tensor();
 }
 
 void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device, CommContext& comm) {
@@ -114,7 +110,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
     // the sharded one). The group is resharded before every use produced its gradient (e.g. a
     // recomputation inside a checkpoint): keep it for the post-backward, which reduces it.
     accumulate(pending_grad, std::exchange(g, torch::Tensor()));
-    param.set_data(keyed() ? sharded_intercepted : sharded_data);
+    param.set_data(sharded_intercepted);
     return;
   }
   // Outside a backward .grad is the sharded gradient; an unsharded one came from a use of the
@@ -124,7 +120,7 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
               "shard is ", sharded_data.sizes(), "): a backward ran through a use of the parameter that ",
               "FSDP did not see (a forward that bypassed FSDP) or .grad was set by hand. Fix: call the module ",
               "through its fsdp::FSDPModule holder (module(x)) or fsdp::fsdp_forward, and leave .grad to FSDP");
-  param.set_data(keyed() ? sharded_intercepted : sharded_data);
+  param.set_data(sharded_intercepted);
   accumulate(g, std::exchange(stashed_grad, torch::Tensor()));
 }
 

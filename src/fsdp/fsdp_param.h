@@ -69,8 +69,10 @@ class FSDPParam {
   torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
                                     // during a backward before the group's post-backward ran
   torch::Tensor unsharded_accum_grad;  // accumulated unsharded grad (reduce dtype) while sync is off
-  // Implicit groups (see [Note: implicit groups], fsdp_implicit.cpp): the parameter's data are these
-  // aliases of sharded_data / unsharded_data, which carry the interception key.
+  // The parameter's data are these aliases of sharded_data / unsharded_data, which carry the
+  // interception key: the shard always (every use of a sharded parameter is seen: [Note: reads of a
+  // sharded parameter], fsdp_interception.cpp), the unsharded data only for implicit groups (see
+  // [Note: implicit groups], fsdp_implicit.cpp) and TP parameters, so that a holder's forward pays nothing.
   bool intercept = false;
   torch::Tensor sharded_intercepted;
   torch::Tensor unsharded_intercepted;
@@ -80,14 +82,15 @@ class FSDPParam {
   DeviceMeshPtr tp_mesh;             // null unless TP
   Placement tp_placement;            // on tp_mesh
   std::vector<int64_t> tp_global_shape;
+  /// Whether the unsharded data carries the interception key too.
   bool keyed() const { return intercept || tp_mesh != nullptr; }
 
   int64_t padded_numel() const { return padded_rows * row_numel; }
   bool requires_grad() const { return param.requires_grad(); }
 
-  /// The parameter's data become aliases carrying the interception key (it must be sharded).
+  /// Implicit group: the unsharded data will carry the interception key too (it must be sharded).
   void enable_interception();
-  /// The parameter's data become the plain shard again (it must be sharded).
+  /// Back to the holder path: the unsharded data will not carry the key (it must be sharded).
   void disable_interception();
   /// Allocates the unsharded padded tensor ([shard_size * padded_rows, *rest], param dtype, on `device`)
   /// the first time, afterwards re-allocates its freed storage in place (see [Note: FSDP tensors]). On

@@ -186,12 +186,19 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void implicit_pre_backward();
   /// Autograd accumulated parameter `index`'s gradient (post-accumulate-grad hook).
   void on_grad_accumulated(size_t index);
-  /// Gives the parameters the interception key and registers them (fully_shard of an implicit group).
+  /// Registers the parameters with the interception (their shards carry its key; fully_shard).
+  void register_params();
+  /// Implicit group: the unsharded data carry the key too, and gradients are followed per parameter.
   void enable_interception();
   /// Back to the holder path (an FSDPModule holder was made for every module after fully_shard): the
   /// parameters' data lose the interception key.
   void disable_interception();
   [[noreturn]] void raise_stale_alias(const FSDPParam& p, const std::string& op) const;
+  /// A holder group's parameter used by `op` while a forward is open and the group is sharded (outside
+  /// its module's forward): see [Note: reads of a sharded parameter].
+  [[noreturn]] void raise_use_outside_forward(const FSDPParam& p, const std::string& op) const;
+  /// An implicit group's sharded parameter read by `op` with grad enabled while no forward is open.
+  [[noreturn]] void raise_read_with_grad(const FSDPParam& p, const std::string& op) const;
   /// Pushes this state on the forward stack (popping the states it is not nested in) and returns true;
   /// returns false when it is on the stack already (popping the states nested in it).
   bool enter_forward_stack();

@@ -72,8 +72,10 @@ void FSDPState::raise_bypass(const FSDPParam& p, const std::string& what) const 
   }
   TORCH_CHECK(false, "fully_shard: parameter '", p.fqn, "' of ", module_desc, " on rank ", mesh->get_rank(), " ",
               what, " outside the module's FSDP forward: the forward ",
-              "did not go through FSDP, so it computed on this rank's shard (local shape ", shape_str(p.sharded_data.sizes()),
-              " of ", c10::IntArrayRef(p.orig_size), ") and its result and gradient are wrong. Supported ways to call a ",
+              "did not go through FSDP, so it computes on this rank's shard (local shape ", shape_str(p.sharded_data.sizes()),
+              " of ", c10::IntArrayRef(p.orig_size), ") and its result and gradient would be wrong. A parameter used by ",
+              "another module's forward (a tied weight) must belong to a group that is unsharded there (the root's, or ",
+              "that module's: one fully_shard call for both), or to a module without a holder. Supported ways to call a ",
               "sharded module: through its fsdp::FSDPModule<Holder> holder as `module(x)` (not `module->forward(x)`, ",
               "which calls the module directly), from a parent's forward through an fsdp::FSDPModule<Holder> member (a ",
               "container such as torch::nn::Sequential calls its children directly: call the children through ",

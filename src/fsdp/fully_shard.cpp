@@ -9,6 +9,7 @@
 
 #include "fsdp/consistency.h"
 #include "fsdp/fsdp_init.h"
+#include "fsdp/fsdp_interception.h"
 #include "fsdp/fsdp_state.h"
 #include "tensor/parallel/tp_ops.h"
 
@@ -34,6 +35,11 @@ UnshardHandle FSDPModuleAPI::unshard(bool async_op) {
 }
 
 void FSDPModuleAPI::reshard() {
+  // An unchanged model's evaluation forward has no end that FSDP sees (no backward follows): the root's
+  // reshard() ends it, so that reads after it are reads between steps again ([Note: reads of a sharded
+  // parameter], fsdp_interception.cpp).
+  auto& ctx = state_->ctx;
+  if (state_->implicit && state_->is_root() && ctx->forward_open && !ctx->in_backward) ctx->close_forward(nullptr);
   if (state_->group) state_->group->reshard();
 }
 
@@ -153,6 +159,8 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   auto managed = detail::get_managed_params(modules, options, mesh->get_rank());
   tp::detail::check_fully_shard_over_tp(managed.params, mesh, mesh->get_rank());
 
+  // Every shard carries the interception key ([Note: reads of a sharded parameter]).
+  detail::ensure_interception_registered();
   auto state = std::make_shared<detail::FSDPState>(modules, options);
   state->mesh = mesh;
   detail::GroupOptions gopts;
@@ -168,6 +176,7 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   detail::register_state(state, modules);
   state->implicit = implicit;
   state->init_params(managed.origin);
+  state->register_params();
   if (state->implicit) state->enable_interception();
   return FSDPModuleAPI(state);
 }

@@ -74,8 +74,11 @@ TEST_P(ImplicitWorldSizes, TrainsLikeOneProcessWithGradients) {
     }
     for (const auto& [k, d] : sharded_params(*net)) {
       EXPECT_TRUE(torch::allclose(d.full_tensor(), ref.final_params.at(k), kRtol, kAtol)) << k;
-      // Outside forward, a read of the parameter itself sees the full tensor.
-      EXPECT_TRUE(torch::equal(net->named_parameters()[k].detach(), d.full_tensor())) << k;
+      // Between steps a read of the parameter sees its local shard (shape and content agree), on this
+      // rank alone: see [Note: reads of a sharded parameter].
+      auto read = net->named_parameters()[k].detach().clone();
+      EXPECT_EQ(read.sizes(), d.to_local().sizes()) << k;
+      EXPECT_TRUE(torch::equal(read, d.to_local())) << k;
     }
   });
 }
@@ -151,31 +154,45 @@ TEST(Implicit, AfterForwardOnlyTheRootIsUnshardedAndBlocksReduceDuringBackward) 
   });
 }
 
-TEST(Implicit, ReadsOutsideForwardSeeTheFullParameterAndTheOptimizerStepsShards) {
+// Between steps a read sees the local shard, on this rank alone, and leaves the group sharded; a read
+// with grad enabled raises naming the parameter; in-place writes (optimizer, init) write the shard.
+// See [Note: reads of a sharded parameter].
+TEST(Implicit, ReadsBetweenStepsSeeTheLocalShardAndTheOptimizerStepsShards) {
   run_ranks(2, [&](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {2}, {}, pg);
     auto net = build_plain(mesh);
     auto full = initial_weights().at("blocks.0.fc1.weight");
+    const auto rows = pg->rank() == 0 ? full.narrow(0, 0, 3) : full.narrow(0, 3, 2);
     auto fc1 = net->blocks[0]->as<BlockImpl>()->fc1;
     {
       torch::NoGradGuard g;
-      EXPECT_NEAR(fc1->weight.sum().item<double>(), full.sum().item<double>(), 1e-5);  // gathered
+      EXPECT_NEAR(fc1->weight.sum().item<double>(), rows.sum().item<double>(), 1e-5);  // the shard
+      EXPECT_TRUE(torch::equal(fc1->weight.clone(), rows));
     }
-    EXPECT_EQ(state(net->blocks[0]).group->sharded_state(), detail::ShardedState::UNSHARDED);
-    // In place writes the shard: the group reshards first.
+    EXPECT_TRUE(torch::equal(fc1->weight.detach().clone(), rows));  // detach: a read with grad enabled too
+    EXPECT_EQ(state(net->blocks[0]).group->sharded_state(), detail::ShardedState::SHARDED);
+    try {
+      (void)fc1->weight.sum();
+      ADD_FAILURE() << "a read with grad enabled did not raise";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("fc1.weight'"), std::string::npos) << msg;  // FQNs are from the root after lazy init
+      EXPECT_NE(msg.find("with grad enabled"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("torch::NoGradGuard"), std::string::npos) << msg;
+    }
     auto opt = torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.01));
     auto b = make_batches(1, 4, kSeq)[0];
     loss_fn(net->forward(b.idx), b.targets).backward();
     EXPECT_EQ(fc1->weight.grad().sizes(), fc1->weight.sizes());
     opt.step();  // weight decay reads p with its grad; updates write the shard
     EXPECT_EQ(state(net->blocks[0]).group->sharded_state(), detail::ShardedState::SHARDED);
-    {
-      torch::NoGradGuard g;
-      (void)fc1->weight.sum();
-      torch::nn::init::zeros_(fc1->weight);  // a write after a read: resharded, then the shard is zeroed
-    }
+    torch::NoGradGuard g;
+    (void)fc1->weight.sum();
+    torch::nn::init::zeros_(fc1->weight);  // a write after a read: the shard is zeroed
     EXPECT_EQ(fc1->weight.size(0), pg->rank() == 0 ? 3 : 2);
-    EXPECT_EQ(fc1->weight.abs().sum().item<double>(), 0.0);  // gathered again: every shard is zero
+    EXPECT_EQ(fc1->weight.abs().sum().item<double>(), 0.0);
+    auto shards = sharded_params(*net);
+    EXPECT_EQ(shards.at("blocks.0.fc1.weight").full_tensor().abs().sum().item<double>(), 0.0);  // every shard
   });
 }
 

@@ -182,12 +182,12 @@ TEST_P(Unchanged, HolderPathGivesBitIdenticalLossesGradientsParameters) {
   plain_vs_holder(GetParam(), indexed, "fp32, blocks indexed");
 }
 
-// ---- Outside forward: full reads between steps ------------------------------------------------------
+// ---- Outside forward: reads between steps ------------------------------------------------------------
 
-// Under NoGradGuard between steps (and before the first), reading a parameter gathers its group: the
-// values are the reference's full parameter after that step; training then continues to match. The
-// step ends with zero_grad() before the read (see the disabled test below for a read before it).
-TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesFullParameterAndTrainingContinues) {
+// Under NoGradGuard between steps (and before the first), reading a parameter sees its local shard on this
+// rank alone (shape and content agree; no collective): the values are the reference's rows after that
+// step; training then continues to match. See [Note: reads of a sharded parameter].
+TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesTheLocalShardAndTrainingContinues) {
   const int ws = GetParam();
   auto batches = make_batches(3, kBatch, kSeq);
   auto ref = reference_with(adamw(), batches);
@@ -200,14 +200,16 @@ TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesFullParameterAndTrainingCon
       torch::NoGradGuard g;
       for (const auto& p : net->named_parameters()) {
         const auto& full = expect.at(p.key());
+        const auto rows = chunk_range(full.size(0), ws, pg->rank());
+        const auto mine = full.narrow(0, rows.offset, rows.length);
         const double sum = p.value().sum().item<double>();
-        EXPECT_NEAR(sum, full.sum().item<double>(), 1e-5 * (1 + full.abs().sum().item<double>()))
+        EXPECT_NEAR(sum, mine.sum().item<double>(), 1e-5 * (1 + mine.abs().sum().item<double>()))
             << p.key() << " " << when << ", rank " << pg->rank();
         auto copy = p.value().clone();
-        EXPECT_EQ(copy.sizes(), full.sizes()) << p.key() << " " << when << ": the read saw the shard";
-        if (copy.sizes() == full.sizes()) {
-          EXPECT_TRUE(torch::allclose(copy, full, kRtol, kAtol))
-              << p.key() << " " << when << ": max |diff| " << max_abs_diff(copy, full);
+        EXPECT_EQ(copy.sizes(), mine.sizes()) << p.key() << " " << when << ": the read did not see the shard";
+        if (copy.sizes() == mine.sizes()) {
+          EXPECT_TRUE(torch::allclose(copy, mine, kRtol, kAtol))
+              << p.key() << " " << when << ": max |diff| " << max_abs_diff(copy, mine);
         }
       }
     };

@@ -32,28 +32,43 @@
 //   node of an op that used it unshards it in backward; its gradients are reduce-scattered as soon as
 //   every parameter it used has its gradient. mp_policy's cast_forward_inputs casts the floating-point
 //   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype is
-//   not applied. Outside forward and backward a parameter behaves like FSDP2's DTensor parameter:
-//   sizes() is the local shard's between steps (a group left unsharded by a forward or a read shows the
-//   full shape until its next update or backward), in-place updates (optimizers, torch::nn::init) write
-//   the local shard, and any other read (p.sum(), p.detach(), torch::save) all-gathers its group and
-//   sees the full tensor: a collective, which every rank must make (the local shard:
-//   get_model_state_dict or FSDPModuleAPI::sharded_parameters()). An alias (a view,
-//   detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
+//   not applied. Outside forward and backward a parameter is its local shard (see "Reads" below). An
+//   alias (a view, detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
 //   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
 //   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
 //   on an implicit module throws). Cost: ~1 us per op that takes a parameter; other ops pay nothing.
 //   torch::optim::LBFGS is not supported (it clones parameters outside forward).
-// - holder (zero overhead): declare the module as fsdp::FSDPModule<Block> instead of Block and call it
-//   as `block(x)` (or through fsdp::fsdp_forward() for other entry points). A forward that bypasses the
+// - holder (no per-op cost in forward): declare the module as fsdp::FSDPModule<Block> instead of Block
+//   and call it as `block(x)` (or through fsdp::fsdp_forward() for other entry points). Its shards carry
+//   the interception key (its unsharded parameters do not), so ops on the shards between steps (the
+//   optimizer's) cost ~1 us each and a use of a sharded parameter is seen. A forward that bypasses the
 //   holder (a root called as `model->forward(x)`, a child a container calls directly, a module reached
-//   through `as<>()`) computes on the local shards; it raises a c10::Error naming the module (FQN and
-//   type) and the supported calls: at the end of the root's forward when the use is in the root output's
-//   autograd graph (every rank sees the same graph, so every rank raises there), else (the root itself
-//   called through ->forward, a use inside an activation-checkpointed region, or on 1 rank a module that
-//   also ran through FSDP) when the gradient of the use reaches its parameter in backward, before that
-//   gradient is reduced or seen by an optimizer. (A bypassed forward may fail before either with a
-//   plain shape error from the module's own code.)
+//   through `as<>()`) would compute on the local shards: it raises a c10::Error naming the parameter, its
+//   module and the supported calls, at the first use of a sharded parameter while a forward is open (the
+//   root called through its holder, or an unchanged root); else (the root itself called through ->forward)
+//   at the end of the root's forward when the use is in the root output's autograd graph, or when the
+//   gradient of the use reaches its parameter in backward, before that gradient is reduced or seen by an
+//   optimizer. Every rank runs the same forward, so every rank raises at the same place.
 // Both give identical numbers (the same collectives on the same data; tested bit for bit in fp32).
+//
+// Reads of a sharded parameter (both paths): shape and content agree, and no plain read is a hidden
+// collective. Between steps (before the first forward, after a backward, after the root's reshard()
+// ends an evaluation forward of an unchanged model) `p.sizes()` is the local shard's and a read sees the
+// local shard, on this rank alone: `p.detach()`, `p.sum()` / `p.clone()` under torch::NoGradGuard,
+// `dst.copy_(p)`, torch::save; p.detach() is the shard as a tensor, also combined with other tensors.
+// A rank whose shard is empty may skip a read. Full values come from explicit calls that every rank
+// makes: get_model_state_dict(full_state_dict), DTensor::full_tensor(), FSDPModuleAPI::unshard(). In-place
+// writes (optimizer updates, torch::nn::init) write the shard. Exceptions, raised at the use:
+// - a holder group's parameter used during a forward outside its module's forward (a tied weight read as
+//   `matmul(h, head->weight.t())` in the root's forward) throws on every rank, in train and eval mode;
+// - an unchanged model's parameter read with grad enabled between steps (`p.sum()`) throws, since it
+//   could also be the first op of a forward: read under NoGradGuard or through p.detach().
+// What an unchanged model cannot tell apart: between steps its parameter itself (not p.detach()) combined
+// with another tensor (`linear(x, w)`, but also `p - ref`) or viewed (`w.t()`) starts a forward and
+// all-gathers its group; under NoGradGuard a forward whose very first op takes only parameters and is not
+// a view (exp(log_scale)) computes that op on the shard. A root declared as fsdp::FSDPModule<Holder> opens
+// its forward explicitly and has neither limit. See [Note: reads of a sharded parameter]
+// (src/fsdp/fsdp_interception.cpp).
 //
 // Backward: a group's gradients are reduce-scattered once per backward, after every use of its
 // parameters in that backward produced its gradient: as soon as the gradients of every call's inputs
