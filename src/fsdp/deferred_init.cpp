@@ -15,6 +15,7 @@
 #include "fsdp/fsdp_param.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/unmapping_allocator.h"
+#include "tensor/parallel/tp_ops.h"
 #include "util.h"
 
 // [Note: deferred init]
@@ -174,6 +175,19 @@ void replay_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
   op.redispatchBoxed(ks & kAfter, stack);
 }
 
+// A meta member takes `data`'s storage in place (set_data refuses a meta-to-CPU change), keeping the
+// interception key parallelize_module gave it (a TP weight's data carries it) and its TP record, whose
+// storage entry must name the new storage.
+void become(const c10::intrusive_ptr<c10::TensorImpl>& impl, torch::Tensor data) {
+  if (impl->key_set().has(kInterceptKey)) data = intercepted(data);
+  impl->shallow_copy_from(data.getIntrusivePtr());
+  const torch::Tensor self(impl);
+  if (const auto* tp = tp::detail::find_tp_param(self)) {
+    auto info = *tp;
+    tp::detail::register_tp_param(self, std::move(info));
+  }
+}
+
 // Copies the full tensor `real` of parameter/buffer `m` where it lives.
 void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& managed) {
   TORCH_CHECK(real.sizes().vec() == m.ref.sizes, "materialize_module: '", m.fqn, "' was created with shape ",
@@ -182,15 +196,19 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
   NoInterception no_interception;
   auto impl = m.impl.lock();
   if (!impl) return;  // the tensor is gone (its module was dropped or the member replaced)
+  // parallelize_module made it this rank's TP part (a chunk, or a replica): that part is what lives here.
+  const torch::Tensor self(impl);
+  const auto* tp = tp::detail::find_tp_param(self);
+  const torch::Tensor local = tp ? tp::detail::local_part(*tp, real) : real;
   auto it = managed.find(m.key);
   if (it != managed.end()) {
     const FSDPParam& p = *it->second.second;
     if (p.local_rows > 0) {
-      p.padded_shard.narrow(0, 0, p.local_rows).copy_(real.narrow(0, p.local_offset, p.local_rows));
+      p.padded_shard.narrow(0, 0, p.local_rows).copy_(local.narrow(0, p.local_offset, p.local_rows));
     }
     return;
   }
-  impl->shallow_copy_from(real.clone().getIntrusivePtr());  // its own storage, in place of the meta one
+  become(impl, local.clone());  // its own storage, in place of the meta one
 }
 
 // In-place ops that overwrite all of their first argument without reading it: the values it had before
@@ -416,9 +434,8 @@ void to_empty(const std::shared_ptr<torch::nn::Module>& module) {
     for (const auto& m : log->members) {
       auto impl = m.impl.lock();
       // A managed parameter already is its zero-filled shard (FSDPParam's constructor).
-      if (impl && !managed.count(m.key)) {
-        impl->shallow_copy_from(at::zeros(m.ref.sizes, at::TensorOptions().dtype(m.ref.dtype)).getIntrusivePtr());
-      }
+      // Its current shape: parallelize_module may have made it this rank's TP part.
+      if (impl && !managed.count(m.key)) detail::become(impl, at::zeros(impl->sizes(), at::TensorOptions().dtype(m.ref.dtype)));
     }
     detail::forget(*log);
   }

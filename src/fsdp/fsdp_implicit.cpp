@@ -148,6 +148,7 @@ void FSDPState::implicit_forward_use(size_t index, bool grad_mode) {
   } else if (group && group->sharded_state() != ShardedState::UNSHARDED) {
     group->unshard(/*async_op=*/false);  // resharded by hand (reshard()) inside its forward
   }
+  note_checkpoint_use();
   if (grad_mode && index < fwd_used.size()) fwd_used[index] = 1;
 }
 
@@ -219,6 +220,10 @@ void FSDPState::implicit_backward_use(size_t index, bool grad_mode) {
   } else if (group && group->sharded_state() != ShardedState::UNSHARDED) {
     group->unshard(/*async_op=*/false);
   }
+  // A recomputation, or a region first run inside one ([Note: recomputed regions]). A parameter that a
+  // recomputation uses gets its gradient again, after the earlier regions' gradients accumulated.
+  const bool recomputed = note_checkpoint_use();
+  if (recomputed && grad_mode && index < grad_accumulated.size()) grad_accumulated[index] = 0;
   if (grad_mode && index < bwd_used.size()) bwd_used[index] = 1;
 }
 
@@ -244,6 +249,7 @@ void FSDPState::on_grad_accumulated(size_t index) {
   for (size_t i = 0; i < ps.size(); ++i) {
     if ((fwd_used[i] || bwd_used[i]) && ps[i].requires_grad() && !grad_accumulated[i]) return;
   }
+  if (!all_regions_recomputed()) return;  // a later recomputation will use the group again
   NoInterception no_interception;
   post_backward();
 }

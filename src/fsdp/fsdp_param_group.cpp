@@ -262,6 +262,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   if (idx.empty()) return;  // no trainable parameter in this group
   pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
                                reduce_dtype_, opts_.mesh->device());
+  pending_all_reduce_ = requires_all_reduce_;
 }
 
 void FSDPParamGroup::finish_reduce(double divide_factor) {
@@ -272,6 +273,23 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
   {
     StreamScope rs_stream(comm_.get(), CommStream::kReduceScatter, /*wait_previous=*/false);
     rs.work.wait();
+    if (replicate_pg_ && !pending_all_reduce_) {
+      // HSDP microbatch without the replicate all-reduce: the sum waits for the next reduction that
+      // all-reduces (divided then, once, like the gradients it is summed with).
+      accumulate(partial_reduce_output_, rs.output.clone());  // (the output is a pool block, reused)
+      comm_->current_wait(comm_->record(CommStream::kReduceScatter));
+      comm_->release_all_gather_output();
+      return;
+    }
+    if (partial_reduce_output_.defined()) {
+      TORCH_CHECK(partial_reduce_output_.sizes() == rs.output.sizes(), "fully_shard: ", module_name_, " on rank ",
+                  opts_.mesh->get_rank(), ": the reduction held back by set_requires_all_reduce(false) has ",
+                  partial_reduce_output_.numel(), " elements but this one ", rs.output.numel(),
+                  " (a frozen parameter got a gradient in between?); keep the trainable parameters fixed between ",
+                  "microbatches");
+      rs.output.add_(partial_reduce_output_);
+      partial_reduce_output_ = torch::Tensor();
+    }
     if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
     if (divide_factor != 1.0) rs.output.div_(divide_factor);
   }

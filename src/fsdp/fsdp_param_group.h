@@ -69,6 +69,10 @@ class FSDPParamGroup {
   /// group (HSDP), and accumulates into (or sets) the sharded gradients.
   void finish_reduce(double divide_factor);
   bool reduce_in_flight() const { return pending_rs_.has_value(); }
+  /// HSDP: whether the reductions issued from now on all-reduce over the replicate dimension. Without,
+  /// the reduce-scattered sums wait in partial_reduce_output_ and the sharded gradients are not updated;
+  /// the next reduction that all-reduces adds them first. Mirrors FSDPModule.set_requires_all_reduce.
+  void set_requires_all_reduce(bool v) { requires_all_reduce_ = v; }
   /// After a backward that did not finish (an exception): completes and drops an in-flight
   /// reduce-scatter and drops unsharded gradients, so they cannot leak into the next step.
   void discard_gradients_in_flight();
@@ -121,6 +125,9 @@ class FSDPParamGroup {
 
   std::optional<AllGatherResult> pending_ag_;      // issued by unshard(), waited by wait_for_unshard()
   std::optional<ReduceScatterResult> pending_rs_;  // issued by post_backward(), waited by finish_reduce()
+  bool requires_all_reduce_ = true;
+  bool pending_all_reduce_ = true;     // requires_all_reduce_ when pending_rs_ was issued
+  torch::Tensor partial_reduce_output_;  // HSDP: reduce-scattered sums not yet all-reduced (flat, as rs.output)
 };
 
 }  // namespace fsdp::detail

@@ -14,6 +14,7 @@
 
 #include "fsdp/consistency.h"
 #include "c10d/process_group_access.h"
+#include "utils/checkpoint_regions.h"
 
 namespace fsdp::detail {
 
@@ -77,16 +78,21 @@ struct RegisterPostBackward : public torch::autograd::Function<RegisterPostBackw
 
 }  // namespace
 
-void FSDPContext::reset_forward() {
+void FSDPContext::reset_forward(bool adds_to_backward) {
+  forward_stack.clear();
+  if (adds_to_backward) {
+    for (FSDPState* s : states) s->ran_forward = false;  // (the forward graph check is per forward)
+    return;
+  }
   for (FSDPState* s : states) {
     s->ran_forward = false;
     s->fwd_calls = 0;
     s->fwd_untracked = 0;
     s->post_forward_indices.clear();
+    s->ckpt_regions.clear();
     std::fill(s->fwd_used.begin(), s->fwd_used.end(), 0);
   }
   post_forward_order.clear();
-  forward_stack.clear();
   reset_backward();
 }
 
@@ -98,11 +104,13 @@ void FSDPContext::reset_backward() {
     s->input_grads_ready = 0;
     s->backward_cursor = 0;
     s->post_backward_runs = 0;
+    s->ckpt_recomputed.clear();
     std::fill(s->bwd_used.begin(), s->bwd_used.end(), 0);
     std::fill(s->grad_accumulated.begin(), s->grad_accumulated.end(), 0);
   }
   in_backward = false;
   reduce_pending = nullptr;
+  open_graph.reset();
 }
 
 namespace {
@@ -299,7 +307,13 @@ void FSDPState::root_pre_forward() {
       s->group->reshard();
     }
   }
-  ctx->reset_forward();
+  // [Note: several forwards, one backward]
+  // Two root forwards before one backward (a loss summed over two batches): the group's uses in both
+  // feed that backward, so their calls add up (else the group would be reduced when the second
+  // forward's calls are done, and again when the first forward's gradients arrive). The previous
+  // forward belongs to the coming backward while its output's autograd node lives and no backward ran
+  // since; a forward whose output was dropped (an evaluation with grad enabled) starts afresh.
+  ctx->reset_forward(/*adds_to_backward=*/!backward_unfinished && ctx->open_graph.lock() != nullptr);
   ctx->forward_open = true;
 }
 
@@ -317,19 +331,50 @@ void FSDPState::prefetch(FSDPState* other) {
   if (other && other->group) other->group->unshard(/*async_op=*/true);
 }
 
+bool FSDPState::note_checkpoint_use() {
+  const auto& frames = checkpoint_frames();
+  if (frames.empty()) return false;
+  auto has = [](const std::vector<uint64_t>& v, uint64_t r) { return std::find(v.begin(), v.end(), r) != v.end(); };
+  bool ours = false;
+  for (const auto& f : frames) {
+    if (!f.recompute || !has(ckpt_regions, f.region)) continue;
+    ours = true;
+    if (!has(ckpt_recomputed, f.region)) ckpt_recomputed.push_back(f.region);
+  }
+  // The innermost region's first run (no grad): it will be recomputed in a backward.
+  const auto& inner = frames.back();
+  if (!inner.recompute && !has(ckpt_regions, inner.region)) ckpt_regions.push_back(inner.region);
+  return ours;
+}
+
+bool FSDPState::all_regions_recomputed() const {
+  for (uint64_t r : ckpt_regions) {
+    if (std::find(ckpt_recomputed.begin(), ckpt_recomputed.end(), r) == ckpt_recomputed.end()) return false;
+  }
+  return true;
+}
+
 std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
-  // A forward recomputed during this module's backward (activation checkpointing around it): the
-  // pre-backward already unsharded the parameters, and nothing must be resharded or re-registered.
-  if (training_state == TrainingState::PRE_BACKWARD) return inputs;
+  // A forward recomputed during this module's backward (activation checkpointing around it, inside its
+  // hooks): the pre-backward already unsharded the parameters, and nothing must be resharded or
+  // re-registered. A call recomputed by a region of its own (each call checkpointed separately) is a
+  // call like the first recomputed one, though the group is already in its backward: it is tracked, so
+  // that the post-backward waits for its gradients ([Note: recomputed regions]).
+  bool recomputed_region = false;
+  if (training_state == TrainingState::PRE_BACKWARD) {
+    recomputed_region = note_checkpoint_use();
+    if (!recomputed_region) return inputs;
+  }
   // An fsdp::Join in progress announces the root's forward to the ranks that ran out of data, before
   // any collective of this forward (lazy init's included).
   if (on_root_forward && (!ctx || (is_root() && training_state != TrainingState::FORWARD))) on_root_forward();
   if (!ctx) {
     lazy_init();
     root_pre_forward();
-  } else if (is_root() && training_state != TrainingState::FORWARD) {
+  } else if (is_root() && training_state != TrainingState::FORWARD && !recomputed_region) {
     root_pre_forward();
   }
+  if (!recomputed_region) note_checkpoint_use();  // (after the root's pre-forward: it resets the regions)
   enter_forward_stack();
   input_node.reset();
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
@@ -408,7 +453,15 @@ std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> ou
     post_forward_indices.push_back(ctx->post_forward_order.size());
     ctx->post_forward_order.push_back(this);
   }
-  if (torch::GradMode::is_enabled() && is_root()) check_forward_graph(outputs);
+  if (torch::GradMode::is_enabled() && is_root()) {
+    check_forward_graph(outputs);
+    for (const auto& t : outputs) {
+      if (t.defined() && t.grad_fn()) {
+        ctx->open_graph = t.grad_fn();  // [Note: several forwards, one backward]
+        break;
+      }
+    }
+  }
   if (torch::GradMode::is_enabled()) {
     int64_t sid = id;
     for (auto& t : outputs) {

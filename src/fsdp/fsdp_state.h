@@ -26,6 +26,34 @@ enum class TrainingState {
 
 class FSDPState;
 
+/// A weak reference to an autograd node ([Note: identity by address], fsdp/fsdp_interception.cpp).
+/// LibTorch holds nodes by c10::intrusive_ptr (2.13 and later) or std::shared_ptr (earlier): this works
+/// with either. lock() gives the node, or null once it was freed.
+class WeakNode {
+ public:
+  using Ptr = std::decay_t<decltype(std::declval<const torch::Tensor&>().grad_fn())>;
+  WeakNode& operator=(const Ptr& node) {
+    weak_.reset();
+    if (node) weak_.emplace(node);
+    return *this;
+  }
+  void reset() { weak_.reset(); }
+  Ptr lock() const { return weak_ ? weak_->lock() : Ptr(); }
+
+ private:
+  template <typename P>
+  struct WeakOf;
+  template <typename T>
+  struct WeakOf<std::shared_ptr<T>> {
+    using type = std::weak_ptr<T>;
+  };
+  template <typename T>
+  struct WeakOf<c10::intrusive_ptr<T>> {
+    using type = c10::weak_intrusive_ptr<T>;
+  };
+  std::optional<typename WeakOf<Ptr>::type> weak_;
+};
+
 /// Shared by every state under one root (created at the root's lazy init).
 struct FSDPContext {
   FSDPState* root = nullptr;
@@ -64,40 +92,20 @@ struct FSDPContext {
   /// resharded, since its backward needs it unsharded.
   void close_forward(FSDPState* keep);
 
-  /// Start of a root forward: forgets the previous forward's calls (a new graph).
-  void reset_forward();
+  /// The autograd node of the holder root's output, from the root forwards since the last backward.
+  /// While it lives, a new root forward adds its calls to the same backward (a loss summed over two
+  /// forwards): see [Note: several forwards, one backward] (fsdp_state.cpp).
+  WeakNode open_graph;
+
+  /// Start of a root forward: forgets the previous forward's calls (a new graph), unless
+  /// `adds_to_backward` (the previous forward's graph is still alive and not backwarded): then only the
+  /// per-forward flags are cleared and the calls add up.
+  void reset_forward(bool adds_to_backward = false);
   /// End of a backward: every state back to IDLE, per-backward counts cleared. The per-forward
   /// record stays, so that a second backward over the same graph (retain_graph) works the same way.
   void reset_backward();
 };
 
-/// A weak reference to an autograd node ([Note: identity by address], fsdp/fsdp_interception.cpp).
-/// LibTorch holds nodes by c10::intrusive_ptr (2.13 and later) or std::shared_ptr (earlier): this works
-/// with either. lock() gives the node, or null once it was freed.
-class WeakNode {
- public:
-  using Ptr = std::decay_t<decltype(std::declval<const torch::Tensor&>().grad_fn())>;
-  WeakNode& operator=(const Ptr& node) {
-    weak_.reset();
-    if (node) weak_.emplace(node);
-    return *this;
-  }
-  void reset() { weak_.reset(); }
-  Ptr lock() const { return weak_ ? weak_->lock() : Ptr(); }
-
- private:
-  template <typename P>
-  struct WeakOf;
-  template <typename T>
-  struct WeakOf<std::shared_ptr<T>> {
-    using type = std::weak_ptr<T>;
-  };
-  template <typename T>
-  struct WeakOf<c10::intrusive_ptr<T>> {
-    using type = c10::weak_intrusive_ptr<T>;
-  };
-  std::optional<typename WeakOf<Ptr>::type> weak_;
-};
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
@@ -168,8 +176,20 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// is tracked and each call's inputs got their gradients (the engine runs a call's nodes, and the
   /// AccumulateGrad nodes they complete, before the call's RegisterPostBackward node).
   bool all_calls_done() const {
-    return fwd_untracked + bwd_untracked == 0 && input_grads_ready >= fwd_calls + bwd_calls;
+    return fwd_untracked + bwd_untracked == 0 && input_grads_ready >= fwd_calls + bwd_calls && all_regions_recomputed();
   }
+
+  // Checkpoint regions ([Note: recomputed regions], activation_checkpoint.cpp). Per forward: the regions
+  // whose first run used the group, so whose recomputation will use it again in backward (also regions
+  // first run inside a recomputation: nested checkpoints). Per backward: those recomputed so far.
+  std::vector<uint64_t> ckpt_regions;
+  std::vector<uint64_t> ckpt_recomputed;
+  /// Records a use of the group (a call on the holder path, an op on the implicit path) in the thread's
+  /// checkpoint regions. Returns whether it is part of the recomputation of a region that used the group.
+  bool note_checkpoint_use();
+  /// Every region that used the group was recomputed in this backward: no later recomputation will add
+  /// gradients.
+  bool all_regions_recomputed() const;
 
   double divide_factor() const;
 

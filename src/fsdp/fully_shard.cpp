@@ -82,6 +82,12 @@ void FSDPModuleAPI::set_reshard_after_backward(bool v, bool recurse) {
   for (auto& s : states_under(state_, recurse)) s->reshard_after_backward = v;
 }
 
+void FSDPModuleAPI::set_requires_all_reduce(bool v, bool recurse) {
+  for (auto& s : states_under(state_, recurse)) {
+    if (s->group) s->group->set_requires_all_reduce(v);
+  }
+}
+
 void FSDPModuleAPI::set_reshard_after_forward(ReshardAfterForward v, bool recurse) {
   for (auto& s : states_under(state_, recurse)) {
     TORCH_CHECK(!s->ctx || std::holds_alternative<bool>(v), "set_reshard_after_forward: an int value must be ",
@@ -161,6 +167,8 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
 
   // Every shard carries the interception key ([Note: reads of a sharded parameter]).
   detail::ensure_interception_registered();
+  // parallelize_module after fully_shard is refused (tensor_parallel.cpp, check_not_fully_sharded).
+  tp::detail::set_fully_sharded_query([](const torch::Tensor& p) { return detail::state_of_param(p) != nullptr; });
   auto state = std::make_shared<detail::FSDPState>(modules, options);
   state->mesh = mesh;
   detail::GroupOptions gopts;

@@ -1,13 +1,41 @@
 // torch.utils.checkpoint (reentrant) for LibTorch: the autograd function that recomputes a region in backward.
 #include "fsdp/utils/activation_checkpoint.h"
 
+#include <atomic>
 #include <mutex>
 
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "utils/checkpoint_regions.h"
+
+// [Note: recomputed regions]
+// A module called in several checkpoint regions (each call checkpointed on its own, or nested regions) is
+// recomputed region by region in backward: each recomputation runs its own nested backward, so when the
+// first one's gradients are ready the later ones have not run yet, and a group reduced then would be
+// reduced again by the next (two reduce-scatters, and in bf16 a rounded partial sum). Each region's
+// CheckpointFunction node gets a number; while a region runs (its first run, or its recomputation) it is
+// on this thread's frame stack (checkpoint_frames). FSDP records the regions whose first run used a group
+// and waits, before the group's post-backward, until each was recomputed (FSDPState::note_checkpoint_use).
 namespace fsdp {
+namespace detail {
 namespace {
+thread_local std::vector<CheckpointFrame> t_frames;
+std::atomic<uint64_t> next_region{1};
+}  // namespace
+
+const std::vector<CheckpointFrame>& checkpoint_frames() { return t_frames; }
+}  // namespace detail
+
+namespace {
+
+// Pushes a frame for the duration of a region's run.
+struct FrameGuard {
+  FrameGuard(uint64_t region, bool recompute) { detail::t_frames.push_back({region, recompute}); }
+  ~FrameGuard() { detail::t_frames.pop_back(); }
+  FrameGuard(const FrameGuard&) = delete;
+  FrameGuard& operator=(const FrameGuard&) = delete;
+};
 
 struct FnHolder : torch::CustomClassHolder {
   CheckpointFn fn;
@@ -55,9 +83,12 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
     ctx->saved_data["rng"] = c10::List<torch::Tensor>(rng);
     ctx->save_for_backward(real);
+    const auto region = detail::next_region.fetch_add(1);
+    ctx->saved_data["region"] = static_cast<int64_t>(region);
     torch::autograd::variable_list outs;
     {
       torch::NoGradGuard no_grad;
+      FrameGuard frame(region, /*recompute=*/false);
       outs = holder->fn(real);
     }
     TORCH_CHECK(!outs.empty(), "checkpoint: the checkpointed function returned no tensor");
@@ -81,6 +112,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     torch::autograd::variable_list outs;
     try {
       torch::AutoGradMode enable(true);
+      FrameGuard frame(static_cast<uint64_t>(ctx->saved_data["region"].toInt()), /*recompute=*/true);
       outs = holder->fn(inputs);
     } catch (...) {
       set_states(gens, now);

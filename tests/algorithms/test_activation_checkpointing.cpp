@@ -2,10 +2,12 @@
 // Unchanged: unchanged_models): checkpoint_wrapper under fully_shard gives bitwise the same losses and gradients
 // and holds less memory after forward; fsdp::checkpoint (the functional form, torch.utils.checkpoint) restores the
 // RNG for dropout and calls a mutable lambda's own copy; at the call site of an unchanged model it matches the
-// reference and the holder model's checkpoint_wrapper.
+// reference and the holder model's checkpoint_wrapper; a group called twice is reduced once per backward however its
+// calls are checkpointed, bit-equal to no checkpointing.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -166,3 +168,135 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Unchanged, ::testing::Values(2, 3));
 
 }  // namespace
 }  // namespace fsdp::testing::unchanged_harness
+
+namespace fsdp::testing {
+namespace {
+
+// ---- A group called twice in one forward, with activation checkpointing -----------------------------
+// A block called twice per forward whose calls are checkpointed in every way (each call by
+// checkpoint_wrapper; both in one fsdp::checkpoint region; the parent by checkpoint_wrapper; each call in a
+// region of its own, so recomputed by two nested backwards; a region nested in a region), the block as a
+// holder or left implicit: its gradient is reduced once per backward (one reduce-scatter per group), and
+// the gradients are bit-equal to the same run without checkpointing, in fp32, with bf16 mixed precision
+// (bf16 reduction: a second reduce-scatter would round a partial sum; issue 28 item 6) and with a bf16
+// model, on inputs with and without grad, for both reshard_after_forward values.
+
+struct TwiceBlockImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor bias;
+  TwiceBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    bias = register_parameter("bias", torch::randn({6}) * 0.1);
+  }
+  torch::Tensor forward(torch::Tensor x) { return x + torch::tanh(fc(x) + bias); }
+};
+TORCH_MODULE(TwiceBlock);
+
+enum class Ckpt { kNone, kWrapper, kRegion, kParentWrapper, kEachCall, kNested };
+
+// The two calls: b(b(x)), in a parent module (checkpoint_wrapper of the parent: one region by module).
+// `implicit`: b is left implicit (an unchanged model's module, called as b->forward).
+struct TwicePairImpl : torch::nn::Module {
+  FSDPModule<TwiceBlock> b{nullptr};
+  TwiceBlock plain{nullptr};
+  Ckpt ckpt;
+  TwicePairImpl(Ckpt c, bool implicit) : ckpt(c) {
+    if (implicit) {
+      plain = register_module("b", TwiceBlock());
+    } else {
+      b = register_module("b", TwiceBlock());
+    }
+  }
+  std::shared_ptr<torch::nn::Module> block() const { return plain ? plain.ptr() : b.ptr(); }
+  torch::Tensor forward(torch::Tensor x) {
+    auto* self = this;
+    auto call = [self](torch::Tensor t) { return self->plain ? self->plain->forward(t) : self->b(t); };
+    if (ckpt == Ckpt::kRegion) return fsdp::checkpoint([call](torch::Tensor t) { return call(call(t)); }, x);
+    if (ckpt == Ckpt::kNested) {  // a region inside a region around both calls
+      return fsdp::checkpoint([call](torch::Tensor t) { return call(fsdp::checkpoint(call, t)); }, x);
+    }
+    if (ckpt == Ckpt::kEachCall) return fsdp::checkpoint(call, fsdp::checkpoint(call, x));  // two recomputations
+    return call(call(x));
+  }
+};
+TORCH_MODULE(TwicePair);
+
+struct TwiceNetImpl : torch::nn::Module {
+  FSDPModule<TwicePair> pair{nullptr};
+  torch::nn::Linear head{nullptr};
+  TwiceNetImpl(Ckpt c, bool implicit) {
+    pair = register_module("pair", TwicePair(c, implicit));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(pair(x)); }
+};
+TORCH_MODULE(TwiceNet);
+
+TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointBitForBit) {
+  enum class Prec { kFp32, kBf16Mp, kBf16Model };
+  torch::manual_seed(7);
+  TwiceNet init(Ckpt::kNone, false);
+  const auto w = snapshot(*init);
+  const auto x = torch::randn({6, 6}) * 3;
+  for (int ws : {2, 3}) {
+    for (Prec prec : {Prec::kFp32, Prec::kBf16Mp, Prec::kBf16Model}) {
+      if (ws == 3 && prec != Prec::kBf16Mp) continue;  // (3 ranks: uneven and empty shards, bf16 reduction)
+      for (bool input_grad : {true, false}) {
+        for (bool reshard : {true, false}) {
+         for (bool implicit : {false, true}) {
+          const std::string where = "ws " + std::to_string(ws) + " prec " + std::to_string(static_cast<int>(prec)) +
+                                    " input_grad " + std::to_string(input_grad) + " reshard " + std::to_string(reshard) +
+                                    (implicit ? " implicit b" : " holder b");
+          std::map<Ckpt, std::vector<std::map<std::string, torch::Tensor>>> grads;
+          std::mutex mu;
+          std::vector<Ckpt> modes{Ckpt::kNone, Ckpt::kRegion, Ckpt::kEachCall, Ckpt::kNested};
+          if (!implicit) modes.insert(modes.end(), {Ckpt::kWrapper, Ckpt::kParentWrapper});  // holders only
+          for (Ckpt c : modes) {
+            grads[c].resize(ws);
+            run_ranks(ws, [&](ProcessGroupPtr pg) {
+              FSDPModule<TwiceNet> m(c, implicit);
+              load_full(*m.ptr(), w);
+              if (prec == Prec::kBf16Model) m->to(torch::kBFloat16);
+              auto mesh = init_device_mesh(torch::kCPU, {ws});
+              auto opts = FullyShardOptions().mesh(mesh).reshard_after_forward(reshard);
+              if (prec == Prec::kBf16Mp) opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+              if (c == Ckpt::kWrapper) checkpoint_wrapper(m->pair->b);
+              if (c == Ckpt::kParentWrapper) checkpoint_wrapper(m->pair);
+              fully_shard(m->pair->block(), opts);
+              fully_shard(m, opts);
+              const int64_t rows = (6 + ws - 1) / ws;
+              const int64_t begin = std::min<int64_t>(pg->rank() * rows, 6), len = std::min<int64_t>(rows, 6 - begin);
+              auto in = x.narrow(0, begin, len).clone();
+              if (prec == Prec::kBf16Model) in = in.to(torch::kBFloat16);
+              in.requires_grad_(input_grad);
+              for (int it = 0; it < 2; ++it) {
+                for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+                const auto rs0 = pg->collective_count("reduce_scatter_tensor");
+                m(in).to(torch::kFloat32).pow(2).sum().backward();
+                EXPECT_EQ(pg->collective_count("reduce_scatter_tensor") - rs0, 2u)
+                    << "one reduce-scatter per group and backward; " << where << " ckpt " << static_cast<int>(c)
+                    << " iteration " << it;
+              }
+              std::lock_guard<std::mutex> lock(mu);
+              for (const auto& p : m->named_parameters()) grads[c][pg->rank()][p.key()] = p.value().grad().clone();
+            });
+          }
+          for (Ckpt c : modes) {
+            for (int r = 0; r < ws; ++r) {
+              for (const auto& [k, g] : grads[Ckpt::kNone][r]) {
+                const auto& gc = grads[c][r].at(k);
+                EXPECT_TRUE(torch::equal(g, gc))
+                    << k << " rank " << r << " " << where << " ckpt " << static_cast<int>(c) << ": max diff "
+                    << (g.numel() ? (g.to(torch::kFloat32) - gc.to(torch::kFloat32)).abs().max().item<float>() : 0.f);
+              }
+            }
+          }
+         }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::testing

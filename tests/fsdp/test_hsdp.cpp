@@ -52,6 +52,51 @@ void run_hsdp_parity(Opt opt_kind) {
 }
 
 TEST(Parity, HybridShardingOnTwoByTwoMesh) { run_hsdp_parity(Opt::ADAMW); }
+
+// set_requires_all_reduce(false) on the first of two microbatches: each is reduce-scattered within its
+// replica group, the first one's sums wait (its .grad stays untouched) and the second backward all-reduces
+// both at once: one all-reduce per group and step instead of two, and the training still matches one
+// process on the global batch.
+TEST(HsdpAllReduce, DeferredAllReduceOfAccumulatedMicrobatchesMatchesOneProcess) {
+  auto batches = make_batches(kSteps, kBatch, kSeq);
+  auto ref = run_reference(batches, 1, Opt::ADAMW);
+  run_ranks(4, [&](ProcessGroupPtr pg) {
+    Net net;
+    load_full(*net, initial_weights());
+    auto mesh = init_device_mesh(torch::kCPU, {2, 2}, {"replicate", "shard"});
+    for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+    fully_shard(net, FullyShardOptions().mesh(mesh));
+    FSDPModule<Net> model(net);
+    auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
+    const auto& replicate_pg = *mesh->get_group(0);
+    const auto& shard_pg = *mesh->get_group(1);
+    const int64_t local = kBatch / 4;
+    for (size_t step = 0; step < batches.size(); ++step) {
+      auto mine = batches[step].slice(pg->rank() * local, local);
+      opt->zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        const bool last = micro == 1;
+        model.set_requires_all_reduce(last);
+        const auto ar0 = replicate_pg.collective_count("all_reduce");
+        const auto rs0 = shard_pg.collective_count("reduce_scatter_tensor");
+        const int64_t begin = micro * (local / 2), rows = last ? local - local / 2 : local / 2;  // 1 and 2 of 3
+        auto b = mine.slice(begin, rows);
+        (loss_fn(model(b.idx), b.targets) * (static_cast<double>(rows) / local)).backward();
+        EXPECT_EQ(replicate_pg.collective_count("all_reduce") - ar0, last ? 3u : 0u) << "microbatch " << micro;
+        EXPECT_EQ(shard_pg.collective_count("reduce_scatter_tensor") - rs0, 3u) << "microbatch " << micro;
+        if (!last) {
+          for (const auto& p : net->named_parameters()) EXPECT_FALSE(p.value().grad().defined()) << p.key();
+        }
+      }
+      compare_gradients(*net, mesh, {Replicate(), Shard(0)}, ref, step, pg->rank());
+      opt->step();
+    }
+    for (const auto& p : net->named_parameters()) {
+      auto expect = distribute_tensor(ref.final_params.at(p.key()), mesh, {Replicate(), Shard(0)}).to_local();
+      EXPECT_TRUE(torch::allclose(p.value(), expect, kRtol, kAtol)) << p.key() << " on rank " << pg->rank();
+    }
+  });
+}
 TEST(RegressionsParitySGD, HybridShardingOnTwoByTwoMesh) { run_hsdp_parity(Opt::SGD); }
 
 }  // namespace

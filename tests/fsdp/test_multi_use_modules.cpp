@@ -265,6 +265,59 @@ TEST(RegressionsMultiUse, BlockTwiceInsideFunctionalCheckpoint) {
   }
 }
 
+// Two root forwards before one backward (a loss summed over two batches): each group is reduced once in
+// that backward (issue 28 item 6, "several forwards before one backward"), on inputs with and without
+// grad, for both reshard_after_forward values, and the gradients match the same two forwards unsharded.
+struct TwoForwardsImpl : torch::nn::Module {
+  FSDPModule<SmallBlock> blk{nullptr};
+  torch::nn::Linear head{nullptr};
+  TwoForwardsImpl() {
+    blk = register_module("blk", SmallBlock());
+    head = register_module("head", torch::nn::Linear(kD, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(blk(x)); }
+};
+TORCH_MODULE(TwoForwards);
+
+TEST(RegressionsMultiUse, TwoForwardsBeforeOneBackwardReduceEachGroupOnce) {
+  torch::manual_seed(9);
+  TwoForwards ref;
+  auto w = snapshot(*ref);
+  auto x1 = torch::randn({6, kD}), x2 = torch::randn({6, kD});
+  (ref->forward(x1).pow(2).mean() + ref->forward(x2).pow(3).mean()).backward();
+  for (int ws : {2, 3}) {
+    for (bool reshard : {true, false}) {
+      for (bool input_grad : {true, false}) {
+        run_ranks(ws, [&](ProcessGroupPtr pg) {
+          FSDPModule<TwoForwards> m;
+          load_full(*m.ptr(), w);
+          auto mesh = init_device_mesh(torch::kCPU, {ws});
+          fully_shard(m->blk, FullyShardOptions().mesh(mesh).reshard_after_forward(reshard));
+          fully_shard(m, FullyShardOptions().mesh(mesh).reshard_after_forward(reshard));
+          const int64_t local = 6 / ws;
+          for (int it = 0; it < 2; ++it) {
+            for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+            auto a = x1.narrow(0, pg->rank() * local, local).clone().requires_grad_(input_grad);
+            auto b = x2.narrow(0, pg->rank() * local, local).clone().requires_grad_(input_grad);
+            auto l1 = m(a).pow(2).mean();
+            auto l2 = m(b).pow(3).mean();
+            const auto rs0 = pg->collective_count("reduce_scatter_tensor");
+            (l1 + l2).backward();
+            EXPECT_EQ(pg->collective_count("reduce_scatter_tensor") - rs0, 2u)
+                << "ws " << ws << " reshard " << reshard << " input_grad " << input_grad << " iteration " << it;
+            for (const auto& p : m->named_parameters()) {
+              auto expect = distribute_tensor(ref->named_parameters()[p.key()].grad(), mesh, {Shard(0)}).to_local();
+              ASSERT_TRUE(p.value().grad().defined()) << p.key();
+              EXPECT_TRUE(torch::allclose(p.value().grad(), expect, 1e-5, 1e-6))
+                  << p.key() << " ws " << ws << " reshard " << reshard << " input_grad " << input_grad;
+            }
+          }
+        });
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::testing::shapes_net
 

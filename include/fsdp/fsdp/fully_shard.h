@@ -74,8 +74,11 @@
 // parameters in that backward produced its gradient: as soon as the gradients of every call's inputs
 // are computed when each call of the group had an input that requires grad, else (e.g. token ids, or
 // a block called first on an input without grad) at the end of the backward. This holds for a module
-// called several times per forward, several modules sharded as one group, activation checkpointing,
-// and a second backward over the same graph (`backward(retain_graph=true)`: gradients accumulate as
+// called several times per forward, several modules sharded as one group, activation checkpointing
+// (also when each call, or a nested region, is recomputed by a checkpoint of its own: the group waits
+// for every region that used it; gradients bit-equal to the run without checkpointing, fp32 and bf16),
+// several root forwards before one backward (a loss summed over two batches; holder roots: the calls
+// add up while the previous forward's output lives and no backward ran since), and a second backward over the same graph (`backward(retain_graph=true)`: gradients accumulate as
 // without FSDP, for every reshard_after_forward). A backward that throws (e.g. from a user hook)
 // leaves the model trainable: before the exception reaches the caller, the gradients not yet reduced
 // are dropped, the sharded gradients (from before it, plus groups it finished reducing, as plain
@@ -185,6 +188,14 @@ class FSDPModuleAPI {
   /// the next forward's all-gather; after a synchronised backward the group reshards anyway, so that
   /// the optimizer sees the shards and their gradients. Mirrors FSDPModule.set_reshard_after_backward().
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  /// HSDP (2-D mesh): whether the gradient reductions all-reduce over the replicate dimension (default
+  /// true). With false the gradients are still reduce-scattered within each replica group, but their sums
+  /// wait (not in .grad) until the next backward whose reduction all-reduces, which adds them first: the
+  /// microbatches of gradient accumulation then cost one all-reduce instead of one each. Keep it true
+  /// for the backward before an optimizer step. No effect on a 1-D mesh. Mirrors
+  /// FSDPModule.set_requires_all_reduce().
+  /// Example: `model.set_requires_all_reduce(micro == n_micro - 1);`
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
   /// Changes reshard_after_forward of this module (and, with recurse, its sharded submodules).
   void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
   /// Whether the next backward is the last of the step (false skips waiting for the reduce-scatters
@@ -290,6 +301,7 @@ class FSDPModule : public Holder {
   void reshard() { fsdp().reshard(); }
   void set_requires_gradient_sync(bool v, bool recurse = true) { fsdp().set_requires_gradient_sync(v, recurse); }
   void set_reshard_after_backward(bool v, bool recurse = true) { fsdp().set_reshard_after_backward(v, recurse); }
+  void set_requires_all_reduce(bool v, bool recurse = true) { fsdp().set_requires_all_reduce(v, recurse); }
   void set_reshard_after_forward(ReshardAfterForward v, bool recurse = true) {
     fsdp().set_reshard_after_forward(v, recurse);
   }

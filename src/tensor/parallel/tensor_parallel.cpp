@@ -2,6 +2,7 @@
 // weights in place and registers them for the op side (tp_ops.cpp). See docs/TENSOR_PARALLEL.md.
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 
+#include <atomic>
 #include <sstream>
 
 #include <torch/nn/modules/dropout.h>
@@ -74,17 +75,18 @@ struct Work {
   int64_t weight_dim = 0;       // the weight dim that is sharded
 };
 
-// SequenceParallel: LayerNorm (its affine parameters become replicated TP parameters) or Dropout.
-// Deferred parameters (fsdp::deferred_init: meta tensors until materialize_module) have no values to
-// shard yet, and their TP shards would have to be taken at materialisation, which is not done: refused
-// before anything changes, naming the parameter and the order that works (issue 28, item 2).
-void check_has_values(const torch::Tensor& t, const std::string& what, const std::string& name) {
-  TORCH_CHECK(!t.defined() || !t.is_meta(), "parallelize_module: ", what, ": parameter ", in_quotes(name),
-              " has no values yet (a meta tensor, e.g. built by fsdp::deferred_init): tensor parallelism of a deferred ",
-              "model is not supported yet. Fix: construct the model with values (eagerly, or fsdp::deferred_init then ",
-              "fsdp::materialize_module), then parallelize_module, then fully_shard");
+// fully_shard first, then parallelize_module: FSDP's shards are rows of the whole tensor, not of this
+// rank's TP part, so the two cannot compose in this order. Refused before anything changes, naming the
+// parameter and the order that works (also for a deferred model, issue 28 item 2).
+void check_not_fully_sharded(const torch::Tensor& t, const std::string& what, const std::string& name) {
+  const auto sharded = detail::fully_sharded_query.load();
+  TORCH_CHECK(!t.defined() || !sharded || !sharded(t), "parallelize_module: ", what, ": parameter ",
+              in_quotes(name), " is already sharded by fully_shard. Fix: apply tensor parallelism first: ",
+              "parallelize_module(model, mesh[\"tp\"], plan), then fully_shard(module, FullyShardOptions().mesh(",
+              "mesh[\"dp\"])); for a deferred model: deferred_init, parallelize_module, fully_shard, materialize_module");
 }
 
+// SequenceParallel: LayerNorm (its affine parameters become replicated TP parameters) or Dropout.
 Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style) {
   const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
   Work w;
@@ -97,8 +99,8 @@ Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::
     w.is_norm = true;
     w.weight = ln->weight;
     w.bias = ln->bias;
-    check_has_values(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
-    check_has_values(w.bias, what, fqn.empty() ? "bias" : fqn + ".bias");
+    check_not_fully_sharded(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
+    check_not_fully_sharded(w.bias, what, fqn.empty() ? "bias" : fqn + ".bias");
     TORCH_CHECK(!(w.weight.defined() && tp::detail::find_tp_param(w.weight)), "parallelize_module: ", in_quotes(fqn),
                 " is already parallelised; plan each module once");
   } else {
@@ -141,8 +143,8 @@ Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Modul
               ": expected a 2-D weight, got ", w.weight.defined() ? c10::str(w.weight.sizes()) : "none");
   TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
               " is already parallelised (its weight is a TP parameter); plan each module once");
-  check_has_values(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
-  check_has_values(w.bias.defined() ? w.bias : w.partial_bias, what, fqn.empty() ? "bias" : fqn + ".bias");
+  check_not_fully_sharded(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
+  check_not_fully_sharded(w.bias.defined() ? w.bias : w.partial_bias, what, fqn.empty() ? "bias" : fqn + ".bias");
   // Supported layouts. Shard(d >= 0) is a sequence-sharded activation (sequence parallelism).
   const auto& in = style.input_layout;
   const auto& out = style.output_layout;
@@ -178,6 +180,18 @@ torch::Tensor chunk(const torch::Tensor& t, int64_t dim, int64_t tp, int64_t ran
   return t.detach().narrow(dim, rank * c, c).contiguous().clone();
 }
 
+// Gives `param` (the Parameter object the module and any optimizer hold) the data `data`, keeping the
+// object. A deferred parameter (fsdp::deferred_init: a meta tensor until materialize_module) takes the
+// meta data's metadata directly: set_data refuses a change of tensor type (the interception key), and
+// materialize_module later fills this rank's part (tp::detail::local_part). See [Note: deferred init].
+void replace_data(torch::Tensor param, const torch::Tensor& data) {
+  if (param.is_meta()) {
+    param.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+  } else {
+    param.set_data(data);
+  }
+}
+
 void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
   const int64_t tp = mesh->size(0), rank = mesh->get_local_rank(0);
   tp::detail::ensure_tp_interception();
@@ -198,7 +212,7 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
       if (!t.defined()) continue;
       info.global_shape = t.sizes().vec();
       info.is_weight = false;  // not a matrix the op side runs: only its gradient is handled
-      t.set_data(fsdp::detail::intercepted(t.detach().clone()));
+      replace_data(t, fsdp::detail::intercepted(t.detach().clone()));
       tp::detail::register_tp_param(t, info);
     }
     return;
@@ -206,7 +220,7 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
   info.placement = Shard(w.weight_dim);
   info.global_shape = w.weight.sizes().vec();
   auto weight = w.weight;  // the Parameter object the module and any optimizer hold: kept, data replaced
-  weight.set_data(fsdp::detail::intercepted(chunk(weight, w.weight_dim, tp, rank)));
+  replace_data(weight, fsdp::detail::intercepted(chunk(weight, w.weight_dim, tp, rank)));
   tp::detail::register_tp_param(weight, info);
   if (w.partial_bias.defined()) {  // replicated, tagged so that its uses all-reduce its gradient
     auto bias = w.partial_bias;
@@ -215,7 +229,7 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
     binfo.partial_grad = true;
     binfo.placement = Replicate();
     binfo.global_shape = bias.sizes().vec();
-    bias.set_data(fsdp::detail::intercepted(bias.detach().clone()));
+    replace_data(bias, fsdp::detail::intercepted(bias.detach().clone()));
     tp::detail::register_tp_param(bias, binfo);
   }
   if (w.bias.defined()) {  // colwise Linear: bias sharded with the output features, no interception needed
@@ -223,7 +237,7 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
     info.is_weight = false;
     info.placement = Shard(0);
     info.global_shape = bias.sizes().vec();
-    bias.set_data(chunk(bias, 0, tp, rank));
+    replace_data(bias, chunk(bias, 0, tp, rank));
     tp::detail::register_tp_param(bias, info);
   }
 }
@@ -304,5 +318,16 @@ DTensor tp_param_dtensor(const torch::Tensor& param) {
   fsdp::detail::NoInterception no_interception;
   return DTensor(param.detach(), p->mesh, {p->placement}, p->global_shape);
 }
+
+namespace detail {
+std::atomic<FullyShardedQuery> fully_sharded_query{nullptr};
+
+void set_fully_sharded_query(FullyShardedQuery q) { fully_sharded_query.store(q); }
+
+torch::Tensor local_part(const TPParam& p, const torch::Tensor& full) {
+  if (!p.placement.is_shard()) return full;
+  return chunk(full, p.placement.dim, p.mesh->size(0), p.mesh->get_local_rank(0));
+}
+}  // namespace detail
 
 }  // namespace fsdp::tp

@@ -82,13 +82,22 @@ struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
 
 // Sequence parallelism: the activation is split along dim `dim` (the sequence) over the TP group.
 // [T/tp] pieces rank-major along `dim`; both need `dim`'s size to divide evenly (checked by the callers).
+// `out` with its dim 0 moved back to `dim`, as a contiguous tensor of its own: the autograd functions
+// below return it, and an output that is a view (movedim's, which .contiguous() keeps when a size-1
+// dim makes it contiguous already, e.g. one position per rank) may not be modified in place by the
+// caller (a rowwise Linear's `+= bias`).
+torch::Tensor back_from_front(const torch::Tensor& out, int64_t dim) {
+  if (dim == 0) return out;
+  return out.movedim(0, dim).clone(at::MemoryFormat::Contiguous);
+}
+
 torch::Tensor gather_along(const torch::Tensor& x, int64_t dim, ProcessGroup& pg) {
   auto front = x.movedim(dim, 0).contiguous();
   auto shape = front.sizes().vec();
   shape[0] *= pg.size();
   auto out = torch::empty(shape, front.options());
   all_gather_into_tensor(out, front, pg);
-  return out.movedim(0, dim).contiguous();
+  return back_from_front(out, dim);
 }
 torch::Tensor reduce_scatter_along(const torch::Tensor& x, int64_t dim, ProcessGroup& pg) {
   auto front = x.movedim(dim, 0).contiguous();
@@ -96,7 +105,7 @@ torch::Tensor reduce_scatter_along(const torch::Tensor& x, int64_t dim, ProcessG
   shape[0] /= pg.size();
   auto out = torch::empty(shape, front.options());
   reduce_scatter_tensor(out, front, pg, ReduceOp::SUM);
-  return out.movedim(0, dim).contiguous();
+  return back_from_front(out, dim);
 }
 
 // All-gather along `dim` forward; reduce-scatter of the gradient backward, for a gathered tensor that each

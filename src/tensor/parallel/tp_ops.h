@@ -4,6 +4,8 @@
 // validation, sharding) is tensor_parallel.cpp.
 #pragma once
 
+#include <atomic>
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +40,15 @@ const char* style_name(const ParallelStyle& s);
 void register_tp_param(const torch::Tensor& param, TPParam info);
 /// The record of `param`, or nullptr.
 const TPParam* find_tp_param(const torch::Tensor& param);
+/// Whether a parameter is managed by fully_shard. The fsdp layer installs it (fully_shard), so that
+/// parallelize_module refuses fully_shard-then-parallelize_module without depending on fsdp/.
+using FullyShardedQuery = bool (*)(const torch::Tensor& param);
+void set_fully_sharded_query(FullyShardedQuery q);
+extern std::atomic<FullyShardedQuery> fully_sharded_query;
+/// This rank's part of the full (global-shape) tensor of a parameter recorded as `p`: its chunk along
+/// the sharded dim, or `full` itself when replicated. materialize_module uses it to fill a deferred
+/// parameter that parallelize_module sharded (tensor_parallel.cpp).
+torch::Tensor local_part(const TPParam& p, const torch::Tensor& full);
 
 /// Whether any live TP parameter's mesh is a slice of `root` (fully_shard then describes its parameters
 /// over the root: see [Note: FSDP over TP] in fsdp_param.cpp).

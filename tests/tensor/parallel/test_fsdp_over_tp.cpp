@@ -261,6 +261,131 @@ TEST(FsdpOverTpErrors, MeshesThatDoNotComposeAreRefused) {
   }
 }
 
+// ---- Deferred init with tensor parallelism ------------------------------------------------------------
+// torchtitan's order: build the model deferred (meta), parallelize_module over mesh["tp"], fully_shard over
+// mesh["dp"] (HSDP: (rep, dp)), materialize_module. On every layout the full tensors are bit-identical to
+// eager init with the same seed (LibTorch's own random init; fc2's and the norm's 5 rows split unevenly
+// over dp 2 and 3), and the model then trains bit for bit like the eagerly built one on the same layout.
+
+// LibTorch's own random init (tp_test_model.h's Net overwrites its weights without the RNG).
+struct RandNetImpl : torch::nn::Module {
+  RandNetImpl()
+      : emb(register_module("emb", torch::nn::Embedding(kVocab, kFsdpDim))),
+        fc1(register_module("fc1", torch::nn::Linear(kFsdpDim, kHidden))),
+        fc2(register_module("fc2", torch::nn::Linear(kHidden, kFsdpDim))),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kFsdpDim})))),
+        head(register_module("head", torch::nn::Linear(kFsdpDim, kVocab))) {}
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto x = emb(ids);
+    x = x + fc2(torch::gelu(fc1(x)));
+    return head(ln(x));
+  }
+  torch::nn::Embedding emb;
+  torch::nn::Linear fc1, fc2;
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(RandNet);
+
+tp::ParallelizePlan rand_net_plan(bool sequence_parallel) {
+  if (sequence_parallel) {
+    return {{"emb", tp::RowwiseParallel().output_layouts(Shard(1))},
+            {"fc1", tp::ColwiseParallel().input_layouts(Shard(1))},
+            {"fc2", tp::RowwiseParallel().output_layouts(Shard(1))},
+            {"ln", tp::SequenceParallel()},
+            {"head", tp::ColwiseParallel().input_layouts(Shard(1)).output_layouts(Replicate())}};
+  }
+  return {{"emb", tp::RowwiseParallel()},
+          {"fc1", tp::ColwiseParallel()},
+          {"fc2", tp::RowwiseParallel()},
+          {"head", tp::ColwiseParallel().output_layouts(Replicate())}};
+}
+
+struct DeferredLayout {
+  int rep, dp, tp;
+  bool sequence_parallel = false;
+  bool fsdp = true;  // false: tensor parallelism alone (dp 1)
+};
+
+std::string deferred_layout_name(const ::testing::TestParamInfo<DeferredLayout>& info) {
+  const auto& c = info.param;
+  return (c.rep > 1 ? "rep" + std::to_string(c.rep) + "_" : std::string()) + (c.fsdp ? "dp" + std::to_string(c.dp) + "_" : "") +
+         "tp" + std::to_string(c.tp) + (c.sequence_parallel ? "_sp" : "");
+}
+
+class FsdpOverTpDeferredInit : public ::testing::TestWithParam<DeferredLayout> {};
+
+TEST_P(FsdpOverTpDeferredInit, FullTensorsEqualEagerInitAndTrainTheSame) {
+  const auto c = GetParam();
+  const int world = c.rep * c.dp * c.tp;
+  torch::manual_seed(11);
+  std::map<std::string, torch::Tensor> eager;
+  {
+    RandNet m;
+    for (const auto& p : m->named_parameters()) eager[p.key()] = p.value().detach().clone();
+  }
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    auto mesh = c.rep > 1 ? init_device_mesh(torch::kCPU, {c.rep, c.dp, c.tp}, {"rep", "dp", "tp"})
+                          : init_device_mesh(torch::kCPU, {c.dp, c.tp}, {"dp", "tp"});
+    auto fsdp_mesh = c.rep > 1 ? mesh->slice({"rep", "dp"}) : (*mesh)["dp"];
+    torch::manual_seed(11);
+    auto net = deferred_init([] { return RandNet(); });
+    barrier(*pg);  // every rank has read the seed before any rank's materialize_module moves it on
+    RandNet built;  // the same values, built eagerly (copied from `eager`), on the same layout
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : built->named_parameters()) p.value().copy_(eager.at(p.key()));
+    }
+    for (auto* m : {&net, &built}) {
+      tp::parallelize_module(*m, (*mesh)["tp"], rand_net_plan(c.sequence_parallel));
+      if (c.fsdp) {
+        fully_shard((*m)->fc1, FullyShardOptions().mesh(fsdp_mesh));
+        fully_shard(m->ptr(), FullyShardOptions().mesh(fsdp_mesh));
+      }
+    }
+    for (const auto& p : net->parameters()) EXPECT_TRUE(is_deferred(p));
+    materialize_module(net.ptr());
+    for (const auto& p : net->parameters()) EXPECT_FALSE(is_deferred(p) || p.is_meta());
+    for (const auto& [k, v] : get_model_state_dict(*net)) {
+      const auto* d = std::get_if<DTensor>(&v);
+      const auto full = d ? d->full_tensor() : std::get<torch::Tensor>(v);
+      EXPECT_TRUE(torch::equal(full, eager.at(k))) << k << " on rank " << pg->rank();
+    }
+    // Trains like the eagerly built model on the same layout, bit for bit.
+    const int64_t n_data = c.rep * c.dp, rows = 2;
+    const int64_t d = c.rep > 1 ? fsdp_mesh->get_local_rank(0) * c.dp + fsdp_mesh->get_local_rank(1)
+                                : fsdp_mesh->get_local_rank(0);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt_built(built->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto params = net->named_parameters();
+    auto built_params = built->named_parameters();
+    for (int step = 0; step < 2; ++step) {
+      auto ids = (torch::arange(rows * n_data * 4, torch::kInt64) * 3 + step).remainder(kVocab).view({rows * n_data, 4});
+      auto mine = ids.narrow(0, d * rows, rows), targets = (mine * 5 + 1).remainder(kVocab).reshape({-1});
+      auto loss = torch::cross_entropy_loss(net(mine).view({-1, kVocab}), targets);
+      auto loss_built = torch::cross_entropy_loss(built(mine).view({-1, kVocab}), targets);
+      EXPECT_EQ(loss.item<float>(), loss_built.item<float>()) << "step " << step << " rank " << pg->rank();
+      loss.backward();
+      loss_built.backward();
+      for (const auto& item : built_params) {
+        const auto& g = params[item.key()].grad();
+        ASSERT_TRUE(g.defined()) << item.key();
+        EXPECT_TRUE(torch::equal(g, item.value().grad())) << "grad of " << item.key() << " at step " << step;
+      }
+      opt.step();
+      opt_built.step();
+      opt.zero_grad();
+      opt_built.zero_grad();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, FsdpOverTpDeferredInit,
+                         ::testing::Values(DeferredLayout{1, 2, 2}, DeferredLayout{1, 1, 4}, DeferredLayout{1, 3, 2},
+                                           DeferredLayout{2, 2, 2}, DeferredLayout{1, 2, 2, true},
+                                           DeferredLayout{1, 1, 2, false, false}, DeferredLayout{1, 1, 4, true, false}),
+                         deferred_layout_name);
+
 // ---- Checkpoints of 2-D sharded parameters and optimizer state --------------------------------------
 
 // The model of one layout: TP over mesh["tp"] when tp > 1, then fully_shard of the blocks and the root

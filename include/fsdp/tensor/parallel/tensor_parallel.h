@@ -100,8 +100,13 @@ using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
 /// that matches no module (the message lists the model's module names), a module matched by two
 /// patterns or already parallelised, a module that is neither torch::nn::Linear nor
 /// torch::nn::Embedding (LayerNorm or Dropout for SequenceParallel; the message names its type), a sharded dimension not divisible by the TP
-/// size (naming the module, the dimension and a fix), an unsupported layout, use_local_output(false).
+/// size (naming the module, the dimension and a fix), an unsupported layout, use_local_output(false),
+/// a parameter already sharded by fully_shard (apply parallelize_module first).
+/// A deferred model (fsdp::deferred_init, meta parameters) is parallelised as a plan: each rank's TP part
+/// (and its FSDP rows, after fully_shard) is filled by materialize_module, bit-identical to eager init.
 /// Mirrors torch.distributed.tensor.parallel.parallelize_module (which returns the module).
+/// Example: `auto m = fsdp::deferred_init([] { return Net(); }); parallelize_module(m, mesh["tp"], plan);
+///           fsdp::fully_shard(m, fsdp::FullyShardOptions().mesh(mesh["dp"])); fsdp::materialize_module(m);`
 void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,
                         const ParallelizePlan& plan);
 /// Applies one style to `module` itself (PyTorch's parallelize_module(module, mesh, style)).
