@@ -20,6 +20,7 @@
 #include "fsdp/fsdp/grad_scaler.h"
 #include "fsdp/fsdp/memory_estimate.h"
 #include "fsdp/fsdp/policies.h"
+#include "fsdp/fsdp/replicate.h"
 // torch.distributed.checkpoint
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"

@@ -28,7 +28,8 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
   }
   comm.wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
   StreamScope all_gather(&comm, CommStream::kAllGather, /*wait_previous=*/false);
-  Work work = all_gather_into_tensor(output, input, pg, /*async_op=*/true);
+  // One rank (replicate's one-rank shard dimension, or a world of 1): the copy-in is the whole output.
+  Work work = world == 1 ? Work() : all_gather_into_tensor(output, input, pg, /*async_op=*/true);
   return AllGatherResult{output, std::move(work), world};
 }
 
@@ -81,6 +82,10 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
     g = torch::Tensor();
   }
   auto flat_in = input.view({-1});
+  if (ws == 1) {
+    // One rank (replicate's one-rank shard dimension, or a world of 1): the input is the sum.
+    return ReduceScatterResult{torch::Tensor(), flat_in, Work(), std::move(param_indices), m, std::move(missing)};
+  }
   auto output = comm.empty({m + np}, reduce_dtype, device);
   Work work = reduce_scatter_tensor(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true);
   // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns

@@ -129,6 +129,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// Driven by tensor interception (no module of the fully_shard call has an FSDPModule holder).
   /// See [Note: implicit groups] (fsdp_implicit.cpp).
   bool implicit = false;
+  /// Made by fsdp::replicate (a (world, 1) mesh): see [Note: replicate as HSDP with one-rank shards].
+  bool replicated = false;
   FSDPState* parent = nullptr;  // nearest sharded ancestor (set at lazy init; null for the root)
   bool is_root() const { return ctx && ctx->root == this; }
 

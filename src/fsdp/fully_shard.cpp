@@ -75,7 +75,12 @@ std::vector<std::weak_ptr<detail::FSDPState>> to_states(const std::vector<std::s
 }  // namespace
 
 void FSDPModuleAPI::set_requires_gradient_sync(bool v, bool recurse) {
-  for (auto& s : states_under(state_, recurse)) s->requires_gradient_sync = v;
+  // As in PyTorch, also whether HSDP all-reduces (set_requires_all_reduce): a sync after a no-sync
+  // microbatch must reduce fully, whatever an earlier set_requires_all_reduce(false) said.
+  for (auto& s : states_under(state_, recurse)) {
+    s->requires_gradient_sync = v;
+    if (s->group) s->group->set_requires_all_reduce(v);
+  }
 }
 
 void FSDPModuleAPI::set_reshard_after_backward(bool v, bool recurse) {
@@ -145,13 +150,27 @@ std::optional<DTensor> sharded_grad(const torch::Tensor& param) {
   return std::nullopt;
 }
 
+DTensor sharded_param(const torch::Tensor& param) {
+  auto s = detail::state_of_param(param);
+  TORCH_CHECK(s && s->group, "sharded_param: the tensor (shape ", param.sizes(),
+              ") is not a parameter managed by fully_shard or replicate");
+  for (const auto& p : s->group->params()) {
+    if (p.param.is_same(param)) return s->group->sharded_dtensor(p);
+  }
+  TORCH_CHECK(false, "sharded_param: the tensor (shape ", param.sizes(), ") is not a parameter of its group");
+}
+
 // ---------------------------------------------------------------------------------------------------
 FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                           const FullyShardOptions& options) {
   TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module");
   for (const auto& m : modules) {
     TORCH_CHECK(m, "fully_shard: got a null module");
-    TORCH_CHECK(!detail::state_of(*m), "fully_shard: module ", m->name(), " is already sharded");
+    auto s = detail::state_of(*m);
+    TORCH_CHECK(!s, "fully_shard: module ", m->name(), " is already ",
+                s && s->replicated ? "managed by replicate; a module is either replicated or sharded (as in "
+                                     "PyTorch). Fix: fully_shard its submodules, or replicate it alone"
+                                   : "sharded");
   }
   // Implicit: no module of the call has an FSDPModule holder (see [Note: implicit groups]).
   const bool implicit = std::none_of(modules.begin(), modules.end(), [](const auto& m) { return detail::is_marked(*m); });

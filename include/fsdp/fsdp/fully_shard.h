@@ -181,7 +181,8 @@ class FSDPModuleAPI {
   /// Frees the unsharded parameters (not recursive). Mirrors FSDPModule.reshard().
   void reshard();
   /// Enables/disables the gradient reduce-scatter in backward (disable for all but the last
-  /// microbatch of gradient accumulation). Mirrors FSDPModule.set_requires_gradient_sync().
+  /// microbatch of gradient accumulation). Also sets set_requires_all_reduce to the same value, as
+  /// PyTorch does. Mirrors FSDPModule.set_requires_gradient_sync().
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
   /// Reshard after backward (default true). With false, the parameters stay unsharded after a
   /// backward that skipped the gradient sync (the microbatches of gradient accumulation), which saves
@@ -235,6 +236,12 @@ FSDPModuleAPI fsdp_api(const torch::nn::Module& module);
 /// shape of the parameter; aliases the local gradient shard), or std::nullopt when it has no gradient.
 /// Throws c10::Error if `param` is not managed by fully_shard. See FSDPModuleAPI::sharded_gradients().
 std::optional<DTensor> sharded_grad(const torch::Tensor& param);
+/// A parameter managed by fully_shard or replicate as its sharded DTensor (placements and global shape;
+/// aliases the local shard; no communication): PyTorch's parameter after fully_shard, which is a DTensor.
+/// Its full value is `sharded_param(p).full_tensor()`, a collective over the group's mesh that every rank
+/// makes. Throws c10::Error if `param` is not managed by fully_shard or replicate.
+/// Example: `auto w = fsdp::sharded_param(model->head->weight).full_tensor();`
+DTensor sharded_param(const torch::Tensor& param);
 inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
 template <typename T>
 FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
