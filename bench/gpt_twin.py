@@ -194,7 +194,7 @@ def clip_torch(params, max_norm):
 
 
 @torch.no_grad()
-def clip_libtorch(params, max_norm, world, device="cpu"):
+def clip_libtorch(params, max_norm, group, device="cpu"):
     """fsdp::clip_grad_norm_ (src/algorithms/clip_grad.cpp), operation by operation. It differs from torch.nn.utils in
     rounding only: it accumulates sum(norm_i^2) one gradient at a time (PyTorch: the 2-norm of the stacked
     norms), and computes max_norm / (norm + 1e-6) as a division (PyTorch: reciprocal times max_norm)."""
@@ -203,8 +203,8 @@ def clip_libtorch(params, max_norm, world, device="cpu"):
     for g in grads:
         if g.numel() > 0:
             acc += torch.linalg.vector_norm(g.to(torch.float32), 2.0).pow(2.0)
-    if world > 1:
-        dist.all_reduce(acc, op=dist.ReduceOp.SUM)
+    if group is not None and dist.get_world_size(group) > 1:  # the shard group: replicas hold the same pieces
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
     total = (acc + torch.zeros(1, device=device)).pow(1.0 / 2.0).reshape(())
     shifted = total + 1e-6
     coef = torch.clamp_max(torch.empty_like(shifted).fill_(max_norm).div_(shifted), 1.0)  # C++ Scalar / Tensor
@@ -350,15 +350,34 @@ def main():
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     all_params = list(model.parameters())
 
+    # The data parallelism train_gpt recorded: fully_shard on a 1-D mesh, HSDP on (dp_replicate, dp_shard), or
+    # replicate (PyTorch's replicate_with_fsdp: DDP semantics on FSDP2's groups).
+    data_parallel = run.get("data_parallel", "fully_shard")
+    dp_replicate = run.get("dp_replicate", 1)
+    rs_each_micro = run.get("reduce_scatter_each_microbatch", False)
+    norm_group = None  # the ranks whose gradient pieces make up the whole (clip_libtorch)
     if not args.no_shard:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" \
             else MixedPrecisionPolicy()
-        for block in model.h:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)  # the root last; its default: no reshard after forward
+        if data_parallel == "replicate":
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("replicate",))
+            for block in model.h:
+                replicate(block, mesh=mesh, mp_policy=policy)
+            replicate(model, mesh=mesh, mp_policy=policy)
+        else:
+            if dp_replicate > 1:
+                mesh = init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
+                                        mesh_dim_names=("dp_replicate", "dp_shard"))
+                norm_group = mesh.get_group("dp_shard")
+            else:
+                mesh = init_device_mesh(device.type, (world,))
+                norm_group = dist.group.WORLD
+            for block in model.h:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)  # the root last; its default: no reshard after forward
         # fully_shard replaced the parameters by DTensors: regroup by name.
         by_name = dict(model.named_parameters())
         decay = [p for n, p in by_name.items() if p.dim() >= 2]
@@ -390,14 +409,17 @@ def main():
         for micro in range(accum):
             x, y = batches[step - 1, micro, 0], batches[step - 1, micro, 1]
             if not args.no_shard:
-                model.set_requires_gradient_sync(micro == accum - 1)
+                last = micro == accum - 1
+                model.set_requires_gradient_sync(last or rs_each_micro)  # (also sets requires_all_reduce)
+                if rs_each_micro:
+                    model.set_requires_all_reduce(last)
             loss = lm_loss(forward(x), y) / float(accum)
             loss.backward()
             loss_sum += loss.detach()
         if args.math == "torch":
             norm = clip_torch(all_params, max_norm).item()
         else:
-            norm = clip_libtorch(all_params, max_norm, world, device).item()
+            norm = clip_libtorch(all_params, max_norm, norm_group, device).item()
         optimizer.step()
         states = model_state_mb(all_params, optimizer)  # gradients still there
         optimizer.zero_grad()

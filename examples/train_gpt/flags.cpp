@@ -147,6 +147,15 @@ void add_flags(CLI::App& app, Options& o) {
   add_integer(g, "--tp", o.tp, "Tensor-parallel ranks: each block's heads and MLP columns split across them; "
               "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
   add_integer(g, "--dp-replicate", o.dp_replicate, "HSDP: replicas of the FSDP group (Default: 1)", int(1));
+  g->add_option("--data-parallel", o.data_parallel,
+                "fully_shard (shard parameters, gradients and optimizer state over the data-parallel ranks) or "
+                "replicate (every rank keeps the whole model; gradients all-reduced per block: fsdp::replicate, "
+                "PyTorch's DDP semantics)")
+      ->capture_default_str()->check(CLI::IsMember({"fully_shard", "replicate"}));
+  g->add_flag("--reduce-scatter-each-microbatch", o.reduce_scatter_each_microbatch,
+              "With --grad-accum-steps: reduce-scatter every microbatch's gradients (sharded sums: less memory "
+              "than keeping unsharded gradients until the last); with --dp-replicate, all-reduce over the "
+              "replicas on the last microbatch only (FSDPModule::set_requires_all_reduce)");
   g->add_flag("--sequence-parallel", o.sequence_parallel,
               "With --tp: LayerNorms and residuals on sequence-sharded activations (less activation memory)");
   g->add_flag("--estimate-memory", o.estimate_memory,

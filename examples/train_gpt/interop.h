@@ -61,6 +61,8 @@ inline nlohmann::json run_description(const RunSetup& s, int world, int64_t star
           {"eps", torch::optim::AdamWOptions(o.lr).eps()}, {"clip_grad", o.clip_grad},
           {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
           {"no_shard", o.no_shard},      {"seed", o.seed},
+          {"data_parallel", o.data_parallel}, {"dp_replicate", o.dp_replicate},
+          {"reduce_scatter_each_microbatch", o.reduce_scatter_each_microbatch},
           {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 

@@ -111,7 +111,13 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
     if (t.recorder) t.recorder->add(x, y);
     x = x.to(device, /*non_blocking=*/false);
     y = y.to(device, /*non_blocking=*/false);
-    if (!o.no_shard) fsdp::fsdp_api(t.model).set_requires_gradient_sync(micro == o.grad_accum_steps - 1);
+    if (!o.no_shard) {
+      const bool last = micro == o.grad_accum_steps - 1;
+      // --reduce-scatter-each-microbatch: sharded sums every microbatch, the replicas' all-reduce once.
+      // (set_requires_gradient_sync also sets requires_all_reduce, so it comes first.)
+      fsdp::fsdp_api(t.model).set_requires_gradient_sync(last || o.reduce_scatter_each_microbatch);
+      if (o.reduce_scatter_each_microbatch) fsdp::fsdp_api(t.model).set_requires_all_reduce(last);
+    }
     torch::Tensor logits;
     if (!o.no_shard || t.s.parallel.param_dtype == torch::kFloat32) {
       logits = t.model(x);
@@ -131,8 +137,10 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   if (t.scaler) t.scaler->unscale_(t.optimizer);
   // Sharded: the loss of the global batch (the sum of the ranks' means) is all-reduced in the norm's
   // collective (one all-reduce per step instead of two; bit-identical, see fsdp::clip_grad_norm_).
+  // (--data-parallel replicate: every gradient is whole, the norm needs no collective; the loss has its own.)
+  const bool own_loss_all_reduce = o.no_shard || t.s.parallel.replicate;
   const double norm =
-      (o.no_shard ? fsdp::clip_grad_norm_(t.params, max_norm)
+      (own_loss_all_reduce ? fsdp::clip_grad_norm_(t.params, max_norm)
                   : fsdp::clip_grad_norm_(t.params, max_norm, 2.0, false, nullptr, loss_sum))
           .template item<double>();
   if (t.scaler) {
@@ -147,7 +155,7 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   t.optimizer.zero_grad();
   // The loss of the global batch: the mean of the ranks' means (equal batch sizes); sharded runs summed
   // it over the ranks with the gradient norm above.
-  if (o.no_shard) fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
+  if (own_loss_all_reduce) fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
   // HSDP: the norm's group is the shard group; the replicas' losses are summed too.
   if (t.replicate_group) fsdp::all_reduce(loss_sum, *t.replicate_group, fsdp::ReduceOp::SUM);
   return {loss_sum.item<double>() / (t.pg.size() / t.s.parallel.tp), norm, states};
@@ -188,7 +196,8 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   const double rss_before = current_rss_mb();
   torch::manual_seed(o.seed);
   // (Tensor parallelism shards the eagerly built model: deferred_init knows FSDP's rows only.)
-  const bool sharded_init = !o.no_shard && o.save_init.empty() && tp == 1;
+  // (--data-parallel replicate: every rank holds the whole model anyway.)
+  const bool sharded_init = !o.no_shard && o.save_init.empty() && tp == 1 && !s.parallel.replicate;
   Model model = sharded_init ? fsdp::deferred_init([&] { return Model(s.cfg); }) : Model(s.cfg);
   const DecayGroups groups = decay_groups(*model);  // on the full shapes, before sharding
   Reporter report(s, model->num_params(), pg);

@@ -78,6 +78,12 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   p.tp = o.tp;
   p.dp_replicate = o.dp_replicate;
   p.sequence_parallel = o.sequence_parallel;
+  p.replicate = o.data_parallel == "replicate";
+  if (p.replicate && (o.tp > 1 || o.dp_replicate > 1)) {
+    throw UsageError("--data-parallel replicate keeps the whole model on every rank; it does not combine with --tp "
+                     "or --dp-replicate (got --tp " + std::to_string(o.tp) + ", --dp-replicate " +
+                     std::to_string(o.dp_replicate) + "). Fix: drop them, or use --data-parallel fully_shard");
+  }
   const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate;
   if (world_size % tp_x_rep != 0) {
     throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by --dp-replicate(" +

@@ -56,6 +56,8 @@ struct Options {
   int tp = 1;                      // tensor-parallel ranks per block (issue 15): heads split across them
   int dp_replicate = 1;            // HSDP: replicas of the FSDP group; WORLD_SIZE = dp_replicate x dp_shard x tp
   bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
+  std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)
+  bool reduce_scatter_each_microbatch = false;  // accumulate sharded sums; HSDP: all-reduce on the last only
   int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
   // Output.
   int64_t log_every = 10;

@@ -13,6 +13,12 @@ fsdp::FullyShardOptions shard_options(const fsdp::DeviceMeshPtr& mesh, const Par
   return opts;
 }
 
+/// The options of every replicate call (--data-parallel replicate): the same mesh and policies.
+fsdp::ReplicateOptions replicate_options(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  const auto s = shard_options(mesh, p);
+  return fsdp::ReplicateOptions().mesh(mesh).mp_policy(s.mp_policy()).offload_policy(s.offload_policy());
+}
+
 /// The blocks' tensor-parallel plan: Megatron-LM's layout. Each block starts and ends with a
 /// replicated activation (or, with sequence parallelism, one sharded on the sequence, dim 1).
 /// `mlp_seq_dim`: the sequence's dim at the MLP (PlainBlock runs its MLP on [B * T, C]: dim 0; a
@@ -68,6 +74,12 @@ void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model) {
 }
 
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (p.replicate) {
+    const auto ropts = replicate_options(mesh, p);
+    for (auto& block : model->blocks) fsdp::replicate(block, ropts);  // one all-reduce per block
+    fsdp::replicate(model, ropts);
+    return;
+  }
   const auto opts = shard_options(mesh, p);
   // 1. Blocks, bottom-up.
   auto block_opts = opts;
@@ -80,6 +92,12 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   model->activation_checkpointing = p.activation_checkpointing;
+  if (p.replicate) {
+    const auto ropts = replicate_options(fsdp_mesh(mesh, p), p);
+    for (auto& block : *model->h) fsdp::replicate(block, ropts);
+    fsdp::replicate(model, ropts);
+    return;
+  }
   const auto opts = shard_options(fsdp_mesh(mesh, p), p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);

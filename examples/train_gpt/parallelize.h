@@ -19,6 +19,7 @@ struct ParallelOptions {
   int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
   int dp_shard = 1;       ///< FSDP ranks (the mesh's "dp_shard" dim)
   bool sequence_parallel = false;
+  bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
 };
 
 /// The device mesh of a run: 1-D over every rank for FSDP alone, else (dp_replicate, dp_shard, tp) with

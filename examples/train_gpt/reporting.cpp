@@ -176,7 +176,8 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (" << pg_->backend()->getBackendName()
      << " on " << device_.str() << ")\n"
      << "model: " << o_.model << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
-     << "M parameters, sharded over " << world << " rank" << (world > 1 ? "s" : "")
+     << "M parameters, " << (s_.parallel.replicate ? "replicated (fsdp::replicate)" : "sharded") << " over "
+     << world << " rank" << (world > 1 ? "s" : "")
      << (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1
              ? " (dp_replicate x dp_shard x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
                    std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +

@@ -40,7 +40,10 @@ GradGroups split_grads(const std::vector<torch::Tensor>& parameters, ProcessGrou
       out.tp_group = pg;
     }
     auto it = owners.find(p.unsafeGetTensorImpl());
-    if (it != owners.end()) {
+    // A group whose shard dimension has one rank (fsdp::replicate's) holds whole gradients: counted once,
+    // like a plain parameter's, also beside fully_shard groups in one model.
+    auto one_rank = [](const auto& state) { return state->group->mesh()->shape().back() == 1; };
+    if (it != owners.end() && !one_rank(it->second)) {
       const auto& state = it->second;
       if (!out.group) out.group = state->group->mesh()->get_group(state->group->mesh()->ndim() - 1);
       (tp ? out.sharded_tp : out.sharded).push_back(g);

@@ -44,6 +44,10 @@ int apply_layout(Layout layout, const Root& root, const std::vector<Block>& bloc
 // The full gradient of every parameter against the reference's (a replicated parameter's is its local
 // gradient; a sharded one's is gathered: a collective every rank makes in the same order).
 void expect_gradients(torch::nn::Module& net, const Reference& ref, size_t step, const std::string& what) {
+  // The global norm, as fsdp::clip_grad_norm_ computes it from replicated and sharded gradients alike.
+  const double norm = clip_grad_norm_(net.parameters(), std::numeric_limits<double>::infinity()).item<double>();
+  EXPECT_NEAR(norm, ref.grad_norms[step], kGradRtol * ref.grad_norms[step]) << "gradient norm at step " << step
+                                                                            << " (" << what << ")";
   for (const auto& p : net.named_parameters()) {
     auto dt = sharded_grad(p.value());
     ASSERT_TRUE(dt.has_value()) << p.key() << " has no gradient at step " << step << " (" << what << ")";
