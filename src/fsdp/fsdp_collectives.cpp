@@ -5,12 +5,36 @@
 
 namespace fsdp::detail {
 
+// [Note: mixed-dtype all-gather]
+// A group's parameters gather in one collective. When they gather in several dtypes (a frozen int64 index
+// table or a frozen bf16 parameter beside float ones; trainable ones share one dtype, see
+// verify_managed_params), the collective moves bytes, as FSDP2's uint8 all-gather: each rank's slice of the
+// uint8 output holds every parameter's piece in its own dtype, each piece padded to a multiple of kAlign
+// bytes, so that every piece (and every rank's slice) starts aligned for any element size and the copy-out
+// can view it in its dtype in place: [world, N bytes] -> narrow -> view(dtype) = [world, piece elements].
+// The bytes on the wire are those of the pieces (plus < kAlign per parameter); no value is converted.
+namespace {
+constexpr int64_t kAlign = 16;  // the largest element size (complex128)
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+bool gathers_bytes(const std::vector<FSDPParam>& params) {
+  for (const auto& p : params) {
+    if (p.param_dtype != params[0].param_dtype) return true;
+  }
+  return false;
+}
+}  // namespace
+
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
                                    CommContext& comm, torch::Device device, bool non_blocking) {
   const int world = pg.size();
+  const bool as_bytes = gathers_bytes(params);
+  auto piece = [&](const FSDPParam& p) {  // this rank's piece of p: elements, and its size in the output
+    const int64_t numel = post_forward ? p.post_forward_shard.numel() : p.padded_numel();
+    return std::pair<int64_t, int64_t>{numel, as_bytes ? aligned(numel * c10::elementSize(p.param_dtype)) : numel};
+  };
   int64_t n = 0;
-  for (const auto& p : params) n += post_forward ? p.post_forward_shard.numel() : p.padded_numel();
-  auto dtype = params.empty() ? torch::kFloat32 : params[0].param_dtype;
+  for (const auto& p : params) n += piece(p).second;
+  auto dtype = as_bytes ? torch::kByte : params.empty() ? torch::kFloat32 : params[0].param_dtype;
   torch::Tensor output, input;
   {
     // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
@@ -22,15 +46,18 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
     torch::NoGradGuard no_grad;
     for (const auto& p : params) {
       const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
-      input.narrow(0, off, src.numel()).copy_(src.reshape({-1}), non_blocking);
-      off += src.numel();
+      const auto [numel, size] = piece(p);
+      auto dst = as_bytes ? input.narrow(0, off, numel * c10::elementSize(p.param_dtype)).view(p.param_dtype)
+                          : input.narrow(0, off, numel);
+      dst.copy_(src.reshape({-1}), non_blocking);
+      off += size;
     }
   }
   comm.wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
   StreamScope all_gather(&comm, CommStream::kAllGather, /*wait_previous=*/false);
   // One rank (replicate's one-rank shard dimension, or a world of 1): the copy-in is the whole output.
   Work work = world == 1 ? Work() : all_gather_into_tensor(output, input, pg, /*async_op=*/true);
-  return AllGatherResult{output, std::move(work), world};
+  return AllGatherResult{output, std::move(work), world, as_bytes};
 }
 
 void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPParam>& params) {
@@ -39,8 +66,14 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
   int64_t off = 0;
   for (auto& p : params) {
     int64_t per_rank = p.unsharded_padded.numel() / ag.world;
-    p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, per_rank));
-    off += per_rank;
+    if (ag.as_bytes) {  // [world, bytes] viewed in the parameter's dtype, in place (aligned: see the note)
+      const int64_t bytes = per_rank * static_cast<int64_t>(c10::elementSize(p.param_dtype));
+      p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, bytes).view(p.param_dtype));
+      off += aligned(bytes);
+    } else {
+      p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, per_rank));
+      off += per_rank;
+    }
     p.post_forward_shard = torch::Tensor();
   }
 }

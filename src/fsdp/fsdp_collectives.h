@@ -21,11 +21,13 @@ struct AllGatherResult {
   torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
   Work work;
   int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
+  bool as_bytes = false; // the parameters gather in several dtypes: output is uint8 ([Note: mixed-dtype all-gather])
 };
 
 /// Copy-in and all-gather of a group's parameters over `pg`: each rank's padded shards (or, with
 /// `post_forward`, its post-forward shards) cast to param_dtype and concatenated into its slice of one
-/// flat output, gathered in place. CUDA: copy-in on the copy-in stream, the collective on the all-gather
+/// flat output, gathered in place (as bytes when the parameters gather in several dtypes: see
+/// [Note: mixed-dtype all-gather] in fsdp_collectives.cpp). CUDA: copy-in on the copy-in stream, the collective on the all-gather
 /// stream (see fsdp_streams.h). Asynchronous: the result's work must be waited before the copy-out.
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
                                    CommContext& comm, torch::Device device, bool non_blocking);

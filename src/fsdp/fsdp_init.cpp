@@ -116,7 +116,7 @@ ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Mo
 GroupDtypes verify_managed_params(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                                   const MixedPrecisionPolicy& mp, const std::string& module_name, int rank) {
   GroupDtypes dtypes;
-  std::string trainable_dtype_fqn, gather_dtype_fqn;
+  std::string trainable_dtype_fqn;
   for (const auto& [name, tensor] : params) {
     TORCH_CHECK(tensor.dim() > 0, "fully_shard: parameter '", name, "' of ", module_name, " on rank ", rank,
                 " is a scalar (0-D): FSDP shards dim 0. Fix: give it shape [1] (e.g. `register_parameter(\"", name,
@@ -133,15 +133,8 @@ GroupDtypes verify_managed_params(const std::vector<std::pair<std::string, torch
       dtypes.trainable = tensor.scalar_type();
       trainable_dtype_fqn = name;
     }
-    // One flat all-gather per group: every parameter must gather in the same dtype.
-    auto gdtype = (mp.param_dtype() && at::isFloatingType(tensor.scalar_type())) ? *mp.param_dtype()
-                                                                                 : tensor.scalar_type();
-    TORCH_CHECK(!dtypes.gather || *dtypes.gather == gdtype, "fully_shard: parameters '", gather_dtype_fqn, "' (",
-                *dtypes.gather, ") and '", name, "' (", gdtype, ") of ", module_name, " would be all-gathered in different ",
-                "dtypes, but a group is gathered as one flat buffer. Fix: shard them in separate fully_shard calls, cast "
-                "them to one dtype, or pass one of them in ignored_params");
-    dtypes.gather = gdtype;
-    gather_dtype_fqn = name;
+    // Parameters that gather in different dtypes (a frozen int64 or bf16 one beside float ones) are gathered
+    // as bytes in the same one collective: see [Note: mixed-dtype all-gather] (fsdp_collectives.cpp).
   }
   return dtypes;
 }

@@ -45,11 +45,11 @@ ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Mo
 /// The dtypes of a group, found while checking its parameters.
 struct GroupDtypes {
   std::optional<torch::ScalarType> trainable;  // of the trainable parameters (unset: none trainable)
-  std::optional<torch::ScalarType> gather;     // of the all-gather (unset: no parameter)
 };
 
 /// Checks the parameters of one group before any is sharded: each is at least 1-D, contiguous and dense;
-/// trainable parameters share one dtype; all gather in one dtype (`mp`'s param_dtype for floating ones).
+/// trainable parameters share one dtype (as in PyTorch: one reduction dtype per group). Frozen parameters
+/// may have other dtypes (gathered as bytes).
 /// Throws c10::Error naming the parameter, `module_name` and `rank`.
 GroupDtypes verify_managed_params(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                                   const MixedPrecisionPolicy& mp, const std::string& module_name, int rank);

@@ -25,7 +25,11 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   const auto dtypes = verify_managed_params(params, opts_.mp, module_name, global_rank);
   const auto shard_device = opts_.offload ? torch::Device(torch::kCPU) : mesh->device();
   for (auto& [name, tensor] : params) {
-    params_.emplace_back(name, tensor, *dtypes.gather, ws, rank, shard_device, opts_.offload && opts_.pin_memory);
+    // Each parameter gathers in mp's param_dtype if it is floating, else in its own dtype (as PyTorch's
+    // FSDPParam.init_dtype_attrs); a group with several such dtypes gathers bytes (fsdp_collectives.cpp).
+    const auto gather_dtype = (opts_.mp.param_dtype() && at::isFloatingType(tensor.scalar_type()))
+                                  ? *opts_.mp.param_dtype() : tensor.scalar_type();
+    params_.emplace_back(name, tensor, gather_dtype, ws, rank, shard_device, opts_.offload && opts_.pin_memory);
   }
   if (replicate_pg_ && replicate_pg_->size() > 1) broadcast_over_replicate();
   auto base = dtypes.trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);

@@ -26,10 +26,11 @@ TEST(BadInput, FailedFullyShardLeavesTheModuleUnchanged) {
     m->register_parameter("b", torch::ones({4, 3}).t());  // non-contiguous: rejected
     EXPECT_THROW(fully_shard(m, FullyShardOptions().mesh(mesh)), c10::Error);
     EXPECT_EQ(m->named_parameters()["a"].size(0), 4) << "validated before sharding";
-    // Parameters that would be gathered in different dtypes are refused at fully_shard.
+    // Trainable parameters of different dtypes are refused at fully_shard, as in PyTorch (one reduction
+    // dtype per group; frozen ones of other dtypes are gathered as bytes: MixedDtypeGroups).
     auto n = std::make_shared<torch::nn::Module>();
     n->register_parameter("w", torch::ones({4, 3}));
-    n->register_parameter("ids", torch::zeros({4}, torch::kLong), /*requires_grad=*/false);
+    n->register_parameter("v", torch::ones({4}, torch::kBFloat16));
     try {
       fully_shard(n, FullyShardOptions().mesh(mesh));
       FAIL();

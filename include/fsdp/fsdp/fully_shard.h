@@ -355,9 +355,10 @@ auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
 /// Everything is validated before anything is sharded: when it throws, the module is unchanged.
 /// Throws c10::Error (messages name the parameter's fully qualified name and the rank) for: a scalar
 /// or non-contiguous parameter, a parameter tied to one managed by another fully_shard call (shard
-/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters,
-/// parameters that would be all-gathered in different dtypes (e.g. a frozen int buffer-like
-/// parameter beside float ones: ignore it or shard it separately), a parameter of a module that makes
+/// tied modules together: fully_shard({a, b})), mixed original dtypes among trainable parameters (as
+/// PyTorch: one reduction dtype per group; frozen parameters of other dtypes, e.g. an int64 index table
+/// or a bf16 constant beside fp32 weights, are fine: the group is then all-gathered as bytes, in one
+/// collective, as FSDP2's uint8 all-gather), a parameter of a module that makes
 /// sparse gradients (torch::nn::Embedding or EmbeddingBag with sparse=true: the message names the module
 /// FQN and type; pass its weight in ignored_params or use sparse=false), a mesh of more than 2 dims, a
 /// module already sharded. reshard_after_forward = k not dividing the shard group size throws at the
