@@ -375,9 +375,21 @@ def main():
             else:
                 mesh = init_device_mesh(device.type, (world,))
                 norm_group = dist.group.WORLD
+            # train_gpt --shard-dim 1: 2-D weights sharded on dim 1 where it divides by the shard ranks.
+            shard_dim = run.get("shard_dim", 0)
+            placement = {}
+            if shard_dim:
+                from torch.distributed.tensor import Shard
+                shard_size = world // dp_replicate
+
+                def placement_fn(p):
+                    return Shard(shard_dim) if p.dim() == 2 and p.size(shard_dim) % shard_size == 0 else None
+
+                placement = {"shard_placement_fn": placement_fn}
             for block in model.h:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)  # the root last; its default: no reshard after forward
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, **placement)
+            # the root last; its default: no reshard after forward
+            fully_shard(model, mesh=mesh, mp_policy=policy, **placement)
         # fully_shard replaced the parameters by DTensors: regroup by name.
         by_name = dict(model.named_parameters())
         decay = [p for n, p in by_name.items() if p.dim() >= 2]

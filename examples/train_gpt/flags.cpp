@@ -139,6 +139,13 @@ void add_flags(CLI::App& app, Options& o) {
   g = app.add_option_group("Parallelism and memory");
   g->add_option("--mixed-precision", o.mixed_precision, "Compute dtype (parameters and optimizer stay fp32)")
       ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  g->add_option("--all-gather-dtype", o.all_gather_dtype,
+                "All-gather the weight matrices in bf16 or float8 (e4m3, a scale per shard) and upcast them after "
+                "the gather (fsdp::low_precision_all_gather): half or a quarter of fp32's bytes on the wire; "
+                "compute stays in --mixed-precision")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "float8"}));
+  add_integer(g, "--shard-dim", o.shard_dim, "Shard each 2-D weight on this dim (0 or 1) where its size divides by the "
+              "FSDP ranks, the others on dim 0 (fully_shard's shard_placement_fn) (Default: 0)", int(0));
   g->add_option("--reshard-after-forward", o.reshard_after_forward,
                 "Free the blocks' gathered parameters after forward: true|false|N (N ranks keep a slice)")
       ->capture_default_str();

@@ -62,6 +62,7 @@ inline nlohmann::json run_description(const RunSetup& s, int world, int64_t star
           {"mixed_precision", o.mixed_precision}, {"reshard_after_forward", o.reshard_after_forward},
           {"no_shard", o.no_shard},      {"seed", o.seed},
           {"data_parallel", o.data_parallel}, {"dp_replicate", o.dp_replicate},
+          {"all_gather_dtype", o.all_gather_dtype}, {"shard_dim", o.shard_dim},
           {"reduce_scatter_each_microbatch", o.reduce_scatter_each_microbatch},
           {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }

@@ -79,6 +79,18 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   p.dp_replicate = o.dp_replicate;
   p.sequence_parallel = o.sequence_parallel;
   p.replicate = o.data_parallel == "replicate";
+  if (o.all_gather_dtype == "bf16") p.all_gather_dtype = torch::kBFloat16;
+  if (o.all_gather_dtype == "float8") p.all_gather_dtype = torch::kFloat8_e4m3fn;
+  p.shard_dim = o.shard_dim;
+  if (o.shard_dim != 0 && (o.shard_dim != 1 || p.replicate || o.tp > 1 || p.all_gather_dtype)) {
+    throw UsageError("--shard-dim " + std::to_string(o.shard_dim) + ": expected 0 or 1, with --data-parallel "
+                     "fully_shard, without --tp and --all-gather-dtype (FSDP shards tensor-parallel weights and "
+                     "extended all-gathers on dim 0). Fix: drop --shard-dim or the other flag");
+  }
+  if (p.replicate && p.all_gather_dtype) {
+    throw UsageError("--all-gather-dtype " + o.all_gather_dtype + " changes fully_shard's all-gather, but --data-parallel "
+                     "replicate all-gathers nothing. Fix: drop --all-gather-dtype, or use --data-parallel fully_shard");
+  }
   if (p.replicate && (o.tp > 1 || o.dp_replicate > 1)) {
     throw UsageError("--data-parallel replicate keeps the whole model on every rank; it does not combine with --tp "
                      "or --dp-replicate (got --tp " + std::to_string(o.tp) + ", --dp-replicate " +

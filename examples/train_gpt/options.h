@@ -49,6 +49,8 @@ struct Options {
   double clip_grad = 1.0;  // 0 = no clipping (the norm is still logged)
   // Parallelism and memory.
   std::string mixed_precision = "fp32";
+  std::string all_gather_dtype = "fp32";  // bf16 | float8: weights all-gathered in it, upcast after (LowPrecisionAllGather)
+  int shard_dim = 0;  // shard_placement_fn: 2-D weights whose size on this dim divides by the FSDP ranks
   std::string reshard_after_forward = "true";
   bool activation_checkpointing = false;
   bool cpu_offload = false;

@@ -10,6 +10,14 @@ fsdp::FullyShardOptions shard_options(const fsdp::DeviceMeshPtr& mesh, const Par
     opts.mp_policy(fsdp::MixedPrecisionPolicy().param_dtype(p.param_dtype).reduce_dtype(torch::kFloat32));
   }
   if (p.cpu_offload) opts.offload_policy(fsdp::CPUOffloadPolicy());
+  if (p.all_gather_dtype) opts.all_gather_extension_fn(fsdp::low_precision_all_gather(*p.all_gather_dtype));
+  if (p.shard_dim != 0) {
+    opts.shard_placement_fn([d = p.shard_dim, n = p.dp_shard](const std::string&, const torch::Tensor& w)
+                                -> std::optional<fsdp::Placement> {
+      if (w.dim() == 2 && w.size(d) % n == 0) return fsdp::Shard(d);
+      return std::nullopt;
+    });
+  }
   return opts;
 }
 

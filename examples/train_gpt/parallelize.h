@@ -20,6 +20,8 @@ struct ParallelOptions {
   int dp_shard = 1;       ///< FSDP ranks (the mesh's "dp_shard" dim)
   bool sequence_parallel = false;
   bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
+  std::optional<torch::ScalarType> all_gather_dtype;  ///< LowPrecisionAllGather of the weight matrices
+  int shard_dim = 0;  ///< shard_placement_fn: 2-D weights on this dim where it divides by dp_shard
 };
 
 /// The device mesh of a run: 1-D over every rank for FSDP alone, else (dp_replicate, dp_shard, tp) with

@@ -294,6 +294,8 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
   const double payload = (static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")) - marks_.all_gather +
                           static_cast<double>(pg_->collective_bytes("reduce_scatter_tensor")) - marks_.reduce_scatter) /
                          steps_d;
+  const double all_gather_payload =
+      (static_cast<double>(pg_->collective_bytes("all_gather_into_tensor")) - marks_.all_gather) / steps_d;
   const double n = static_cast<double>(pg_->size());
   const nlohmann::json ratio_to_min =
       n > 1 && payload > 0 ? nlohmann::json(sent / ((n - 1) / n * payload)) : nlohmann::json(nullptr);
@@ -306,6 +308,7 @@ void Reporter::step(int64_t step, double lr, double loss, double grad_norm, doub
                          {"grad_norm", grad_norm}, {"tokens_per_s", tps},  {"step_ms", step_ms},
                          {"peak_rss_mb", peak},   {"peak_gpu_mem_mb", peak_gpu}, {"mfu", mfu(tps)},
                          {"bytes_per_step", sent}, {"bytes_ratio_to_min", ratio_to_min},
+                         {"all_gather_bytes_per_step", all_gather_payload},
                          {"minor_faults_per_step", faults}, {"comm_wait_ms", comm_wait_ms}};
   std::ostringstream os;
   os << "step " << std::setw(std::to_string(o_.steps).size()) << step << "/" << o_.steps << " | loss "

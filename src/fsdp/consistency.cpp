@@ -113,6 +113,11 @@ std::vector<int64_t> layout_row(FSDPState& s) {
     shapes.add(p.orig_size.size());
     for (auto d : p.orig_size) shapes.add(static_cast<uint64_t>(d));
     shapes.add(p.requires_grad() ? 1 : 0);
+    shapes.add(static_cast<uint64_t>(p.shard_dim));
+    for (const auto& [dt, n] : p.extension_layout) {  // an all-gather extension's pieces (its bytes on the wire)
+      shapes.add(static_cast<uint64_t>(dt));
+      shapes.add(static_cast<uint64_t>(n));
+    }
   }
   row[3] = params.empty() ? -1 : static_cast<int64_t>(params[0].param_dtype);
   row[5] = static_cast<int64_t>(s.group->reduce_dtype());

@@ -204,7 +204,8 @@ void place(const Member& m, const torch::Tensor& real, const ManagedParamMap& ma
   if (it != managed.end()) {
     const FSDPParam& p = *it->second.second;
     if (p.local_rows > 0) {
-      p.padded_shard.narrow(0, 0, p.local_rows).copy_(local.narrow(0, p.local_offset, p.local_rows));
+      p.padded_shard.narrow(p.shard_dim, 0, p.local_rows)
+          .copy_(local.narrow(p.shard_dim, p.local_offset, p.local_rows));
     }
     return;
   }

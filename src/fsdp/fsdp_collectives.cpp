@@ -16,63 +16,116 @@ namespace fsdp::detail {
 namespace {
 constexpr int64_t kAlign = 16;  // the largest element size (complex128)
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-bool gathers_bytes(const std::vector<FSDPParam>& params) {
-  for (const auto& p : params) {
-    if (p.param_dtype != params[0].param_dtype) return true;
-  }
-  return false;
-}
 }  // namespace
 
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
-                                   CommContext& comm, torch::Device device, bool non_blocking) {
+                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom) {
   const int world = pg.size();
-  const bool as_bytes = gathers_bytes(params);
-  auto piece = [&](const FSDPParam& p) {  // this rank's piece of p: elements, and its size in the output
-    const int64_t numel = post_forward ? p.post_forward_shard.numel() : p.padded_numel();
-    return std::pair<int64_t, int64_t>{numel, as_bytes ? aligned(numel * c10::elementSize(p.param_dtype)) : numel};
-  };
-  int64_t n = 0;
-  for (const auto& p : params) n += piece(p).second;
-  auto dtype = as_bytes ? torch::kByte : params.empty() ? torch::kFloat32 : params[0].param_dtype;
+  AllGatherResult result;
+  result.world = world;
+  result.post_forward = post_forward;
+  result.pieces.resize(params.size());
+  result.extended.assign(params.size(), 0);
   torch::Tensor output, input;
   {
     // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
     StreamScope copy_in(&comm, CommStream::kAllGatherCopyIn);
-    output = comm.empty({world * n}, dtype, device);  // CPU: a pool block (see fsdp_buffer_pool.h)
+    torch::NoGradGuard no_grad;
+    // Each parameter's pieces: its (post-forward) shard, cast to param_dtype by the copy below, or its
+    // extension's inputs ([Note: all-gather extension]; not for the post-forward gather, which moves the
+    // already rebuilt values).
+    std::vector<std::vector<torch::Tensor>> srcs(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      if (!post_forward && p.all_gather_extension) {
+        srcs[i] = p.extension_inputs();
+        result.extended[i] = 1;
+        for (const auto& t : srcs[i]) result.pieces[i].emplace_back(t.scalar_type(), t.numel());
+      } else {
+        srcs[i] = {post_forward ? p.post_forward_shard : p.padded_shard};
+        result.pieces[i].emplace_back(p.param_dtype, srcs[i][0].numel());
+      }
+    }
+    // One dtype on the wire, or bytes: [Note: mixed-dtype all-gather].
+    std::optional<torch::ScalarType> dtype;
+    for (const auto& ps : result.pieces) {
+      for (const auto& [dt, numel] : ps) {
+        if (!dtype) dtype = dt;
+        if (dt != *dtype) result.as_bytes = true;
+      }
+    }
+    auto size = [&](torch::ScalarType dt, int64_t numel) {
+      return result.as_bytes ? aligned(numel * static_cast<int64_t>(c10::elementSize(dt))) : numel;
+    };
+    int64_t n = 0;
+    for (const auto& ps : result.pieces) {
+      for (const auto& [dt, numel] : ps) n += size(dt, numel);
+    }
+    const auto wire = result.as_bytes ? torch::kByte : dtype.value_or(torch::kFloat32);
+    // CPU: a pool block (see fsdp_buffer_pool.h), unless the user's AllGather allocates.
+    output = custom ? custom->allocate({world * n}, wire, device) : comm.empty({world * n}, wire, device);
+    TORCH_CHECK(output.numel() == world * n && output.scalar_type() == wire && output.is_contiguous(),
+                "fully_shard: the custom AllGather's allocate({", world * n, "}, ", wire, ") returned ",
+                output.sizes(), " ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)",
+                "; expected a contiguous tensor of exactly that size and dtype");
+    TORCH_CHECK(!result.as_bytes || reinterpret_cast<uintptr_t>(output.data_ptr()) % kAlign == 0,
+                "fully_shard: the custom AllGather's allocate returned a buffer at an address not aligned to ", kAlign,
+                " bytes; the group gathers several dtypes as bytes and views each piece in its dtype in place. Fix: ",
+                "allocate with torch::empty (or align the buffer to ", kAlign, " bytes)");
     // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
     input = output.narrow(0, pg.rank() * n, n);
     int64_t off = 0;
-    torch::NoGradGuard no_grad;
-    for (const auto& p : params) {
-      const auto& src = post_forward ? p.post_forward_shard : p.padded_shard;
-      const auto [numel, size] = piece(p);
-      auto dst = as_bytes ? input.narrow(0, off, numel * c10::elementSize(p.param_dtype)).view(p.param_dtype)
-                          : input.narrow(0, off, numel);
-      dst.copy_(src.reshape({-1}), non_blocking);
-      off += size;
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (size_t j = 0; j < srcs[i].size(); ++j) {
+        const auto [dt, numel] = result.pieces[i][j];
+        auto dst = result.as_bytes ? input.narrow(0, off, numel * c10::elementSize(dt)).view(dt)
+                                   : input.narrow(0, off, numel);
+        dst.copy_(srcs[i][j].reshape({-1}), non_blocking);
+        off += size(dt, numel);
+      }
     }
   }
   comm.wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
   StreamScope all_gather(&comm, CommStream::kAllGather, /*wait_previous=*/false);
   // One rank (replicate's one-rank shard dimension, or a world of 1): the copy-in is the whole output.
-  Work work = world == 1 ? Work() : all_gather_into_tensor(output, input, pg, /*async_op=*/true);
-  return AllGatherResult{output, std::move(work), world, as_bytes};
+  if (world > 1) {
+    result.work = custom ? (*custom)(output, input, pg, /*async_op=*/true)
+                         : all_gather_into_tensor(output, input, pg, /*async_op=*/true);
+  }
+  result.output = std::move(output);
+  return result;
 }
 
 void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPParam>& params) {
   torch::NoGradGuard no_grad;
   auto out2d = ag.output.view({ag.world, -1});
   int64_t off = 0;
-  for (auto& p : params) {
-    int64_t per_rank = p.unsharded_padded.numel() / ag.world;
-    if (ag.as_bytes) {  // [world, bytes] viewed in the parameter's dtype, in place (aligned: see the note)
-      const int64_t bytes = per_rank * static_cast<int64_t>(c10::elementSize(p.param_dtype));
-      p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, bytes).view(p.param_dtype));
-      off += aligned(bytes);
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    // Each piece as [world, numel] in its dtype: in place, aligned when bytes (see the note).
+    std::vector<torch::Tensor> views;
+    for (const auto& [dt, numel] : ag.pieces[i]) {
+      if (ag.as_bytes) {
+        const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
+        views.push_back(out2d.narrow(1, off, bytes).view(dt));
+        off += aligned(bytes);
+      } else {
+        views.push_back(out2d.narrow(1, off, numel));
+        off += numel;
+      }
+    }
+    if (ag.extended[i]) {
+      p.all_gather_extension->post_all_gather(views, p.unsharded_padded);
+    } else if (p.shard_dim != 0 && !ag.post_forward) {
+      // Chunk-cat ([Note: Shard(d)]): rank r's chunk [*shard shape] goes to rows r of dim d split as
+      // [world, n / world]: [world, *shard] -> movedim(0, d) -> the unsharded tensor viewed split.
+      std::vector<int64_t> gathered{ag.world};
+      for (auto s : p.padded_shard.sizes()) gathered.push_back(s);
+      auto split = p.padded_shard.sizes().vec();
+      split.insert(split.begin() + p.shard_dim, ag.world);
+      p.unsharded_padded.view(split).copy_(views[0].view(gathered).movedim(0, p.shard_dim));
     } else {
-      p.unsharded_padded.view({ag.world, per_rank}).copy_(out2d.narrow(1, off, per_rank));
-      off += per_rank;
+      p.unsharded_padded.view({ag.world, -1}).copy_(views[0]);
     }
     p.post_forward_shard = torch::Tensor();
   }
@@ -81,7 +134,7 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
 ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
-                                   torch::Device device) {
+                                   torch::Device device, ReduceScatter* custom) {
   torch::NoGradGuard no_grad;
   const int ws = pg.size();
   const int64_t m = data_numel;
@@ -92,20 +145,47 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
   // then the P presence flags.
   // Uninitialised (CPU: a pool block): every element is written below, the gradients' rows by the copy,
   // the padding and absent gradients with zeros, so nothing is written twice.
-  auto input = comm.empty({ws, m + np}, reduce_dtype, device);
+  torch::Tensor input;
+  if (custom) {
+    input = custom->allocate({ws * (m + np)}, reduce_dtype, device);
+    TORCH_CHECK(input.numel() == ws * (m + np) && input.scalar_type() == reduce_dtype && input.is_contiguous(),
+                "fully_shard: the custom ReduceScatter's allocate returned ", input.sizes(), " ", input.scalar_type(),
+                "; expected a contiguous tensor of ", ws * (m + np), " elements of ", reduce_dtype);
+    input = input.view({ws, m + np});
+  } else {
+    input = comm.empty({ws, m + np}, reduce_dtype, device);
+  }
   input.narrow(1, m, np).zero_();
   int64_t off = 0;
   for (size_t k = 0; k < param_indices.size(); ++k) {
     const auto& p = params[param_indices[k]];
     auto& g = grads[param_indices[k]];
     if (g.defined()) input.narrow(1, m + static_cast<int64_t>(k), 1).fill_(1);
-    for (int r = 0; r < ws; ++r) {
-      auto range = chunk_range(p.orig_size[0], ws, r);
-      const int64_t filled = g.defined() ? range.length * p.row_numel : 0;
-      if (filled > 0) {
-        input[r].narrow(0, off, filled).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+    if (p.shard_dim != 0) {
+      // [Note: Shard(d)]: rank r's row takes chunk r of dim d (even: no padding).
+      torch::Tensor chunks;
+      if (g.defined()) {
+        auto split = p.padded_shard.sizes().vec();
+        split.insert(split.begin() + p.shard_dim, ws);
+        chunks = g.reshape(split).movedim(p.shard_dim, 0);  // [ws, *shard shape]
       }
-      if (filled < p.padded_numel()) input[r].narrow(0, off + filled, p.padded_numel() - filled).zero_();
+      for (int r = 0; r < ws; ++r) {
+        auto dst = input[r].narrow(0, off, p.padded_numel());
+        if (g.defined()) {
+          dst.view(p.padded_shard.sizes()).copy_(chunks[r]);
+        } else {
+          dst.zero_();
+        }
+      }
+    } else {
+      for (int r = 0; r < ws; ++r) {
+        auto range = chunk_range(p.orig_size[0], ws, r);
+        const int64_t filled = g.defined() ? range.length * p.row_numel : 0;
+        if (filled > 0) {
+          input[r].narrow(0, off, filled).copy_(g.narrow(0, range.offset, range.length).reshape({-1}));
+        }
+        if (filled < p.padded_numel()) input[r].narrow(0, off + filled, p.padded_numel() - filled).zero_();
+      }
     }
     off += p.padded_numel();
     if (g.defined()) comm.record_stream(g, CommStream::kReduceScatter);  // read there; freed by the compute stream
@@ -119,8 +199,12 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
     // One rank (replicate's one-rank shard dimension, or a world of 1): the input is the sum.
     return ReduceScatterResult{torch::Tensor(), flat_in, Work(), std::move(param_indices), m, std::move(missing)};
   }
-  auto output = comm.empty({m + np}, reduce_dtype, device);
-  Work work = reduce_scatter_tensor(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true);
+  auto output = custom ? custom->allocate({m + np}, reduce_dtype, device) : comm.empty({m + np}, reduce_dtype, device);
+  TORCH_CHECK(output.numel() == m + np && output.scalar_type() == reduce_dtype && output.is_contiguous(),
+              "fully_shard: the custom ReduceScatter's allocate({", m + np, "}, ", reduce_dtype, ") returned ",
+              output.sizes(), " ", output.scalar_type(), "; expected a contiguous tensor of exactly that size and dtype");
+  Work work = custom ? (*custom)(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true)
+                     : reduce_scatter_tensor(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true);
   // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns
   // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
   // reduce-scatter stream, where the memory is allocated and reused in order. Dropping it here frees each
@@ -145,9 +229,7 @@ void foreach_reduce_scatter_copy_out(const ReduceScatterResult& rs, const std::v
       off += p.padded_numel();
       continue;  // no rank had a gradient for it: it keeps none
     }
-    auto shape = p.orig_size;
-    shape[0] = p.padded_rows;
-    auto shard = rs.output.narrow(0, off, p.padded_numel()).view(shape).narrow(0, 0, p.local_rows);
+    auto shard = rs.output.narrow(0, off, p.padded_numel()).view(p.padded_shard.sizes()).narrow(p.shard_dim, 0, p.local_rows);
     off += p.padded_numel();
     if (shard.scalar_type() == p.orig_dtype && shard.device() == p.sharded_data.device() && shard.is_cpu()) {
       // CPU: the gradient aliases its piece of the output (no copy, no allocation), as a plain tensor on

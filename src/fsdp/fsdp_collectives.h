@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fsdp/c10d/collectives.h"
+#include "fsdp/fsdp/comm.h"
 #include "fsdp/fsdp_param.h"
 #include "fsdp/fsdp_streams.h"
 
@@ -21,7 +22,12 @@ struct AllGatherResult {
   torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
   Work work;
   int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
-  bool as_bytes = false; // the parameters gather in several dtypes: output is uint8 ([Note: mixed-dtype all-gather])
+  bool as_bytes = false; // the pieces have several dtypes: output is uint8 ([Note: mixed-dtype all-gather])
+  /// Per parameter: the dtype and numel of each piece it sent (one: its shard in param_dtype, or its
+  /// extension's inputs: see [Note: all-gather extension] in fsdp/fsdp/all_gather_extension.h).
+  std::vector<std::vector<std::pair<torch::ScalarType, int64_t>>> pieces;
+  std::vector<char> extended;  // per parameter: its pieces are its extension's (post_all_gather rebuilds it)
+  bool post_forward = false;   // gathered from post-forward shards (flat slices: copied out as they are)
 };
 
 /// Copy-in and all-gather of a group's parameters over `pg`: each rank's padded shards (or, with
@@ -29,8 +35,9 @@ struct AllGatherResult {
 /// flat output, gathered in place (as bytes when the parameters gather in several dtypes: see
 /// [Note: mixed-dtype all-gather] in fsdp_collectives.cpp). CUDA: copy-in on the copy-in stream, the collective on the all-gather
 /// stream (see fsdp_streams.h). Asynchronous: the result's work must be waited before the copy-out.
+/// `custom` (may be null): the user's AllGather (allocation and collective), see FSDPModuleAPI::set_custom_all_gather.
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
-                                   CommContext& comm, torch::Device device, bool non_blocking);
+                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom);
 
 /// Copy-out: the (completed) all-gather output viewed as [world, N] holds, per rank, every parameter's
 /// piece in group order; each piece goes to its parameter's (allocated) unsharded padded tensor.
@@ -51,11 +58,12 @@ struct ReduceScatterResult {
 /// rank has no gradient for the k-th, which then contributes zeros). Input [ws, M + P]: row r = every
 /// gradient's chunk r, zero-padded, in group order, then the P presence flags. Each gradient is released
 /// once copied in (before the output and the backend's buffers are allocated). CUDA: on the
-/// reduce-scatter stream. Asynchronous.
+/// reduce-scatter stream. Asynchronous. `custom` (may be null): the user's ReduceScatter, which allocates
+/// the input and output and runs the collective (FSDPModuleAPI::set_custom_reduce_scatter).
 ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
-                                   torch::Device device);
+                                   torch::Device device, ReduceScatter* custom);
 
 /// Unpacks a completed (and divided) reduce-scatter output: hands each reduced parameter's sharded
 /// gradient to `sink(param index, gradient)`, in `rs.param_indices` order, in the parameter's dtype and

@@ -1,7 +1,11 @@
 // fully_shard's initialisation: default mesh, managed parameters and their checks (see fsdp_init.h).
 #include "fsdp/fsdp_init.h"
 
+#include <mutex>
 #include <sstream>
+#include <tuple>
+
+#include <c10/util/StringUtil.h>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -27,7 +31,78 @@ void check_dense_gradients(const torch::nn::Module& m, const std::string& path, 
 
 }  // namespace
 
+DeviceMeshPtr data_parallel_mesh(const DeviceMeshPtr& mesh, const DataParallelMeshDims& dims, const char* api) {
+  TORCH_CHECK(mesh, api, ": dp_mesh_dims names dimensions of `mesh`, but no mesh was given. Fix: pass the full mesh");
+  TORCH_CHECK(!dims.shard().empty() || !dims.replicate().empty(), api,
+              ": at least one of shard or replicate must be set in DataParallelMeshDims");
+  std::vector<std::string> names = dims.replicate();
+  names.insert(names.end(), dims.shard().begin(), dims.shard().end());
+  int64_t last = -1;
+  for (const auto& n : names) {
+    const int64_t d = mesh->dim_index(n);  // throws for an unknown name, listing the mesh's names
+    TORCH_CHECK(d > last, api, ": dp_mesh_dims names '", n, "' out of order or twice in ", mesh->str(),
+                "; list the replicate dimensions, then the shard ones, each in the mesh's order");
+    last = d;
+  }
+  if (dims.replicate().size() <= 1 && dims.shard().size() <= 1) {
+    return names.size() == 1 ? (*mesh)[names[0]] : mesh->slice(names);
+  }
+  TORCH_CHECK(names.size() == static_cast<size_t>(mesh->ndim()), api, ": dp_mesh_dims flattens several dimensions of ",
+              mesh->str(), " into one, which needs every dimension of the mesh to be data-parallel (a flattened mesh ",
+              "is a new root: parameters tensor-parallel on the other dimensions would lose them). Fix: name one ",
+              "dimension per field, or build the mesh with one data-parallel dimension");
+  // Flattened: a mesh over the ranks the named dimensions span (row-major in the mesh's order, so their
+  // group's rank order), one dimension per field; built once per (mesh, names).
+  static std::mutex mu;
+  static std::vector<std::tuple<std::weak_ptr<const DeviceMesh>, std::vector<std::string>, DeviceMeshPtr>> cache;
+  const std::vector<std::string> key = [&] {
+    auto k = dims.replicate();
+    k.push_back("|");
+    k.insert(k.end(), dims.shard().begin(), dims.shard().end());
+    return k;
+  }();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = cache.begin(); it != cache.end();) {
+      auto m = std::get<0>(*it).lock();
+      if (!m) {
+        it = cache.erase(it);
+        continue;
+      }
+      if (m.get() == mesh.get() && std::get<1>(*it) == key) return std::get<2>(*it);
+      ++it;
+    }
+  }
+  auto span = mesh->slice(names);
+  std::vector<int64_t> shape;
+  std::vector<std::string> flat_names;
+  for (const auto* field : {&dims.replicate(), &dims.shard()}) {
+    if (field->empty()) continue;
+    int64_t size = 1;
+    std::string joined;
+    for (const auto& n : *field) {
+      size *= mesh->size(mesh->dim_index(n));
+      joined += (joined.empty() ? "" : "_") + n;
+    }
+    shape.push_back(size);
+    flat_names.push_back(joined);
+  }
+  // Built outside the lock: the constructor rendezvouses with the other ranks (threads of this process in tests).
+  auto flat = std::make_shared<DeviceMesh>(span->world(), shape, flat_names);
+  std::lock_guard<std::mutex> lock(mu);
+  cache.emplace_back(mesh, key, flat);
+  return flat;
+}
+
 DeviceMeshPtr fully_shard_mesh(const FullyShardOptions& options) {
+  if (options.dp_mesh_dims()) {
+    const auto& dims = *options.dp_mesh_dims();
+    TORCH_CHECK(!dims.shard().empty() || dims.replicate().empty(), "fully_shard: dp_mesh_dims sets only replicate (",
+                c10::Join(", ", options.dp_mesh_dims()->replicate()), "): that is data parallelism without ",
+                "sharding. Fix: fsdp::replicate(module, fsdp::ReplicateOptions().mesh(mesh).dp_mesh_dims(...)), or ",
+                "name the shard dimension");
+    return data_parallel_mesh(options.mesh(), *options.dp_mesh_dims(), "fully_shard");
+  }
   auto mesh = options.mesh();
   if (!mesh) {
     auto world = default_process_group();

@@ -18,6 +18,10 @@ namespace fsdp::detail {
 /// `options.mesh()`, or a 1-D mesh over the default process group. Throws c10::Error for a mesh that is
 /// neither 1-D nor 2-D.
 DeviceMeshPtr fully_shard_mesh(const FullyShardOptions& options);
+/// The data-parallel mesh of `dims` in the full mesh `mesh` (dp_mesh_dims of fully_shard and replicate):
+/// 1-D or 2-D (replicate, shard), several names of one field flattened into one dimension. `api` names the
+/// caller in errors. Collective over the ranks spanned the first time a flattened mesh is built.
+DeviceMeshPtr data_parallel_mesh(const DeviceMeshPtr& mesh, const DataParallelMeshDims& dims, const char* api);
 
 /// Visits, pre-order, every module of `modules`' trees outside the subtrees of already-sharded submodules
 /// (those are managed by their own fully_shard call): `fn(index of the tree in modules, prefix ("i." with

@@ -251,6 +251,15 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   for (const auto& f : found) {
     FSDPState& s = *f.state;
     if (!s.implicit) {
+      if (s.ctx && s.ctx->in_backward) {
+        // set_unshard_in_backward(false) keys a holder group's unsharded data too: a backward formula
+        // that does read the parameter gathers it here instead of reading freed memory.
+        if (!s.group->unshard_in_backward && s.group->sharded_state() != ShardedState::UNSHARDED) {
+          s.group->unshard(/*async_op=*/true);  // (or completes one in flight)
+          s.group->wait_for_unshard();
+        }
+        continue;
+      }
       // A holder group: see [Note: reads of a sharded parameter].
       // (A TP parameter's unsharded data carry the key too: its own module's forward is fine.)
       const bool in_forward = s.ctx && s.ctx->forward_open && !s.ctx->in_backward;

@@ -4,6 +4,7 @@
 #include "fsdp/fsdp_interception.h"
 #include "tensor/parallel/tp_ops.h"
 
+#include <sstream>
 #include <utility>
 
 namespace fsdp::detail {
@@ -38,21 +39,32 @@ void accumulate(torch::Tensor& into, torch::Tensor from) {
   }
 }
 
+// [Note: Shard(d)]
+// shard_placement_fn can shard a parameter on a dim d other than 0 (e.g. Shard(1) for a weight whose rows
+// are few), with PyTorch's rule that d's size divides by the shard group size (no padding). The shard is
+// the contiguous chunk r of dim d (padded_shard, the optimizer's tensor, a DTensor with Shard(d)); the
+// all-gather moves the flat chunks as for dim 0, and the copy-out puts rank r's chunk at rows
+// [r * n/ws, (r + 1) * n/ws) of dim d of the unsharded tensor (chunk-cat: a strided copy); the
+// reduce-scatter's copy-in takes chunk r of dim d of the gradient into rank r's row of its input. The
+// post-forward shard of reshard_after_forward=k is a flat slice of the unsharded tensor, re-gathered as is.
 FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch::ScalarType param_dtype_,
-                     int shard_size, int shard_rank, torch::Device shard_device, bool pin_memory)
+                     int shard_size, int shard_rank, torch::Device shard_device, bool pin_memory, int64_t shard_dim_)
     : fqn(name), local_fqn(name), name_in_module(name), param(tensor), orig_size(tensor.sizes().vec()),
-      orig_dtype(tensor.scalar_type()), param_dtype(param_dtype_) {
+      orig_dtype(tensor.scalar_type()), param_dtype(param_dtype_), shard_dim(shard_dim_) {
   torch::NoGradGuard no_grad;
-  for (size_t d = 1; d < orig_size.size(); ++d) row_numel *= orig_size[d];
-  padded_rows = (orig_size[0] + shard_size - 1) / shard_size;
-  auto range = chunk_range(orig_size[0], shard_size, shard_rank);
+  const int64_t d = shard_dim;
+  for (size_t i = 0; i < orig_size.size(); ++i) {
+    if (static_cast<int64_t>(i) != d) row_numel *= orig_size[i];
+  }
+  padded_rows = (orig_size[d] + shard_size - 1) / shard_size;
+  auto range = chunk_range(orig_size[d], shard_size, shard_rank);
   local_rows = range.length;
   local_offset = range.offset;
   auto padded_shape = orig_size;
-  padded_shape[0] = padded_rows;
+  padded_shape[d] = padded_rows;
   padded_shard = torch::zeros(padded_shape, tensor.options().device(shard_device));
   if (pin_memory && torch::cuda::is_available()) padded_shard = padded_shard.pin_memory();
-  sharded_data = padded_shard.narrow(0, 0, local_rows);
+  sharded_data = padded_shard.narrow(d, 0, local_rows);
   if (const auto* tp = tp::detail::find_tp_param(param)) {
     tp_mesh = tp->mesh;
     tp_placement = tp->placement;
@@ -66,9 +78,48 @@ FSDPParam::FSDPParam(const std::string& name, const torch::Tensor& tensor, torch
     param.unsafeGetTensorImpl()->shallow_copy_from(sharded_intercepted.getIntrusivePtr());
     return;
   }
-  if (local_rows > 0) padded_shard.narrow(0, 0, local_rows).copy_(tensor.narrow(0, range.offset, range.length));
+  if (local_rows > 0) padded_shard.narrow(d, 0, local_rows).copy_(tensor.narrow(d, range.offset, range.length));
   sharded_intercepted = intercepted(sharded_data);
   param.set_data(sharded_intercepted);
+}
+
+std::vector<std::pair<torch::ScalarType, int64_t>> FSDPParam::probe_extension(
+    AllGatherExtension& extension, const torch::Tensor& tensor, int shard_size, torch::ScalarType param_dtype,
+    const std::string& name, const std::string& module_name) {
+  torch::NoGradGuard no_grad;
+  auto shape = tensor.sizes().vec();
+  TORCH_CHECK(!shape.empty(), "fully_shard: parameter '", name, "' of ", module_name,
+              " is 0-dimensional and cannot have an all-gather extension");
+  shape[0] = (shape[0] + shard_size - 1) / shard_size;
+  auto inputs = extension.pre_all_gather(torch::zeros(shape, tensor.options().device(torch::kCPU)), param_dtype);
+  TORCH_CHECK(!inputs.empty(), "fully_shard: the all-gather extension of parameter '", name, "' of ", module_name,
+              " returned no tensor from pre_all_gather; expected at least one (e.g. the shard cast to a lower "
+              "precision)");
+  std::vector<std::pair<torch::ScalarType, int64_t>> layout;
+  for (const auto& t : inputs) {
+    TORCH_CHECK(t.defined(), "fully_shard: the all-gather extension of parameter '", name, "' of ", module_name,
+                " returned an undefined tensor from pre_all_gather");
+    layout.emplace_back(t.scalar_type(), t.numel());
+  }
+  return layout;
+}
+
+std::vector<torch::Tensor> FSDPParam::extension_inputs() const {
+  auto inputs = all_gather_extension->pre_all_gather(padded_shard, param_dtype);
+  bool same = inputs.size() == extension_layout.size();
+  for (size_t i = 0; same && i < inputs.size(); ++i) {
+    same = inputs[i].defined() && inputs[i].scalar_type() == extension_layout[i].first &&
+           inputs[i].numel() == extension_layout[i].second;
+  }
+  if (!same) {
+    std::ostringstream found, expected;
+    for (const auto& t : inputs) found << (t.defined() ? c10::toString(t.scalar_type()) : "undefined") << "[" << (t.defined() ? t.numel() : 0) << "] ";
+    for (const auto& [dt, n] : extension_layout) expected << c10::toString(dt) << "[" << n << "] ";
+    TORCH_CHECK(false, "fully_shard: the all-gather extension of parameter '", fqn, "' returned ", found.str(),
+                "from pre_all_gather, but ", expected.str(), "at fully_shard: its inputs must keep their number, ",
+                "dtypes and numels (every rank's all-gather has the same layout)");
+  }
+  return inputs;
 }
 
 void FSDPParam::enable_interception() { intercept = true; }
@@ -81,9 +132,9 @@ void FSDPParam::disable_interception() {
 void FSDPParam::alloc_unsharded_param(int shard_size, torch::Device device, CommContext& comm) {
   if (!unsharded_padded.defined()) {
     auto shape = orig_size;
-    shape[0] = shard_size * padded_rows;
+    shape[shard_dim] = shard_size * padded_rows;
     unsharded_padded = comm.empty(shape, param_dtype, device);
-    unsharded_data = unsharded_padded.narrow(0, 0, orig_size[0]);
+    unsharded_data = unsharded_padded.narrow(shard_dim, 0, orig_size[shard_dim]);
     if (keyed()) unsharded_intercepted = intercepted(unsharded_data);
     if (intercept) register_param_storage(param, unsharded_padded, /*is_shard=*/false);
   } else {
@@ -100,6 +151,11 @@ void FSDPParam::to_unsharded(bool /*in_backward*/) {
   // even while the data is unsharded (an evaluation forward, a read); the first pre-backward moves it
   // to the stash before autograd accumulates an unsharded gradient (FSDPParamGroup::begin_backward).
   // During a backward .grad holds only this backward's unsharded gradient: it stays too.
+  if (keyed() && !unsharded_intercepted.defined()) {
+    // Keyed after its unsharded tensor was made (set_unshard_in_backward(false) between steps).
+    unsharded_intercepted = intercepted(unsharded_data);
+    if (intercept) register_param_storage(param, unsharded_padded, /*is_shard=*/false);
+  }
   param.set_data(keyed() ? unsharded_intercepted : unsharded_data);
 }
 
@@ -126,8 +182,9 @@ void FSDPParam::to_sharded(bool in_backward, int rank) {
 
 void FSDPParam::to_sharded_post_forward(int k, int j) {
   torch::NoGradGuard no_grad;
-  int64_t rows = unsharded_padded.size(0) / k;
-  post_forward_shard = unsharded_padded.narrow(0, j * rows, rows).clone();
+  // A flat slice (rows of dim 0 for a dim-0 shard; [Note: Shard(d)] otherwise).
+  const int64_t n = unsharded_padded.numel() / k;
+  post_forward_shard = unsharded_padded.view({-1}).narrow(0, j * n, n).clone();
 }
 
 void FSDPParam::check_holds_fsdp_data(bool unsharded, const std::string& module_name, int rank) const {
@@ -168,7 +225,7 @@ DTensor FSDPParam::to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Te
     if (!spans_root) {
       dtensor_mesh_ = mesh;
       if (mesh->ndim() == 2) dtensor_placements_.push_back(Replicate());
-      dtensor_placements_.push_back(Shard(0));
+      dtensor_placements_.push_back(Shard(shard_dim));
       dtensor_shape_ = orig_size;
     } else {
       TORCH_CHECK(!tp_mesh || tp_mesh->root_mesh() == root, "fully_shard: parameter '", fqn, "' is tensor-parallel on ",
@@ -190,7 +247,7 @@ DTensor FSDPParam::to_sharded_dtensor(const DeviceMeshPtr& mesh, const torch::Te
         dtensor_placements_.push_back(is_tp_dim ? tp_placement : Replicate());
       }
       names.push_back(name_of(fd.back()));
-      dtensor_placements_.push_back(Shard(0));
+      dtensor_placements_.push_back(Shard(shard_dim));  // (0 for a TP parameter: refused otherwise)
       dtensor_mesh_ = root->slice(names);
       dtensor_shape_ = tp_mesh ? tp_global_shape : orig_size;
     }

@@ -6,6 +6,7 @@
 //   and version counter stay); only its data is swapped with set_data():
 //     SHARDED   -> data = sharded data
 //     UNSHARDED -> data = unsharded data
+// (Below, dim 0; a parameter sharded on another dim by shard_placement_fn: [Note: Shard(d)], fsdp_param.cpp.)
 // - padded shard: this rank's torch.chunk of dim 0, zero-padded to ceil(d0 / ws) rows; shape
 //   [padded_rows, *rest], original dtype; lives as long as the group (the optimizer updates it through
 //   the sharded data view).
@@ -19,14 +20,16 @@
 //   autograd saved in forward see the re-gathered data in backward and no memory is held in between
 //   (on the CPU the freed bytes go back to the tree's buffer pool: see fsdp_buffer_pool.h).
 // - unsharded data: unsharded_padded.narrow(0, 0, d0) — the full parameter the module computes with.
-// - post-forward shard (reshard_after_forward = k): rows [j * ws/k * padded_rows, ...) of the
-//   unsharded padded tensor kept after forward by position j of a group of k consecutive ranks.
+// - post-forward shard (reshard_after_forward = k): the flat slice j of k of the unsharded padded tensor
+//   (rows [j * ws/k * padded_rows, ...) for dim 0) kept after forward by position j of a group of k
+//   consecutive ranks.
 //   See [Note: reshard_after_forward=k].
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "fsdp/fsdp/all_gather_extension.h"
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/tensor/dtensor.h"
 #include "fsdp/fsdp_streams.h"
@@ -44,8 +47,10 @@ class FSDPParam {
   /// Shards `tensor` in place (FSDP2's _init_sharded_param): copies this rank's torch.chunk of dim 0
   /// (rank `shard_rank` of `shard_size`) into a zero-padded shard on `shard_device` (pinned when
   /// `pin_memory` and CUDA is available) and sets the parameter's data to it. `name` is the local FQN.
+  /// `shard_dim` (shard_placement_fn): the dim chunked over the ranks; a dim other than 0 needs its size
+  /// divisible by `shard_size` (checked by the group, as PyTorch's even-sharding rule).
   FSDPParam(const std::string& name, const torch::Tensor& tensor, torch::ScalarType param_dtype, int shard_size,
-            int shard_rank, torch::Device shard_device, bool pin_memory);
+            int shard_rank, torch::Device shard_device, bool pin_memory, int64_t shard_dim = 0);
 
   std::string fqn;                  // for messages: path from the root after lazy init, else local_fqn
   std::string local_fqn;            // relative to the fully_shard module ("i." + name for several modules)
@@ -55,15 +60,18 @@ class FSDPParam {
   std::vector<int64_t> orig_size;   // global shape
   torch::ScalarType orig_dtype;
   torch::ScalarType param_dtype;    // dtype of the all-gather and the unsharded data
-  int64_t row_numel = 1;            // elements per dim-0 row
-  int64_t padded_rows = 0;          // ceil(d0 / ws)
+  // The sharded dim: 0, or d from shard_placement_fn ([Note: Shard(d)], fsdp_param.cpp). "Rows" below are
+  // indices along it.
+  int64_t shard_dim = 0;
+  int64_t row_numel = 1;            // elements per row (per index of shard_dim)
+  int64_t padded_rows = 0;          // ceil(size(shard_dim) / ws)
   int64_t local_rows = 0;           // rows this rank holds (0 for an empty shard)
   int64_t local_offset = 0;         // first global row this rank holds
-  torch::Tensor padded_shard;       // [padded_rows, *rest], orig dtype
-  torch::Tensor sharded_data;       // padded_shard.narrow(0, 0, local_rows)
-  torch::Tensor unsharded_padded;   // [ws * padded_rows, *rest], param dtype; storage freed when sharded
-  torch::Tensor unsharded_data;     // unsharded_padded.narrow(0, 0, d0)
-  torch::Tensor post_forward_shard; // [(ws/k) * padded_rows, *rest] (SHARDED_POST_FORWARD only)
+  torch::Tensor padded_shard;       // the global shape with padded_rows on shard_dim, orig dtype, contiguous
+  torch::Tensor sharded_data;       // padded_shard.narrow(shard_dim, 0, local_rows)
+  torch::Tensor unsharded_padded;   // ws * padded_rows on shard_dim, param dtype; storage freed when sharded
+  torch::Tensor unsharded_data;     // unsharded_padded.narrow(shard_dim, 0, size(shard_dim))
+  torch::Tensor post_forward_shard; // 1/k of unsharded_padded, flat (SHARDED_POST_FORWARD only)
   torch::Tensor stashed_grad;       // the sharded grad, moved aside while a backward runs (autograd
                                     // accumulates unsharded grads into .grad)
   torch::Tensor pending_grad;       // unsharded grad taken out of .grad when the data was resharded
@@ -73,6 +81,19 @@ class FSDPParam {
   // interception key: the shard always (every use of a sharded parameter is seen: [Note: reads of a
   // sharded parameter], fsdp_interception.cpp), the unsharded data only for implicit groups (see
   // [Note: implicit groups], fsdp_implicit.cpp) and TP parameters, so that a holder's forward pays nothing.
+  // [Note: all-gather extension] (fsdp/fsdp/all_gather_extension.h): what this parameter sends in the
+  // all-gather from the shards instead of its shard in param_dtype (null: the shard).
+  std::shared_ptr<AllGatherExtension> all_gather_extension;
+  std::vector<std::pair<torch::ScalarType, int64_t>> extension_layout;  // its inputs' dtypes and numels
+  /// The layout of `extension`'s inputs for a padded shard of `tensor` over `shard_size` ranks (one call of
+  /// pre_all_gather on a zero shard, before anything is sharded). Throws c10::Error naming the parameter
+  /// if it returns no tensor or an undefined one.
+  static std::vector<std::pair<torch::ScalarType, int64_t>> probe_extension(
+      AllGatherExtension& extension, const torch::Tensor& tensor, int shard_size, torch::ScalarType param_dtype,
+      const std::string& name, const std::string& module_name);
+  /// The extension's inputs for this all-gather. Throws c10::Error naming the parameter if their number,
+  /// numels or dtypes differ from the layout recorded at fully_shard (every rank's must agree).
+  std::vector<torch::Tensor> extension_inputs() const;
   bool intercept = false;
   torch::Tensor sharded_intercepted;
   torch::Tensor unsharded_intercepted;

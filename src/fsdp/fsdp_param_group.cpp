@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "fsdp/fsdp_init.h"
+#include "tensor/parallel/tp_ops.h"
 
 namespace fsdp::detail {
 
@@ -23,13 +24,61 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
 
   // Validate every parameter before sharding any: a failed fully_shard leaves the module untouched.
   const auto dtypes = verify_managed_params(params, opts_.mp, module_name, global_rank);
+  auto gather_dtype_of = [&](const torch::Tensor& t) {
+    return (opts_.mp.param_dtype() && at::isFloatingType(t.scalar_type())) ? *opts_.mp.param_dtype() : t.scalar_type();
+  };
+  // Each parameter's shard dim ([Note: Shard(d)], fsdp_param.cpp), validated before sharding anything.
+  std::vector<int64_t> shard_dims(params.size(), 0);
+  if (opts_.placement_fn) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, tensor] = params[i];
+      auto placement = opts_.placement_fn(name, tensor);
+      if (!placement) continue;
+      TORCH_CHECK(placement->is_shard(), "fully_shard: shard_placement_fn returned ", placement->str(),
+                  " for parameter '", name, "' of ", module_name, "; expected fsdp::Shard(dim) or std::nullopt (Shard(0))");
+      const int64_t ndim = tensor.dim();
+      int64_t d = placement->dim < 0 ? placement->dim + ndim : placement->dim;
+      TORCH_CHECK(d >= 0 && d < ndim, "fully_shard: shard_placement_fn returned Shard(", placement->dim,
+                  ") for parameter '", name, "' of ", module_name, " of shape ", tensor.sizes(),
+                  "; expected a dim in [", -ndim, ", ", ndim, ")");
+      if (d != 0) {
+        TORCH_CHECK(tensor.size(d) % ws == 0, "fully_shard: parameter '", name, "' of ", module_name, " (shape ",
+                    tensor.sizes(), ") cannot be sharded on dim ", d, " over ", ws, " ranks: its size ",
+                    tensor.size(d), " does not divide evenly (FSDP shards dims other than 0 only evenly, as ",
+                    "PyTorch). Fix: return Shard(0) or std::nullopt for it, or a dim whose size divides by ", ws);
+        TORCH_CHECK(!tp::detail::find_tp_param(tensor), "fully_shard: parameter '", name, "' of ", module_name,
+                    " is tensor-parallel; shard_placement_fn's Shard(", d, ") is not supported on top of tensor ",
+                    "parallelism. Fix: return std::nullopt (Shard(0)) for tensor-parallel parameters");
+        TORCH_CHECK(!opts_.extension_fn || !opts_.extension_fn(name, tensor), "fully_shard: parameter '", name,
+                    "' of ", module_name, " has an all-gather extension and Shard(", d, "); an extension needs ",
+                    "Shard(0). Fix: return std::nullopt from one of the two functions for it");
+      }
+      shard_dims[i] = d;
+    }
+  }
+  // The extensions and their layouts, probed before sharding anything too ([Note: all-gather extension]).
+  std::vector<std::shared_ptr<AllGatherExtension>> extensions(params.size());
+  std::vector<std::vector<std::pair<torch::ScalarType, int64_t>>> layouts(params.size());
+  if (opts_.extension_fn) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      extensions[i] = opts_.extension_fn(params[i].first, params[i].second);
+      if (extensions[i]) {
+        layouts[i] = FSDPParam::probe_extension(*extensions[i], params[i].second, ws,
+                                                gather_dtype_of(params[i].second), params[i].first, module_name);
+      }
+    }
+  }
   const auto shard_device = opts_.offload ? torch::Device(torch::kCPU) : mesh->device();
-  for (auto& [name, tensor] : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& [name, tensor] = params[i];
     // Each parameter gathers in mp's param_dtype if it is floating, else in its own dtype (as PyTorch's
     // FSDPParam.init_dtype_attrs); a group with several such dtypes gathers bytes (fsdp_collectives.cpp).
     const auto gather_dtype = (opts_.mp.param_dtype() && at::isFloatingType(tensor.scalar_type()))
                                   ? *opts_.mp.param_dtype() : tensor.scalar_type();
-    params_.emplace_back(name, tensor, gather_dtype, ws, rank, shard_device, opts_.offload && opts_.pin_memory);
+    params_.emplace_back(name, tensor, gather_dtype, ws, rank, shard_device, opts_.offload && opts_.pin_memory,
+                         shard_dims[i]);
+    params_.back().all_gather_extension = std::move(extensions[i]);
+    params_.back().extension_layout = std::move(layouts[i]);
   }
   if (replicate_pg_ && replicate_pg_->size() > 1) broadcast_over_replicate();
   auto base = dtypes.trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
@@ -39,7 +88,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
 }
 
 void FSDPParamGroup::check_params_hold_fsdp_data() const {
-  const bool unsharded = state_ == ShardedState::UNSHARDED;
+  const bool unsharded = state_ == ShardedState::UNSHARDED || state_ == ShardedState::UNSHARDED_WITHOUT_DATA;
   for (const auto& p : params_) p.check_holds_fsdp_data(unsharded, module_name_, opts_.mesh->get_rank());
 }
 
@@ -73,7 +122,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
   pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
-                                   /*non_blocking=*/opts_.offload);
+                                   /*non_blocking=*/opts_.offload, all_gather_comm());
   if (!async_op) wait_for_unshard();
 }
 
@@ -97,11 +146,29 @@ void FSDPParamGroup::wait_for_unshard() {
 void FSDPParamGroup::reshard() {
   if (pending_ag_) wait_for_unshard();  // a prefetch nobody used: complete the collective first
   if (state_ == ShardedState::SHARDED) return;  // already sharded
-  if (state_ == ShardedState::UNSHARDED) to_sharded_data();
+  if (state_ == ShardedState::UNSHARDED || state_ == ShardedState::UNSHARDED_WITHOUT_DATA) to_sharded_data();
   free_unsharded();
   for (auto& p : params_) p.post_forward_shard = torch::Tensor();
   post_forward_pg_.reset();
   state_ = ShardedState::SHARDED;
+}
+
+void FSDPParamGroup::expose_unsharded_shape() {
+  // [Note: set_unshard_in_backward(false)] The group is not gathered in backward, but autograd accumulates
+  // full-shape gradients into the parameters (AccumulateGrad copies into the variable's shape and strides
+  // when it cannot steal the gradient, and a Shard(d) shard has other strides), so the parameters take
+  // their unsharded tensors, whose storage is freed: shape without data. A backward formula that does read
+  // a parameter reaches the interception (the data carry the key) and gathers (UNSHARDED); the
+  // post-backward reshards either way.
+  if (pending_ag_ || (state_ != ShardedState::SHARDED && state_ != ShardedState::SHARDED_POST_FORWARD)) return;
+  for (const auto& p : params_) {
+    if (!p.unsharded_padded.defined()) return;  // never unsharded (no forward ran): nothing to expose
+  }
+  for (auto& p : params_) p.post_forward_shard = torch::Tensor();
+  post_forward_pg_.reset();
+  free_unsharded();
+  to_unsharded_data();
+  state_ = ShardedState::UNSHARDED_WITHOUT_DATA;
 }
 
 // [Note: reshard_after_forward=k]
@@ -111,7 +178,8 @@ void FSDPParamGroup::reshard() {
 // reshards fully (1); false, or k == 1, keeps the parameters unsharded (0); otherwise k, which must
 // divide ws, with a post-forward group of k consecutive shard ranks (base .. base + k - 1, base =
 // rank / k * k), as FSDP2's post-forward mesh. reshard_post_forward keeps, on position j of that group,
-// rows [j * R, (j + 1) * R) of the unsharded padded tensor (R = ws / k * padded_rows), a copy: the
+// the flat slice j of k of the unsharded padded tensor (for dim-0 shards rows [j * R, (j + 1) * R),
+// R = ws / k * padded_rows; a Shard(d) parameter's slice is flat too), a copy: the
 // post-forward shard. The data goes back to the sharded data (the optimizer's view never changes), and
 // the group is SHARDED_POST_FORWARD: the next unshard gathers the post-forward shards over the k ranks
 // (in rank order they are the unsharded padded tensor again), and reshard() drops them. The root's next
@@ -172,7 +240,7 @@ void FSDPParamGroup::abort_backward() noexcept {
     end_backward();  // the sharded gradients back in .grad
     // Local reshard (no collective: other ranks may be elsewhere). An all-gather in flight keeps the
     // data as it is; the next root forward waits for it and reshards.
-    if (!pending_ag_ && state_ == ShardedState::UNSHARDED) {
+    if (!pending_ag_ && (state_ == ShardedState::UNSHARDED || state_ == ShardedState::UNSHARDED_WITHOUT_DATA)) {
       to_sharded_data();
       free_unsharded();
       state_ = ShardedState::SHARDED;
@@ -236,7 +304,7 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
         acc = grads[i].to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/grads[i].scalar_type() == reduce_dtype_);
       }
     }
-    if (reshard_after) reshard();
+    if (reshard_after || state_ == ShardedState::UNSHARDED_WITHOUT_DATA) reshard();
     return;
   }
   // See [Note: collective order] (fsdp_state.cpp).
@@ -262,10 +330,11 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
     idx.push_back(i);
     m += p.padded_numel();
   }
-  if (reshard_after) reshard();
+  if (reshard_after || state_ == ShardedState::UNSHARDED_WITHOUT_DATA) reshard();
   if (idx.empty()) return;  // no trainable parameter in this group
-  pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing), *shard_pg_, *comm_,
-                               reduce_dtype_, opts_.mesh->device());
+  pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing),
+                               reduce_scatter_pg_ ? *reduce_scatter_pg_ : *shard_pg_, *comm_, reduce_dtype_,
+                               opts_.mesh->device(), reduce_scatter_comm());
   pending_all_reduce_ = requires_all_reduce_;
 }
 
@@ -296,6 +365,9 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
     }
     if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
     if (divide_factor != 1.0) rs.output.div_(divide_factor);
+    // set_all_reduce_hook: the reduced gradients, divided (PyTorch averages in the collective for fp32
+    // and bf16), without the presence flags; changes made in place are what the parameters receive.
+    if (all_reduce_hook) all_reduce_hook(rs.output.narrow(0, 0, rs.data_numel));
   }
   // CUDA: the gradients are taken on the compute stream, after the reduction; the output was allocated
   // on the reduce-scatter stream and is read here.
@@ -323,6 +395,85 @@ void FSDPParamGroup::discard_gradients_in_flight() {
     auto& g = p.param.mutable_grad();
     if (g.defined() && g.sizes() != p.sharded_data.sizes()) g = torch::Tensor();  // an unsharded leftover
   }
+}
+
+void FSDPParamGroup::discard_accumulated_gradients() {
+  for (auto& p : params_) p.unsharded_accum_grad = torch::Tensor();
+  partial_reduce_output_ = torch::Tensor();
+}
+
+bool FSDPParamGroup::can_change_comm_context() const {
+  if (state_ != ShardedState::SHARDED || pending_ag_ || pending_rs_) return false;
+  for (const auto& p : params_) {
+    if (p.unsharded_padded.defined()) return false;
+  }
+  return true;
+}
+
+void FSDPParamGroup::set_comm_context(CommContextPtr comm) {
+  TORCH_CHECK(can_change_comm_context(), "share_comm_ctx: ", module_name_, " on rank ", opts_.mesh->get_rank(),
+              " already ran a forward (its unsharded parameters live in its context's buffers); call share_comm_ctx ",
+              "before the modules' first forward");
+  TORCH_CHECK(comm->device() == comm_->device(), "share_comm_ctx: ", module_name_, " runs on ", comm_->device(),
+              " but the first module on ", comm->device(), "; share contexts only between modules of one device");
+  comm_ = std::move(comm);
+  pg_alloc_all_gather_.reset();  // they allocate from the context they were made with
+  pg_alloc_reduce_scatter_.reset();
+}
+
+namespace {
+// set_allocate_memory_from_process_group_for_comm: buffers from the backend's allocator where it has one
+// (c10d Backend::allocateTensor, e.g. NCCL's registered memory), else the default (pool or caching
+// allocator); the collectives themselves are the default ones. PyTorch's ProcessGroupAllocAllGather /
+// ProcessGroupAllocReduceScatter.
+torch::Tensor pg_allocate(ProcessGroup& pg, CommContext& comm, at::IntArrayRef size, torch::ScalarType dtype,
+                          torch::Device device) {
+  const auto& backend = pg.backend();
+  if (backend && backend->supportsTensorAlloc(device.index())) {
+    return backend->allocateTensor(c10::multiply_integers(size), at::TensorOptions().dtype(dtype).device(device))
+        .view(size);
+  }
+  return comm.empty(size, dtype, device);
+}
+struct ProcessGroupAllocAllGather : AllGather {
+  ProcessGroupAllocAllGather(ProcessGroupPtr pg, CommContextPtr comm) : pg(std::move(pg)), comm(std::move(comm)) {}
+  torch::Tensor allocate(at::IntArrayRef size, torch::ScalarType dtype, torch::Device device) override {
+    return pg_allocate(*pg, *comm, size, dtype, device);
+  }
+  Work operator()(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group, bool async_op) override {
+    return all_gather_into_tensor(output, input, group, async_op);
+  }
+  ProcessGroupPtr pg;
+  CommContextPtr comm;
+};
+struct ProcessGroupAllocReduceScatter : ReduceScatter {
+  ProcessGroupAllocReduceScatter(ProcessGroupPtr pg, CommContextPtr comm) : pg(std::move(pg)), comm(std::move(comm)) {}
+  torch::Tensor allocate(at::IntArrayRef size, torch::ScalarType dtype, torch::Device device) override {
+    return pg_allocate(*pg, *comm, size, dtype, device);
+  }
+  Work operator()(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group, ReduceOp op,
+                  bool async_op) override {
+    return reduce_scatter_tensor(output, input, group, op, async_op);
+  }
+  ProcessGroupPtr pg;
+  CommContextPtr comm;
+};
+}  // namespace
+
+AllGather* FSDPParamGroup::all_gather_comm() {
+  if (custom_all_gather) return custom_all_gather.get();
+  if (!allocate_from_process_group) return nullptr;
+  if (!pg_alloc_all_gather_) pg_alloc_all_gather_ = std::make_shared<ProcessGroupAllocAllGather>(shard_pg_, comm_);
+  return pg_alloc_all_gather_.get();
+}
+
+ReduceScatter* FSDPParamGroup::reduce_scatter_comm() {
+  if (custom_reduce_scatter) return custom_reduce_scatter.get();
+  if (!allocate_from_process_group) return nullptr;
+  if (!pg_alloc_reduce_scatter_) {
+    pg_alloc_reduce_scatter_ = std::make_shared<ProcessGroupAllocReduceScatter>(shard_pg_, comm_);
+  }
+  return pg_alloc_reduce_scatter_.get();
 }
 
 int64_t FSDPParamGroup::sharded_bytes() const {

@@ -3,6 +3,7 @@
 // Mirrors torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,6 +12,7 @@
 #include "fsdp/c10d/collectives.h"
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/tensor/dtensor.h"
+#include "fsdp/fsdp/fully_shard.h"  // ShardPlacementFn, AllGatherExtensionFn
 #include "fsdp/fsdp/policies.h"
 #include "fsdp/fsdp_collectives.h"
 #include "fsdp/fsdp_param.h"
@@ -23,6 +25,9 @@ enum class ShardedState {
   SHARDED,               // data = local shards; the unsharded storage is freed
   SHARDED_POST_FORWARD,  // data = local shards; a 1/k slice kept for the backward all-gather over k ranks
   UNSHARDED,             // data = full parameters in param_dtype
+  // set_unshard_in_backward(false), in backward: data = the unsharded tensors without storage (their full shape,
+  // so that autograd accumulates full-shape gradients); a read during the backward gathers (UNSHARDED).
+  UNSHARDED_WITHOUT_DATA,
 };
 
 struct GroupOptions {
@@ -30,6 +35,8 @@ struct GroupOptions {
   MixedPrecisionPolicy mp;
   bool offload = false;
   bool pin_memory = false;
+  AllGatherExtensionFn extension_fn;  // FullyShardOptions::all_gather_extension_fn
+  ShardPlacementFn placement_fn;      // FullyShardOptions::shard_placement_fn
 };
 
 class FSDPParamGroup {
@@ -42,6 +49,7 @@ class FSDPParamGroup {
   const std::vector<FSDPParam>& params() const { return params_; }
   ShardedState sharded_state() const { return state_; }
   ProcessGroup& shard_group() const { return *shard_pg_; }
+  const ProcessGroupPtr& shard_group_ptr() const { return shard_pg_; }
   const DeviceMeshPtr& mesh() const { return opts_.mesh; }
   int shard_size() const { return shard_pg_->size(); }
   int shard_rank() const { return shard_pg_->rank(); }
@@ -55,6 +63,8 @@ class FSDPParamGroup {
   bool unshard_in_flight() const { return pending_ag_.has_value(); }
   /// Frees the unsharded data; the parameters' data become their shards again.
   void reshard();
+  /// Pre-backward of a group with unshard_in_backward == false: UNSHARDED_WITHOUT_DATA (no collective).
+  void expose_unsharded_shape();
   /// Keeps a 1/k slice of the unsharded parameters and frees the rest (reshard_after_forward = k).
   void reshard_post_forward(const ProcessGroupPtr& post_forward_group);
 
@@ -99,6 +109,24 @@ class FSDPParamGroup {
   }
   /// Sum of padded shard bytes (what this rank holds persistently for the group).
   int64_t sharded_bytes() const;
+  /// reset_iter_state: drops the gradients held back across backwards (unsharded gradients accumulated
+  /// without sync, HSDP sums held back by set_requires_all_reduce(false)).
+  void discard_accumulated_gradients();
+  /// share_comm_ctx: this group's streams, limiter and buffer pool become `comm`'s. Throws c10::Error
+  /// unless can_change_comm_context().
+  void set_comm_context(CommContextPtr comm);
+  /// Before the first unshard only: the unsharded tensors' storage comes from the context's pool.
+  bool can_change_comm_context() const;
+  const CommContextPtr& comm_context() const { return comm_; }
+  /// set_separate_reduce_scatter_group: the group the reduce-scatters run on (null: the shard group).
+  void set_reduce_scatter_group(ProcessGroupPtr pg) { reduce_scatter_pg_ = std::move(pg); }
+
+  // FSDPModuleAPI's communication settings (see fully_shard.h).
+  std::shared_ptr<AllGather> custom_all_gather;          // set_custom_all_gather
+  std::shared_ptr<ReduceScatter> custom_reduce_scatter;  // set_custom_reduce_scatter
+  bool allocate_from_process_group = false;              // set_allocate_memory_from_process_group_for_comm
+  std::function<void(const torch::Tensor&)> all_reduce_hook;  // set_all_reduce_hook
+  bool unshard_in_backward = true;                       // set_unshard_in_backward
 
  private:
   /// HSDP: every replica takes the shards of replicate rank 0 (one broadcast per dtype).
@@ -117,6 +145,13 @@ class FSDPParamGroup {
   std::string module_name_;  // type of the fully_shard module(s), for messages
   ProcessGroupPtr shard_pg_;
   ProcessGroupPtr replicate_pg_;  // HSDP only
+  ProcessGroupPtr reduce_scatter_pg_;  // set_separate_reduce_scatter_group (null: shard_pg_)
+  /// The all-gather / reduce-scatter to use: the custom one, the process-group allocating one, or null
+  /// (the default).
+  AllGather* all_gather_comm();
+  ReduceScatter* reduce_scatter_comm();
+  std::shared_ptr<AllGather> pg_alloc_all_gather_;
+  std::shared_ptr<ReduceScatter> pg_alloc_reduce_scatter_;
   torch::ScalarType reduce_dtype_;
   ShardedState state_ = ShardedState::SHARDED;
   ProcessGroupPtr post_forward_pg_;  // set while SHARDED_POST_FORWARD

@@ -315,6 +315,33 @@ void FSDPState::root_pre_forward() {
   // since; a forward whose output was dropped (an evaluation with grad enabled) starts afresh.
   ctx->reset_forward(/*adds_to_backward=*/!backward_unfinished && ctx->open_graph.lock() != nullptr);
   ctx->forward_open = true;
+  // set_post_optim_event: the all-gather streams wait on the user's event (CUDA; no-op on the CPU).
+  if (auto event = std::exchange(post_optim_event, nullptr)) {
+    std::unordered_set<const CommContext*> done;
+    for (FSDPState* s : ctx->states) {
+      if (!s->group || !done.insert(s->group->comm_context().get()).second) continue;
+      s->group->comm_context()->stream_wait(CommStream::kAllGatherCopyIn, event);
+      s->group->comm_context()->stream_wait(CommStream::kAllGather, event);
+    }
+  }
+}
+
+void FSDPState::reset_iter_state() {
+  if (!ctx) return;  // before the first forward: no iteration state yet
+  TORCH_CHECK(is_root(), "reset_iter_state: ", name(), " is not the root of its sharded tree; call it on the root ",
+              "(the module fully_shard was applied to last, whose forward begins the step)");
+  // As an aborted backward's recovery at the next root forward (root_pre_forward), now, plus the
+  // gradients held back across backwards: the failed iteration's gradients are lost.
+  if (ctx->in_backward) abort_backward();
+  ctx->backward_aborted = false;
+  for (FSDPState* s : ctx->states) {
+    if (!s->group) continue;
+    s->group->discard_gradients_in_flight();
+    s->group->discard_accumulated_gradients();
+    s->group->reshard();
+  }
+  ctx->reset_forward(/*adds_to_backward=*/false);
+  ctx->forward_open = false;
 }
 
 void FSDPState::abort_backward() noexcept {
@@ -328,7 +355,9 @@ void FSDPState::abort_backward() noexcept {
 }
 
 void FSDPState::prefetch(FSDPState* other) {
-  if (other && other->group) other->group->unshard(/*async_op=*/true);
+  if (!other || !other->group) return;
+  if (ctx && ctx->in_backward && !other->group->unshard_in_backward) return;  // set_unshard_in_backward(false)
+  other->group->unshard(/*async_op=*/true);
 }
 
 bool FSDPState::note_checkpoint_use() {
@@ -501,9 +530,11 @@ void FSDPState::pre_backward() {
   // Already ran for this backward of the module, and no post-backward since: still unsharded.
   if (training_state == TrainingState::PRE_BACKWARD) return;
   training_state = TrainingState::PRE_BACKWARD;
-  if (group) {
+  if (group && group->unshard_in_backward) {
     group->unshard(/*async_op=*/true);
     group->wait_for_unshard();
+  } else if (group) {
+    group->expose_unsharded_shape();  // [Note: set_unshard_in_backward(false)] (fsdp_param_group.cpp)
   }
   // Prefetch: the explicit list, or the state whose forward ran just before this one (calls are
   // visited in reverse order of their post-forwards; a second backward over the graph reads again).

@@ -139,6 +139,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool reshard_after_backward = true;
   bool is_last_backward = true;
   std::optional<double> gradient_divide_factor;
+  std::shared_ptr<c10::Event> post_optim_event;  // set_post_optim_event (root): consumed by the next forward
   std::optional<std::vector<std::weak_ptr<FSDPState>>> forward_prefetch;   // explicit lists
   std::optional<std::vector<std::weak_ptr<FSDPState>>> backward_prefetch;
 
@@ -253,6 +254,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void root_post_backward_final();
   /// The root's cleanup when a backward threw (local only, never throws).
   void abort_backward() noexcept;
+  /// FSDPModuleAPI::reset_iter_state (root only; a no-op before the first forward).
+  void reset_iter_state();
   void prefetch(FSDPState* other);
   /// The root's post-forward: walks the autograd graph of `outputs` and raises the bypass error for
   /// a sharded parameter used by a module whose forward did not go through FSDP in this forward, or

@@ -18,7 +18,8 @@ void FSDPState::check_grad_arrival(const FSDPParam& p, const torch::Tensor& grad
   // (An implicit group intercepts every use: see [Note: implicit groups].)
   if (implicit) return;
   if (ctx && ctx->in_backward && training_state == TrainingState::PRE_BACKWARD &&
-      group->sharded_state() == ShardedState::UNSHARDED) {
+      (group->sharded_state() == ShardedState::UNSHARDED ||
+       group->sharded_state() == ShardedState::UNSHARDED_WITHOUT_DATA)) {
     return;
   }
   raise_bypass(p, "got a gradient (shape " + shape_str(grad.sizes()) + ") in backward from a use");

@@ -5,6 +5,7 @@
 #include "fsdp/fsdp/fully_shard.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "fsdp/consistency.h"
@@ -119,6 +120,130 @@ void FSDPModuleAPI::set_gradient_divide_factor(double factor) {
   state_->gradient_divide_factor = factor;
 }
 
+// ---- Communication settings (FSDPModule.set_custom_all_gather ... set_symm_mem_for_comm) ----
+
+void FSDPModuleAPI::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
+  if (!state_->group) return;  // no parameter, no all-gather
+  TORCH_CHECK(!comm || !state_->group->allocate_from_process_group, "set_custom_all_gather: ", state_->name(),
+              " allocates its buffers from the process group (set_allocate_memory_from_process_group_for_comm); ",
+              "turn that off first: a custom AllGather allocates its own");
+  state_->group->custom_all_gather = std::move(comm);
+}
+
+void FSDPModuleAPI::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
+  if (!state_->group) return;
+  TORCH_CHECK(!comm || !state_->group->allocate_from_process_group, "set_custom_reduce_scatter: ", state_->name(),
+              " allocates its buffers from the process group (set_allocate_memory_from_process_group_for_comm); ",
+              "turn that off first: a custom ReduceScatter allocates its own");
+  state_->group->custom_reduce_scatter = std::move(comm);
+}
+
+void FSDPModuleAPI::set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook) {
+  if (state_->group) state_->group->all_reduce_hook = std::move(hook);
+}
+
+void FSDPModuleAPI::set_post_optim_event(std::shared_ptr<c10::Event> event) {
+  TORCH_CHECK(!state_->ctx || state_->is_root(), "set_post_optim_event: ", state_->name(),
+              " is not the root; set it on the root (the module whose forward begins the step)");
+  state_->post_optim_event = std::move(event);
+}
+
+void FSDPModuleAPI::set_force_sum_reduction_for_comms(bool) {
+  // Always SUM then divide (see fully_shard.h): nothing to change.
+}
+
+void FSDPModuleAPI::set_reduce_scatter_unused_params(bool, bool) {
+  // Unused parameters always take part (see fully_shard.h): nothing to change.
+}
+
+void FSDPModuleAPI::set_reduce_scatter_max_input_buffers(int max_input_buffers, bool) {
+  TORCH_CHECK(max_input_buffers >= 1, "set_reduce_scatter_max_input_buffers: expected a positive count, got ",
+              max_input_buffers);
+}
+
+void FSDPModuleAPI::set_separate_reduce_scatter_group(bool enable, bool recurse) {
+  // One new group per distinct shard group, shared by the modules of this call (every rank of a shard
+  // group visits the same states in the same order, so they create the groups alike).
+  std::unordered_map<ProcessGroup*, ProcessGroupPtr> made;
+  for (auto& s : states_under(state_, recurse)) {
+    if (!s->group) continue;
+    if (!enable) {
+      s->group->set_reduce_scatter_group(nullptr);
+      continue;
+    }
+    auto& shard = s->group->shard_group();
+    auto& pg = made[&shard];
+    if (!pg && shard.size() > 1) {
+      std::vector<int> ranks(shard.size());
+      for (int r = 0; r < shard.size(); ++r) ranks[r] = r;
+      pg = new_group(s->group->shard_group_ptr(), ranks, "fsdp_reduce_scatter");
+    }
+    s->group->set_reduce_scatter_group(pg);
+  }
+}
+
+void FSDPModuleAPI::set_unshard_in_backward(bool v) {
+  auto& group = state_->group;
+  if (!group) return;
+  if (!state_->implicit && group->unshard_in_backward != v) {
+    // A holder group's backward uses are not seen unless its unsharded data carry the interception key:
+    // with it, a backward formula that reads a parameter gathers it on demand (fsdp_interception.cpp)
+    // instead of reading the freed unsharded storage.
+    TORCH_CHECK(group->sharded_state() == detail::ShardedState::SHARDED, "set_unshard_in_backward: ",
+                state_->name(), " is unsharded now; call it between steps (after the backward, or before the ",
+                "first forward)");
+    // (A parameter keyed now gets its keyed unsharded tensor at its next unshard: FSDPParam::to_unsharded.)
+    for (auto& p : group->params()) v ? p.disable_interception() : p.enable_interception();
+  }
+  group->unshard_in_backward = v;
+}
+
+void FSDPModuleAPI::set_allocate_memory_from_process_group_for_comm(bool enable) {
+  if (!state_->group) return;
+  TORCH_CHECK(!enable || (!state_->group->custom_all_gather && !state_->group->custom_reduce_scatter),
+              "set_allocate_memory_from_process_group_for_comm: ", state_->name(), " has a custom all-gather or ",
+              "reduce-scatter, which allocates its own buffers; remove it first (set_custom_all_gather(nullptr))");
+  state_->group->allocate_from_process_group = enable;
+}
+
+void FSDPModuleAPI::set_symm_mem_for_comm(const std::string& backend) {
+  TORCH_CHECK(false, "set_symm_mem_for_comm(\"", backend, "\"): refused for ", state_->name(),
+              ": symmetric-memory all-gathers need torch's SymmetricMemory rendezvous (torch.distributed."
+              "_symmetric_memory), which LibTorch does not offer to C++ callers. Use "
+              "set_allocate_memory_from_process_group_for_comm(true) for NCCL's registered buffers instead");
+}
+
+void FSDPModuleAPI::reset_iter_state() { state_->reset_iter_state(); }
+
+void share_comm_ctx(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::vector<std::shared_ptr<detail::FSDPState>> states;
+  for (const auto& m : modules) {
+    TORCH_CHECK(m, "share_comm_ctx: got a null module");
+    auto s = detail::state_of(*m);
+    TORCH_CHECK(s, "share_comm_ctx: expected modules passed to fully_shard, but ", m->name(), " is not sharded");
+    states.push_back(std::move(s));
+  }
+  // Every group checked before any changes (a refusal leaves every module as it was).
+  std::vector<detail::FSDPParamGroup*> groups;
+  for (auto& s : states) {
+    for (auto& t : states_under(s, /*recurse=*/true)) {
+      if (!t->group) continue;
+      TORCH_CHECK(t->group->can_change_comm_context(), "share_comm_ctx: ", t->name(), " already ran a forward (its ",
+                  "unsharded parameters live in its own context's buffers); call share_comm_ctx before the modules' ",
+                  "first forward");
+      TORCH_CHECK(groups.empty() || t->group->comm_context()->device() == groups.front()->comm_context()->device(),
+                  "share_comm_ctx: ", t->name(), " runs on ", t->group->comm_context()->device(), " but the first ",
+                  "module on ", groups.front()->comm_context()->device(), "; share contexts only within one device");
+      if (std::find(groups.begin(), groups.end(), t->group.get()) == groups.end()) groups.push_back(t->group.get());
+    }
+  }
+  if (groups.empty()) return;
+  auto shared = groups.front()->comm_context();
+  for (auto* g : groups) {
+    if (g != groups.front()) g->set_comm_context(shared);
+  }
+}
+
 DeviceMeshPtr FSDPModuleAPI::mesh() const { return state_->mesh; }
 
 std::vector<std::pair<std::string, DTensor>> FSDPModuleAPI::sharded_parameters() const {
@@ -195,6 +320,8 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   gopts.mp = options.mp_policy();
   gopts.offload = options.offload_policy().has_value();
   gopts.pin_memory = gopts.offload && options.offload_policy()->pin_memory();
+  gopts.extension_fn = options.all_gather_extension_fn();
+  gopts.placement_fn = options.shard_placement_fn();
   // Same initial weights on every rank (sync_module_states, or the FSDP_DEBUG check).
   detail::sync_before_sharding(managed.params, modules, mesh, options, state->module_type);
   if (!managed.params.empty()) {

@@ -5,7 +5,10 @@
 #include <mutex>
 #include <utility>
 
+#include "fsdp/fsdp_init.h"
 #include "fsdp/fsdp_state.h"
+
+#include <c10/util/StringUtil.h>
 
 namespace fsdp {
 namespace {
@@ -46,29 +49,44 @@ DeviceMeshPtr replicate_mesh(const DeviceMeshPtr& mesh) {
 
 }  // namespace
 
-FSDPModuleAPI replicate(const std::shared_ptr<torch::nn::Module>& module, const ReplicateOptions& options) {
-  TORCH_CHECK(module, "replicate: got a null module");
-  if (auto s = detail::state_of(*module)) {
-    TORCH_CHECK(false, "replicate: module ", module->name(), " is already managed by ",
-                s->replicated ? "replicate" : "fully_shard", ". Cannot apply replicate() on a module already managed ",
-                "by fully_shard or replicate (as in PyTorch). Fix: call it once per module; to shard some modules and ",
-                "replicate others, call each on a different module (e.g. fully_shard on the blocks, replicate on the root)");
+FSDPModuleAPI replicate(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                        const ReplicateOptions& options) {
+  TORCH_CHECK(!modules.empty(), "replicate: got no module");
+  for (const auto& module : modules) {
+    TORCH_CHECK(module, "replicate: got a null module");
+    if (auto s = detail::state_of(*module)) {
+      TORCH_CHECK(false, "replicate: module ", module->name(), " is already managed by ",
+                  s->replicated ? "replicate" : "fully_shard", ". Cannot apply replicate() on a module already ",
+                  "managed by fully_shard or replicate (as in PyTorch). Fix: call it once per module; to shard some ",
+                  "modules and replicate others, call each on a different module (e.g. fully_shard on the blocks, ",
+                  "replicate on the root)");
+    }
   }
   auto mesh = options.mesh();
+  if (options.dp_mesh_dims()) {
+    TORCH_CHECK(options.dp_mesh_dims()->shard().empty(), "replicate: dp_mesh_dims sets shard (",
+                c10::Join(", ", options.dp_mesh_dims()->shard()), "), but replicate does not shard. Fix: ",
+                "fsdp::fully_shard with dp_mesh_dims for HSDP, or name only the replicate dimensions");
+    mesh = detail::data_parallel_mesh(mesh, *options.dp_mesh_dims(), "replicate");
+  }
   if (!mesh) {
     auto world = default_process_group();
     mesh = init_device_mesh(world->device_type(), {world->size()}, {"replicate"}, world);
   }
   TORCH_CHECK(mesh->ndim() == 1, "replicate expects a 1-D DeviceMesh but got ", mesh->str(),
               ". Fix: pass the data-parallel dimension, e.g. mesh[\"dp\"] (HSDP on a 2-D mesh is fully_shard's)");
-  auto api = fully_shard(module, FullyShardOptions()
-                                     .mesh(replicate_mesh(mesh))
-                                     .reshard_after_forward(false)  // nothing to free: the shards are whole
-                                     .mp_policy(options.mp_policy())
-                                     .offload_policy(options.offload_policy())
-                                     .ignored_params(options.ignored_params()));
+  auto api = fully_shard(modules, FullyShardOptions()
+                                      .mesh(replicate_mesh(mesh))
+                                      .reshard_after_forward(false)  // nothing to free: the shards are whole
+                                      .mp_policy(options.mp_policy())
+                                      .offload_policy(options.offload_policy())
+                                      .ignored_params(options.ignored_params()));
   detail::fsdp_state(api).replicated = true;
   return api;
+}
+
+FSDPModuleAPI replicate(const std::shared_ptr<torch::nn::Module>& module, const ReplicateOptions& options) {
+  return replicate(std::vector<std::shared_ptr<torch::nn::Module>>{module}, options);
 }
 
 bool is_replicated(const torch::nn::Module& module) {

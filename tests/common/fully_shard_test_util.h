@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -94,6 +95,8 @@ struct ShardConfig {
   bool explicit_unshard = false;
   int calls_per_block = 1;
   Opt opt = Opt::ADAMW;
+  FullyShardOptions options;                // base options of every fully_shard call (the mesh is set here)
+  std::function<void(Net&)> configure;      // run on the sharded model (FSDPModule settings under test)
 };
 
 // Checks this rank's gradients against the reference's at one step: the full gradient of every
@@ -129,7 +132,8 @@ inline Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
   net->calls_per_block = cfg.calls_per_block;
   load_full(*net, initial_weights());
   auto mesh = init_device_mesh(torch::kCPU, {pg->size()});
-  auto opts = FullyShardOptions().mesh(mesh);
+  auto opts = cfg.options;
+  opts.mesh(mesh);
   if (cfg.use_tree) {
     auto wrapped = fully_shard_tree(net, AutoWrapPolicy().module_types({"BlockImpl"}), opts);
     EXPECT_EQ(wrapped, (std::vector<std::string>{"blocks.0", "blocks.1", ""}));
@@ -139,6 +143,7 @@ inline Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
     for (auto& b : net->blocks) fully_shard(b, bopts);
     fully_shard(net, opts);
   }
+  if (cfg.configure) cfg.configure(net);
   return net;
 }
 

@@ -13,8 +13,9 @@ torch.distributed.fsdp.fully_shard on Gloo, through torchrun) train from the sam
   norms must be equal to the last bit, in fp32 and in bf16. If a deliberate change to the arithmetic of
   clip_grad_norm_ or of the reduction breaks this, update gpt_twin's mirror of it in the same change.
 
-* fsdp::replicate against PyTorch's replicate_with_fsdp (train_gpt --data-parallel replicate), and HSDP with
-  set_requires_all_reduce against PyTorch's (--dp-replicate 2 --reduce-scatter-each-microbatch, 4 ranks).
+* fsdp::replicate against PyTorch's replicate_with_fsdp (train_gpt --data-parallel replicate), HSDP with
+  set_requires_all_reduce against PyTorch's (--dp-replicate 2 --reduce-scatter-each-microbatch, 4 ranks), and
+  shard_placement_fn's Shard(1) against PyTorch's (--shard-dim 1).
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
@@ -111,4 +112,16 @@ def test_hsdp_set_requires_all_reduce_matches_pytorch(tmp_path):
     d = diffs(ours, twins["libtorch"], "loss")
     print(f"[vs_pytorch] HSDP 2x2, set_requires_all_reduce: max |dloss| = {max(d):.3g}")
     assert max(d) <= 1e-6, d
+    assert diffs(ours, twins["libtorch"], "grad_norm") == [0.0] * STEPS
+
+
+def test_shard_dim1_matches_pytorch(tmp_path):
+    # shard_placement_fn: every 2-D weight whose dim 1 divides by the 2 ranks sharded on dim 1 (Shard(1)), on both
+    # sides, fp32: within 1e-5 with torch.optim.AdamW, and bit for bit with LibTorch's arithmetic.
+    flags = TINY + ["--shard-dim", "1"]
+    ours, twins = train_both(tmp_path, flags, ("torch", "libtorch"))
+    d = diffs(ours, twins["torch"], "loss")
+    print(f"[vs_pytorch] Shard(1), fp32, {STEPS} steps, torch.optim.AdamW: max |dloss| = {max(d):.3g}")
+    assert max(d) <= TOLERANCE, d
+    assert diffs(ours, twins["libtorch"], "loss") == [0.0] * STEPS
     assert diffs(ours, twins["libtorch"], "grad_norm") == [0.0] * STEPS

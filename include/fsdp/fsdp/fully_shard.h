@@ -112,6 +112,7 @@
 #include <variant>
 #include <vector>
 
+#include <c10/core/Event.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
@@ -119,6 +120,8 @@
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/utils/activation_checkpoint.h"
 #include "fsdp/tensor/dtensor.h"
+#include "fsdp/fsdp/all_gather_extension.h"
+#include "fsdp/fsdp/comm.h"
 #include "fsdp/fsdp/detail/hooks.h"
 #include "fsdp/fsdp/policies.h"
 
@@ -130,6 +133,9 @@ namespace fsdp {
 /// shard group size): keep a 1/k slice after forward and all-gather over groups of k consecutive ranks
 /// in backward. Unset: true for non-root modules, false for the root (current PyTorch).
 using ReshardAfterForward = std::variant<bool, int>;
+
+/// FullyShardOptions::shard_placement_fn: (name, parameter) -> fsdp::Shard(d), or std::nullopt for Shard(0).
+using ShardPlacementFn = std::function<std::optional<Placement>(const std::string& name, const torch::Tensor& param)>;
 
 /// Options of fully_shard. Mirrors fully_shard's keyword arguments.
 /// Example: `fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false)
@@ -154,6 +160,26 @@ struct FullyShardOptions {
   /// `sync_module_states`. (Default: false; every rank must then start from the same weights, see
   /// fully_shard)
   TORCH_ARG(bool, sync_module_states) = false;
+  /// Chooses the dimension each parameter is sharded on: called once per parameter of this call with its
+  /// name relative to the fully_shard module and its (unsharded) value; std::nullopt = Shard(0); another
+  /// placement than Shard is refused. A negative dim counts from the end. Shard(d != 0) needs the parameter's size on d divisible by the shard group
+  /// size (as PyTorch; refused otherwise, naming the parameter), and is refused together with tensor
+  /// parallelism or an all-gather extension. The shard is then a contiguous chunk on dim d; gathers,
+  /// gradients, state dicts and DCP follow (the DTensor placement is Shard(d)). Mirrors fully_shard's
+  /// shard_placement_fn (a Shard; PyTorch's ShardPlacementResult with a per-parameter mesh has no
+  /// equivalent). (Default: none: every parameter on dim 0)
+  /// Example: `opts.shard_placement_fn([](const std::string&, const torch::Tensor& p) -> std::optional<fsdp::Placement> { if (p.dim() == 2) return fsdp::Shard(1); return std::nullopt; })`
+  TORCH_ARG(ShardPlacementFn, shard_placement_fn) = nullptr;
+  /// Gives parameters their own all-gather (see AllGatherExtension; e.g. low_precision_all_gather(kFloat8_e4m3fn)).
+  /// Called once per parameter of this call at fully_shard. The C++ form of a parameter being a tensor
+  /// subclass with fsdp_pre_all_gather / fsdp_post_all_gather in PyTorch. (Default: none)
+  TORCH_ARG(AllGatherExtensionFn, all_gather_extension_fn) = nullptr;
+  /// With a full mesh in `mesh` (e.g. (dp_replicate, dp_shard, tp)): its data-parallel dimensions, from
+  /// which fully_shard takes its 1-D (shard) or 2-D (replicate, shard) mesh; one built per distinct set of
+  /// names (flattened ones are built once per mesh and names). Throws c10::Error for an unknown name, a
+  /// name out of the mesh's order, or `replicate` alone (that is replicate()). Mirrors fully_shard's
+  /// dp_mesh_dims. (Default: none: `mesh` is the data-parallel mesh)
+  TORCH_ARG(std::optional<DataParallelMeshDims>, dp_mesh_dims) = std::nullopt;
 };
 
 /// Handle of an explicit unshard; wait() completes it (copies the all-gather output into the
@@ -211,6 +237,86 @@ class FSDPModuleAPI {
   /// Reduced gradients are divided by `factor` instead of the number of data-parallel ranks.
   /// Mirrors FSDPModule.set_gradient_divide_factor().
   void set_gradient_divide_factor(double factor);
+  /// Deprecated alias of set_gradient_divide_factor. Mirrors FSDPModule.set_reduce_scatter_divide_factor().
+  [[deprecated("use set_gradient_divide_factor")]] void set_reduce_scatter_divide_factor(double factor) {
+    set_gradient_divide_factor(factor);
+  }
+  /// Replaces this module's all-gather (allocation and collective), for the all-gathers from the shards
+  /// and the backward all-gathers of reshard_after_forward=k alike; null restores the default. Throws
+  /// c10::Error when set_allocate_memory_from_process_group_for_comm is on. Not recursive. Mirrors
+  /// FSDPModule.set_custom_all_gather().
+  /// Example: `fsdp::fsdp_api(block).set_custom_all_gather(std::make_shared<MyAllGather>());`
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  /// Replaces this module's gradient reduce-scatter (its input and output allocation and the
+  /// collective); null restores the default. Throws as set_custom_all_gather. Mirrors
+  /// FSDPModule.set_custom_reduce_scatter().
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
+  /// Calls `hook(reduce_output)` on every gradient reduction of this module that completes (after the
+  /// reduce-scatter, and after the all-reduce under HSDP; not for an HSDP microbatch whose all-reduce
+  /// set_requires_all_reduce(false) defers), before the gradients are copied out: `reduce_output` is
+  /// this rank's flat reduced gradients ([sum of padded shard numels], reduce dtype, group order),
+  /// already divided (as PyTorch's fp32/bf16 default, which averages in the collective); the hook may
+  /// change it in place (e.g. all-reduce it over another mesh dimension). On CUDA it runs on the
+  /// reduce-scatter stream. Null removes it. Not recursive. Mirrors FSDPModule.set_all_reduce_hook()
+  /// (without its stream argument).
+  /// Example: `fsdp::fsdp_api(block).set_all_reduce_hook([&](const torch::Tensor& g) { fsdp::all_reduce(g, *dp_pg); g.div_(2); });`
+  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook);
+  /// CUDA: the all-gather streams of the root's next forward wait on `event` (recorded after the
+  /// optimizer step) before its first all-gather; consumed by that forward, so set a new one each step.
+  /// The copy-ins still also wait on the compute stream (the false dependency PyTorch removes remains).
+  /// No effect on the CPU (no streams). Throws c10::Error on a non-root after lazy init. Mirrors
+  /// FSDPModule.set_post_optim_event().
+  void set_post_optim_event(std::shared_ptr<c10::Event> event);
+  /// Whether the reduction may use a reduce op other than SUM (AVG, PREMUL_SUM). libfsdp always
+  /// reduce-scatters with SUM and divides afterwards (both values give that, which is the behaviour
+  /// `enable = true` asks for in PyTorch; the averages equal PyTorch's up to rounding). Mirrors
+  /// FSDPModule.set_force_sum_reduction_for_comms().
+  void set_force_sum_reduction_for_comms(bool enable);
+  /// Whether parameters that received no gradient on this rank take part in the reduce-scatter with
+  /// zeros. libfsdp always includes them (with a presence flag, so a parameter no rank produced a
+  /// gradient for keeps none): `false`, PyTorch's default, would make ranks whose data used different
+  /// parameters (mixture of experts) issue reduce-scatters of different sizes. Both values are accepted
+  /// and behave as `true`. Mirrors FSDPModule.set_reduce_scatter_unused_params().
+  void set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse = true);
+  /// How many reduce-scatter input buffers may be in flight (>= 1; throws c10::Error otherwise). libfsdp
+  /// never waits to recycle an input: each reduce-scatter writes a fresh buffer that returns to the pool
+  /// (or caching allocator) when its collective completes, and at most one reduce-scatter is in flight
+  /// per backward ([Note: one reduce-scatter in flight]), so no copy-in stalls whatever the value.
+  /// Mirrors FSDPModule.set_reduce_scatter_max_input_buffers().
+  void set_reduce_scatter_max_input_buffers(int max_input_buffers, bool recurse = true);
+  /// Runs this module's gradient reduce-scatters on a process group of their own over the same ranks
+  /// (one per distinct shard group, shared by the modules set in one call), so that a backward's
+  /// all-gathers and reduce-scatters do not queue behind each other in one communicator (Gloo: its own
+  /// connections; NCCL: its own communicator). Collective over each shard group: call it on every rank
+  /// with the same modules. `false` goes back to the shared group. Mirrors
+  /// FSDPModule.set_separate_reduce_scatter_group().
+  void set_separate_reduce_scatter_group(bool enable = true, bool recurse = true);
+  /// Whether this module's parameters are all-gathered in backward (default true). Set false when no
+  /// parameter of the group is needed to compute gradients (an embedding table: its backward reads only
+  /// the indices), saving one all-gather per step. If a backward formula does read one, the group is
+  /// gathered at that read (no saving, same numbers; PyTorch would read freed memory). Call it between
+  /// steps (throws c10::Error while the group is unsharded). Not recursive. Mirrors
+  /// FSDPModule.set_unshard_in_backward().
+  void set_unshard_in_backward(bool unshard_in_backward);
+  /// Allocates the all-gather and reduce-scatter buffers from the process group's own allocator
+  /// (c10d Backend::allocateTensor, e.g. NCCL's registered memory for zero-copy transfers) when the
+  /// backend supports it on the device, else as by default (Gloo: the CPU buffer pool). Throws c10::Error
+  /// with a custom all-gather or reduce-scatter set. Not recursive. Mirrors
+  /// FSDPModule.set_allocate_memory_from_process_group_for_comm().
+  void set_allocate_memory_from_process_group_for_comm(bool enable);
+  /// Refused: always throws c10::Error. Symmetric-memory all-gathers need torch's SymmetricMemory
+  /// rendezvous, which LibTorch does not expose to C++ callers; use
+  /// set_allocate_memory_from_process_group_for_comm(true) for NCCL's registered buffers. Mirrors
+  /// FSDPModule.set_symm_mem_for_comm().
+  void set_symm_mem_for_comm(const std::string& backend = "NCCL");
+  /// Recovery after an exception aborted a forward or backward: completes and drops in-flight
+  /// collectives, reshards every group of the tree, drops the failed iteration's gradients in flight
+  /// (reduce-scatters, HSDP sums held back by set_requires_all_reduce(false), unsharded gradients
+  /// accumulated without sync) and clears per-iteration state; the sharded .grad of earlier completed
+  /// backwards stay. libfsdp also recovers on its own at the next root forward; this makes the point
+  /// explicit (restart the microbatch sequence after it). Call it on every rank. Throws c10::Error on a
+  /// module that is not the root (after the first forward). Mirrors FSDPModule.reset_iter_state().
+  void reset_iter_state();
   /// The mesh the parameters are sharded over.
   DeviceMeshPtr mesh() const;
   /// The sharded parameters of this module's group, keyed by fully qualified name relative to the
@@ -242,6 +348,13 @@ std::optional<DTensor> sharded_grad(const torch::Tensor& param);
 /// makes. Throws c10::Error if `param` is not managed by fully_shard or replicate.
 /// Example: `auto w = fsdp::sharded_param(model->head->weight).full_tensor();`
 DTensor sharded_param(const torch::Tensor& param);
+/// Makes the sharded modules `modules` (separate roots, e.g. the stages of pipeline parallelism on one
+/// rank) share the first one's communication context: its CUDA streams, all-gather limiter and CPU buffer
+/// pool, so that their transient buffers come from one pool instead of fragmenting several. Call it
+/// before their first forward, with the same modules on every rank; no communication. Throws c10::Error if
+/// a module is not sharded or the modules' devices differ. Mirrors torch.distributed.fsdp.share_comm_ctx.
+/// Example: `fsdp::share_comm_ctx({stage0, stage1});`
+void share_comm_ctx(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
 inline FSDPModuleAPI fsdp_api(const std::shared_ptr<torch::nn::Module>& module) { return fsdp_api(*module); }
 template <typename T>
 FSDPModuleAPI fsdp_api(const torch::nn::ModuleHolder<T>& holder) {
@@ -320,6 +433,25 @@ class FSDPModule : public Holder {
     fsdp().set_modules_to_backward_prefetch(m);
   }
   void set_gradient_divide_factor(double f) { fsdp().set_gradient_divide_factor(f); }
+  void set_custom_all_gather(std::shared_ptr<AllGather> c) { fsdp().set_custom_all_gather(std::move(c)); }
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> c) { fsdp().set_custom_reduce_scatter(std::move(c)); }
+  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> h) { fsdp().set_all_reduce_hook(std::move(h)); }
+  void set_post_optim_event(std::shared_ptr<c10::Event> e) { fsdp().set_post_optim_event(std::move(e)); }
+  void set_force_sum_reduction_for_comms(bool v) { fsdp().set_force_sum_reduction_for_comms(v); }
+  void set_reduce_scatter_unused_params(bool v, bool recurse = true) {
+    fsdp().set_reduce_scatter_unused_params(v, recurse);
+  }
+  void set_reduce_scatter_max_input_buffers(int n, bool recurse = true) {
+    fsdp().set_reduce_scatter_max_input_buffers(n, recurse);
+  }
+  void set_separate_reduce_scatter_group(bool v = true, bool recurse = true) {
+    fsdp().set_separate_reduce_scatter_group(v, recurse);
+  }
+  void set_unshard_in_backward(bool v) { fsdp().set_unshard_in_backward(v); }
+  void set_allocate_memory_from_process_group_for_comm(bool v) {
+    fsdp().set_allocate_memory_from_process_group_for_comm(v);
+  }
+  void reset_iter_state() { fsdp().reset_iter_state(); }
 
  private:
   void mark() {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <torch/types.h>
 #include <torch/arg.h>
@@ -34,6 +36,19 @@ struct MixedPrecisionPolicy {
 struct CPUOffloadPolicy {
   /// Pin the CPU shards and gradients so that host-device copies can be asynchronous. (Default: true)
   TORCH_ARG(bool, pin_memory) = true;
+};
+
+/// Which dimensions of a full mesh (e.g. (dp_replicate, dp_shard, tp), the mesh tensor parallelism also uses)
+/// are data parallel, so that fully_shard / replicate can take that mesh as is: FSDP shards over the `shard`
+/// dimensions and, with `replicate`, replicates over those (HSDP); replicate() uses `replicate` only. Several
+/// names in one field are flattened into one dimension; all names must follow the mesh's order. At least one
+/// field must be set. Mirrors torch.distributed.fsdp.DataParallelMeshDims (a str or a tuple of str per field).
+/// Example: `fsdp::DataParallelMeshDims().shard({"dp_shard"}).replicate({"dp_replicate"})`
+struct DataParallelMeshDims {
+  /// Dimensions the parameters are sharded over (flattened when several). (Default: none)
+  TORCH_ARG(std::vector<std::string>, shard) = {};
+  /// Dimensions the parameters are replicated over (flattened when several). (Default: none)
+  TORCH_ARG(std::vector<std::string>, replicate) = {};
 };
 
 }  // namespace fsdp

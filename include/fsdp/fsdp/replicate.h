@@ -57,6 +57,9 @@ struct ReplicateOptions {
   TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
   /// Parameters left alone (not broadcast, not reduced), as for fully_shard. (Default: none)
   TORCH_ARG(std::vector<torch::Tensor>, ignored_params) = {};
+  /// With a full mesh in `mesh`: the dimensions to replicate over (`replicate`, flattened when several;
+  /// `shard` must be empty). Mirrors replicate's dp_mesh_dims. (Default: none: `mesh` is 1-D)
+  TORCH_ARG(std::optional<DataParallelMeshDims>, dp_mesh_dims) = std::nullopt;
 };
 
 /// Replicates `module` over `options.mesh()`: broadcasts rank 0's parameters to every rank, then averages
@@ -69,6 +72,13 @@ struct ReplicateOptions {
 /// Collective: every rank of the mesh calls it, in the same order.
 /// Example: `fsdp::replicate(model, fsdp::ReplicateOptions().mesh(mesh));`
 FSDPModuleAPI replicate(const std::shared_ptr<torch::nn::Module>& module, const ReplicateOptions& options = {});
+
+/// Replicates several modules as one group (one all-reduce per backward for all of them), e.g. the
+/// embedding and the output head of a model whose blocks are sharded. Refusals as above, for each
+/// module. Mirrors replicate([m1, m2]).
+/// Example: `fsdp::replicate({model->wte.ptr(), model->head.ptr()}, fsdp::ReplicateOptions().mesh(mesh));`
+FSDPModuleAPI replicate(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                        const ReplicateOptions& options = {});
 
 /// Replicates a module held by a ModuleHolder (e.g. fsdp::FSDPModule<Net> or torch::nn::Linear).
 /// Example: `fsdp::replicate(model, fsdp::ReplicateOptions().mesh(mesh));`
