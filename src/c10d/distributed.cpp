@@ -305,6 +305,22 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
                 ". Every rank of the group must start; check that all ranks run and that GLOO_SOCKET_IFNAME "
                 "names a reachable interface");
   }
+  // Every rank past Gloo's rendezvous before any goes on: Gloo's connectFullMesh returns on one rank while a
+  // peer may still be completing its handshake, and a rank that failed right after (a bad FSDP_SHM_TRANSPORT
+  // below) would close its sockets under that peer, which then reports a Gloo connection error instead of the
+  // refusal every rank should report. Found under load (two test suites at once).
+  {
+    const std::string prefix = "fsdp_gloo_ready/" + name + "/";
+    store->set(prefix + std::to_string(rank), std::vector<uint8_t>{1});
+    std::vector<std::string> keys;
+    for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+    try {
+      store->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "init_process_group: rank ", rank, " of group '", name, "' finished Gloo's rendezvous but ",
+                  "not every rank reported doing so within ", timeout.count(), " ms: ", detail::message_of(e));
+    }
+  }
   auto group = std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
                                               timeout, name);
   // One host: all-gathers and reduce-scatters through shared memory (src/c10d/shm_transport.h).

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "c10d/process_group_access.h"
 #include "fsdp/consistency.h"
 #include "fsdp/fsdp_init.h"
 #include "fsdp/fsdp_interception.h"
@@ -176,7 +177,10 @@ void FSDPModuleAPI::set_separate_reduce_scatter_group(bool enable, bool recurse)
     if (!pg && shard.size() > 1) {
       std::vector<int> ranks(shard.size());
       for (int r = 0; r < shard.size(); ++r) ranks[r] = r;
-      pg = new_group(s->group->shard_group_ptr(), ranks, "fsdp_reduce_scatter");
+      // A fresh name per group built (the same on every rank: they build in one order), so that groups
+      // built again after set_separate_reduce_scatter_group(false) never share store keys.
+      pg = new_group(s->group->shard_group_ptr(), ranks,
+                     "reduce_scatter" + std::to_string(detail::ProcessGroupAccess::next_subgroup_id(shard)));
     }
     s->group->set_reduce_scatter_group(pg);
   }

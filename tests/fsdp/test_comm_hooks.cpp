@@ -239,6 +239,9 @@ TEST(CommHooks, SeparateReduceScatterGroupTrainsLikeOneProcess) {
       auto b = batches[0].slice(pg->rank() * (kBatch / ws), kBatch / ws);
       loss_fn(model(b.idx), b.targets).backward();
       EXPECT_EQ(g.collective_count("reduce_scatter_tensor"), rs0 + 3) << "false goes back to the shared group";
+      fsdp_api(net).set_separate_reduce_scatter_group(true);  // a new group again (its own store keys)
+      loss_fn(model(b.idx), b.targets).backward();
+      EXPECT_EQ(g.collective_count("reduce_scatter_tensor"), rs0 + 3) << "enabled again";
     });
   }
 }
