@@ -199,10 +199,38 @@ void FSDPParam::check_holds_fsdp_data(bool unsharded, const std::string& module_
               " no longer holds FSDP's data: it is now ", d.scalar_type(), " ", d.sizes(), " on ", d.device(),
               " but FSDP holds it as ", want.scalar_type(), " ", want.sizes(), " on ", want.device(),
               (unsharded ? " (unsharded)" : " (this rank's shard)"), " and gathers from its shard, so the change would "
-              "be silently undone. It was replaced after fully_shard (e.g. by module->to(dtype or device), or "
-              "param.set_data()). Fix: convert the module before fully_shard; to compute in another dtype use "
+              "be silently undone. It was replaced after fully_shard (module->to(dtype or device) while the group was "
+              "unsharded, or param.set_data()). Fix: call module->to() between steps, when the groups are sharded "
+              "(FSDP then takes the converted shards over), or before fully_shard; to compute in another dtype use "
               "FullyShardOptions().mp_policy(param_dtype); to change the values, copy_ into the parameter under "
               "torch::NoGradGuard");
+}
+
+bool FSDPParam::holds_converted_shard() const {
+  const auto& d = param;
+  if (d.is_alias_of(padded_shard) || (unsharded_padded.defined() && d.is_alias_of(unsharded_padded))) return false;
+  return d.sizes() == sharded_data.sizes() && (d.scalar_type() != sharded_data.scalar_type() ||
+                                                d.device() != sharded_data.device());
+}
+
+void FSDPParam::adopt_converted_shard(torch::ScalarType param_dtype_) {
+  torch::NoGradGuard no_grad;
+  auto data = param.detach();
+  // Read without the interception key (a keyed converted tensor would be resolved as a parameter use).
+  auto fresh = torch::zeros(padded_shard.sizes(), data.options());
+  if (local_rows > 0) fresh.narrow(shard_dim, 0, local_rows).copy_(data);
+  auto& g = param.mutable_grad();
+  if (g.defined()) g = g.to(fresh.options());
+  if (stashed_grad.defined()) stashed_grad = stashed_grad.to(fresh.options());
+  padded_shard = fresh;
+  sharded_data = padded_shard.narrow(shard_dim, 0, local_rows);
+  sharded_intercepted = intercepted(sharded_data);
+  param.set_data(sharded_intercepted);
+  register_param_storage(param, padded_shard, /*is_shard=*/true);
+  orig_dtype = padded_shard.scalar_type();
+  param_dtype = param_dtype_;
+  unsharded_padded = unsharded_data = unsharded_intercepted = post_forward_shard = torch::Tensor();
+  unsharded_accum_grad = pending_grad = torch::Tensor();
 }
 
 // [Note: FSDP over TP]

@@ -132,6 +132,14 @@ class FSDPParam {
   /// Throws c10::Error unless the parameter's data is still FSDP's (its shard, or with `unsharded` its
   /// unsharded tensor): a replacement after fully_shard would be silently undone by the next all-gather.
   void check_holds_fsdp_data(bool unsharded, const std::string& module_name, int rank) const;
+  /// [Note: module->to() after fully_shard] (fsdp_param_group.cpp): whether the parameter's data is its
+  /// shard converted to another dtype or device (same shape, not our storage), which adopt_converted_shard
+  /// takes as the new shard.
+  bool holds_converted_shard() const;
+  /// Makes the converted data the new padded shard (copied into a padded tensor of its dtype and device;
+  /// the sharded gradient converted alike), drops the unsharded tensor (re-made at the next unshard in the
+  /// new param_dtype) and sets orig_dtype, and param_dtype to `param_dtype`.
+  void adopt_converted_shard(torch::ScalarType param_dtype);
   /// The sharded parameter as a DTensor over `mesh` (aliases the local shard), or `local` (a tensor of
   /// the local shard's shape, e.g. its gradient) with the parameter's placements and global shape. When
   /// the model has TP parameters on `mesh`'s root, over the root's dims instead (see [Note: FSDP over TP]).

@@ -87,6 +87,47 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   comm_ = comm_context_for(opts_.mesh.get(), mesh->device());
 }
 
+// [Note: module->to() after fully_shard]
+// PyTorch's FSDPModule._apply re-takes each parameter's converted local tensor as its shard after
+// module.to(dtype / device). LibTorch's Module::to swaps each parameter's data for a converted copy (the
+// parameter stays the same object), with no hook for FSDP, so the group takes the copies over at its next
+// unshard (a forward or an explicit unshard), before its all-gather: the shards, their gradients and, unless
+// mp_policy fixes it, param_dtype follow; the unsharded tensors are made again in the new dtype; the reduce
+// dtype is recomputed. Every parameter of the group must have been converted alike (module->to converts all);
+// a group that is unsharded at the conversion, or CPU-offloaded shards moved off the CPU, stay refused
+// (check_holds_fsdp_data names the fix). Every rank must convert, as in PyTorch.
+void FSDPParamGroup::adopt_converted_shards() {
+  if (state_ != ShardedState::SHARDED && state_ != ShardedState::SHARDED_POST_FORWARD) return;
+  bool any = false;
+  for (const auto& p : params_) any = any || p.holds_converted_shard();
+  if (!any) return;
+  std::optional<torch::ScalarType> trainable;
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.holds_converted_shard(), "fully_shard: ", module_name_, " on rank ", opts_.mesh->get_rank(),
+                ": some parameters were converted after fully_shard (module->to(dtype or device)) but '", p.fqn,
+                "' was not; convert the whole module (or none), so that the group's shards move together");
+    TORCH_CHECK(!opts_.offload || p.param.device().is_cpu(), "fully_shard: parameter '", p.fqn, "' of ", module_name_,
+                " has CPU-offloaded shards but was moved to ", p.param.device(), "; with CPUOffloadPolicy the shards "
+                "stay on the CPU (FSDP copies them to the mesh's device at each all-gather)");
+    if (p.requires_grad()) {
+      TORCH_CHECK(!trainable || *trainable == p.param.scalar_type(), "fully_shard: ", module_name_,
+                  ": after module->to() the trainable parameters have the dtypes ", *trainable, " and ",
+                  p.param.scalar_type(), " ('", p.fqn, "'); a group's trainable parameters share one dtype");
+      trainable = p.param.scalar_type();
+    }
+  }
+  if (post_forward_pg_) post_forward_pg_.reset();
+  for (auto& p : params_) {
+    const auto dt = p.param.scalar_type();
+    p.adopt_converted_shard((opts_.mp.param_dtype() && at::isFloatingType(dt)) ? *opts_.mp.param_dtype() : dt);
+  }
+  state_ = ShardedState::SHARDED;
+  auto base = trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
+  auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
+  reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
+  partial_reduce_output_ = torch::Tensor();
+}
+
 void FSDPParamGroup::check_params_hold_fsdp_data() const {
   const bool unsharded = state_ == ShardedState::UNSHARDED || state_ == ShardedState::UNSHARDED_WITHOUT_DATA;
   for (const auto& p : params_) p.check_holds_fsdp_data(unsharded, module_name_, opts_.mesh->get_rank());
@@ -116,7 +157,10 @@ void FSDPParamGroup::broadcast_over_replicate() {
 
 void FSDPParamGroup::unshard(bool async_op) {
   // Before any collective, so that every rank refuses alike: see [Note: collective order].
-  if (!pending_ag_) check_params_hold_fsdp_data();
+  if (!pending_ag_) {
+    adopt_converted_shards();  // [Note: module->to() after fully_shard]
+    check_params_hold_fsdp_data();
+  }
   if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
   // SHARDED_POST_FORWARD gathers over the post-forward group: see [Note: reshard_after_forward=k].
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;

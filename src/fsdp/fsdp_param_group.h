@@ -137,6 +137,9 @@ class FSDPParamGroup {
   /// (replaced after fully_shard, e.g. by module->to(dtype)): FSDP gathers from its own shards, so the
   /// change would be silently undone.
   void check_params_hold_fsdp_data() const;
+  /// Takes over shards converted by module->to(dtype / device) since the last unshard ([Note: module->to()
+  /// after fully_shard], fsdp_param_group.cpp). Throws c10::Error for a partial or impossible conversion.
+  void adopt_converted_shards();
   void alloc_unsharded();
   void free_unsharded();
 

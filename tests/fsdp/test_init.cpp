@@ -159,30 +159,70 @@ struct WarningCollector : c10::WarningHandler {
 };
 
 // ---- item 9: model->to(dtype) after fully_shard ---------------------------------------------------------
-// Module::to replaces every parameter's data with a converted copy, but FSDP gathers from the shards it
-// holds: the change was silently undone by the next all-gather, then failed with a bare dtype error.
-TEST(RegressionsInit, ModuleToDtypeAfterFullyShardIsRefusedAtTheNextForward) {
-  auto errors = run_ranks_collect(2, [](ProcessGroupPtr pg) {
+// Module::to replaces every parameter's data with a converted copy; FSDP takes the copies over as its shards at
+// the next unshard, as PyTorch's FSDPModule._apply (issue 30; [Note: module->to() after fully_shard]). Before
+// the first forward and after a completed iteration, the model then trains in fp64 like one process in fp64; a
+// partial conversion of a group, and a conversion while a group is unsharded, are refused naming the fix.
+TEST(RegressionsInit, ModuleToDtypeAfterFullyShardConvertsTheShards) {
+  const auto batches = make_batches(4, 4, kSeq);
+  // One process in fp64, from the same weights.
+  std::vector<std::map<std::string, torch::Tensor>> ref_grads;
+  {
+    Net ref;
+    load_full(*ref, initial_weights());
+    ref->to(torch::kFloat64);
+    auto opt = make_optimizer(ref->parameters(), Opt::SGD);
+    for (const auto& b : batches) {
+      opt->zero_grad();
+      loss_fn(ref(b.idx), b.targets).backward();
+      std::map<std::string, torch::Tensor> g;
+      for (const auto& p : ref->named_parameters()) g[p.key()] = p.value().grad().clone();
+      ref_grads.push_back(g);
+      opt->step();
+    }
+  }
+  auto errors = run_ranks_collect(2, [&](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {2});
-    FSDPModule<Net> model(shard_net(mesh));
-    auto b = make_batches(1, 4, kSeq)[0].slice(pg->rank() * 2, 2);
-    model->to(torch::kFloat64);
-    auto msg = what_of([&] { model(b.idx); });
-    EXPECT_NE(msg.find("fully_shard: parameter 'wte.weight'"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("rank " + std::to_string(pg->rank())), std::string::npos) << msg;
-    EXPECT_NE(msg.find("Double"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("Float"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("before fully_shard"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("mp_policy"), std::string::npos) << msg;
-    // Also after a completed iteration (the parameters hold their shards again), and for an explicit
-    // unshard; a same-dtype to() is a no-op and keeps working.
+    for (bool after_a_step : {false, true}) {
+      const std::string what = after_a_step ? "converted after a step" : "converted before the first forward";
+      Net net;
+      load_full(*net, initial_weights());
+      for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
+      fully_shard(net, FullyShardOptions().mesh(mesh));
+      FSDPModule<Net> model(net);
+      if (after_a_step) {  // an fp32 evaluation step first (the weights do not change)
+        torch::NoGradGuard no_grad;
+        model(batches[0].slice(pg->rank() * 2, 2).idx);
+        model.reshard();
+      }
+      model->to(torch::kFloat64);
+      auto opt = make_optimizer(net->parameters(), Opt::SGD);
+      for (size_t s = 0; s < batches.size(); ++s) {
+        auto b = batches[s].slice(pg->rank() * 2, 2);
+        opt->zero_grad();
+        loss_fn(model(b.idx), b.targets).backward();
+        for (const auto& p : net->named_parameters()) {
+          EXPECT_EQ(p.value().scalar_type(), torch::kFloat64) << p.key() << " (" << what << ")";
+          auto full = sharded_grad(p.value())->full_tensor();
+          EXPECT_EQ(full.scalar_type(), torch::kFloat64) << p.key();
+          EXPECT_TRUE(torch::allclose(full, ref_grads[s].at(p.key()), 1e-10, 1e-12))
+              << p.key() << " at step " << s << " (" << what << "): max |diff| "
+              << max_abs_diff(full, ref_grads[s].at(p.key()));
+        }
+        opt->step();
+      }
+    }
+    auto b = batches[0].slice(pg->rank() * 2, 2);
+    // Part of a group converted: refused before the all-gather, on every rank.
     FSDPModule<Net> other(shard_net(mesh));
     loss_fn(other(b.idx), b.targets).backward();
-    other->to(torch::kFloat32);
+    other->to(torch::kFloat32);  // a same-dtype to() is a no-op and keeps working
     loss_fn(other(b.idx), b.targets).backward();
-    other->blocks[1]->to(torch::kFloat64);
-    msg = what_of([&] { other->blocks[1].unshard(); });
-    EXPECT_NE(msg.find("fully_shard: parameter 'blocks.1.scale'"), std::string::npos) << msg;
+    other->blocks[1]->fc1->to(torch::kFloat64);  // one module of the group
+    auto msg = what_of([&] { other->blocks[1].unshard(); });
+    EXPECT_NE(msg.find("some parameters were converted after fully_shard"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank " + std::to_string(pg->rank())), std::string::npos) << msg;
+    EXPECT_NE(msg.find("convert the whole module"), std::string::npos) << msg;
     // While unsharded: an evaluation forward leaves the root (reshard_after_forward=false) unsharded.
     FSDPModule<Net> third(shard_net(mesh));
     {

@@ -85,11 +85,13 @@
 // autograd keeps what it accumulated) are back in .grad and the groups are resharded locally; the
 // next forward completes its in-flight collectives and starts clean (zero_grad() as usual).
 //
-// After fully_shard, FSDP owns the parameters' data: do not replace it. `module->to(dtype or device)`
-// or `param.set_data(...)` after fully_shard is refused at the next all-gather (the next forward, or an
-// explicit unshard) with an error naming the parameter: FSDP gathers from the shards it holds, so the
-// change would otherwise be silently undone. Convert the module before fully_shard; compute in another
-// dtype with mp_policy; change values in place (copy_ under torch::NoGradGuard, or set_model_state_dict).
+// After fully_shard, FSDP owns the parameters' data. `module->to(dtype or device)` between steps converts
+// the shards: each group takes the converted copies over at its next unshard (the next forward, or an
+// explicit unshard), as PyTorch's FSDPModule._apply; call it on the whole module, on every rank. Other
+// replacements (`param.set_data(...)`, module->to() while a group is unsharded, part of a group) are
+// refused at that point with an error naming the parameter: FSDP gathers from the shards it holds, so the
+// change would otherwise be silently undone. Compute in another dtype with mp_policy; change values in
+// place (copy_ under torch::NoGradGuard, or set_model_state_dict).
 //
 // Buffers (BatchNorm's running_mean/running_var/num_batches_tracked, any register_buffer) are neither
 // sharded nor synchronised, as in PyTorch's FSDP2: every rank keeps and updates its own copy, so a
