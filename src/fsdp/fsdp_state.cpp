@@ -326,34 +326,6 @@ void FSDPState::root_pre_forward() {
   }
 }
 
-void FSDPState::reset_iter_state() {
-  if (!ctx) return;  // before the first forward: no iteration state yet
-  TORCH_CHECK(is_root(), "reset_iter_state: ", name(), " is not the root of its sharded tree; call it on the root ",
-              "(the module fully_shard was applied to last, whose forward begins the step)");
-  // As an aborted backward's recovery at the next root forward (root_pre_forward), now, plus the
-  // gradients held back across backwards: the failed iteration's gradients are lost.
-  if (ctx->in_backward) abort_backward();
-  ctx->backward_aborted = false;
-  for (FSDPState* s : ctx->states) {
-    if (!s->group) continue;
-    s->group->discard_gradients_in_flight();
-    s->group->discard_accumulated_gradients();
-    s->group->reshard();
-  }
-  ctx->reset_forward(/*adds_to_backward=*/false);
-  ctx->forward_open = false;
-}
-
-void FSDPState::abort_backward() noexcept {
-  // Local only: see [Note: collective order].
-  if (!ctx) return;
-  for (FSDPState* s : ctx->states) {
-    if (s->group) s->group->abort_backward();
-  }
-  ctx->reset_backward();
-  ctx->backward_aborted = true;
-}
-
 void FSDPState::prefetch(FSDPState* other) {
   if (!other || !other->group) return;
   if (ctx && ctx->in_backward && !other->group->unshard_in_backward) return;  // set_unshard_in_backward(false)

@@ -95,8 +95,6 @@ struct ShardConfig {
   bool explicit_unshard = false;
   int calls_per_block = 1;
   Opt opt = Opt::ADAMW;
-  FullyShardOptions options;                // base options of every fully_shard call (the mesh is set here)
-  std::function<void(Net&)> configure;      // run on the sharded model (FSDPModule settings under test)
 };
 
 // Checks this rank's gradients against the reference's at one step: the full gradient of every
@@ -132,8 +130,7 @@ inline Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
   net->calls_per_block = cfg.calls_per_block;
   load_full(*net, initial_weights());
   auto mesh = init_device_mesh(torch::kCPU, {pg->size()});
-  auto opts = cfg.options;
-  opts.mesh(mesh);
+  auto opts = FullyShardOptions().mesh(mesh);
   if (cfg.use_tree) {
     auto wrapped = fully_shard_tree(net, AutoWrapPolicy().module_types({"BlockImpl"}), opts);
     EXPECT_EQ(wrapped, (std::vector<std::string>{"blocks.0", "blocks.1", ""}));
@@ -143,7 +140,6 @@ inline Net build_sharded(const ShardConfig& cfg, ProcessGroupPtr pg) {
     for (auto& b : net->blocks) fully_shard(b, bopts);
     fully_shard(net, opts);
   }
-  if (cfg.configure) cfg.configure(net);
   return net;
 }
 
@@ -209,6 +205,50 @@ inline std::tuple<double, double, double> train_and_compare(const ShardConfig& c
         << p.key() << " on rank " << pg->rank() << ": max |diff| " << max_abs_diff(p.value(), expect);
   }
   return {max_loss, max_param, max_grad};
+}
+
+// Every parameter's full gradient at `step` (sharded_grad(p)->full_tensor(): a collective over the parameter's
+// mesh, any placements) against the reference's, at kGradRtol / kGradAtol.
+inline void expect_gradients_match(torch::nn::Module& net, const Reference& ref, size_t step, const std::string& what) {
+  for (const auto& p : net.named_parameters()) {
+    auto g = sharded_grad(p.value());
+    ASSERT_TRUE(g.has_value()) << p.key() << " has no gradient at step " << step << " (" << what << ")";
+    auto full = g->full_tensor();
+    const auto& expect = ref.grads[step].at(p.key());
+    EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
+        << "gradient of " << p.key() << " at step " << step << " (" << what << "): max |diff| "
+        << max_abs_diff(full, expect);
+  }
+}
+
+// Every parameter's full value (sharded_param(p).full_tensor()) against `expect`, at kRtol / kAtol.
+inline void expect_params_match(torch::nn::Module& net, const std::map<std::string, torch::Tensor>& expect,
+                                const std::string& what) {
+  for (const auto& p : net.named_parameters()) {
+    auto full = sharded_param(p.value()).full_tensor();
+    EXPECT_TRUE(torch::allclose(full, expect.at(p.key()), kRtol, kAtol))
+        << p.key() << " after training (" << what << "): max |diff| " << max_abs_diff(full, expect.at(p.key()));
+  }
+}
+
+// Trains `net` (already sharded or replicated, on any mesh) with this rank of `pg` on its slice of each global
+// batch, AdamW as run_reference; checks every step's full gradients and the final parameters against `ref`.
+// `around(step, after)` runs before each forward (after = false) and after each backward (collective counts).
+inline void train_vs_reference(ProcessGroupPtr pg, Net& net, const std::vector<Batch>& batches, const Reference& ref,
+                               const std::string& what, const std::function<void(size_t, bool)>& around = {}) {
+  FSDPModule<Net> model(net);
+  auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
+  const int64_t local = kBatch / pg->size();
+  for (size_t step = 0; step < batches.size(); ++step) {
+    auto b = batches[step].slice(pg->rank() * local, local);
+    opt->zero_grad();
+    if (around) around(step, false);
+    loss_fn(model(b.idx), b.targets).backward();
+    if (around) around(step, true);
+    expect_gradients_match(*net, ref, step, what);
+    opt->step();
+  }
+  expect_params_match(*net, ref.final_params, what);
 }
 
 inline void run_parity(int ws, const ShardConfig& cfg) {

@@ -6,21 +6,13 @@
 // one scale per parameter and rank, with 16-byte alignment, for float8); bad extensions are refused.
 #include <gtest/gtest.h>
 
+#include "error_message.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {
 namespace {
 
 constexpr int kExtSteps = 4;
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
 
 // What the forward computes with: `w` as rebuilt by LowPrecisionAllGather(dtype) over `ws` ranks, written
 // independently of the library (row chunks of ceil(d0 / ws), each rank's scale from its own rows).
@@ -96,22 +88,11 @@ void run_low_precision(torch::ScalarType dtype, int ws) {
       auto global = loss.detach().clone();
       all_reduce(global, *pg, ReduceOp::AVG);
       EXPECT_NEAR(global.item<double>(), ref.losses[step], kRtol * std::abs(ref.losses[step])) << what;
-      for (const auto& p : net->named_parameters()) {
-        const auto& expect = ref.grads[step].at(p.key());
-        auto full = DTensor(p.value().grad(), mesh, {Shard(0)}, expect.sizes().vec()).full_tensor();
-        EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
-            << "gradient of " << p.key() << " at step " << step << " (" << what << "): max |diff| "
-            << max_abs_diff(full, expect);
-      }
+      expect_gradients_match(*net, ref, step, what);
       opt->step();
     }
-    for (const auto& p : net->named_parameters()) {
-      auto full = sharded_param(p.value()).full_tensor();
-      EXPECT_TRUE(torch::allclose(full, ref.final_params.at(p.key()), kRtol, kAtol))
-          << p.key() << " after training (" << what << "): max |diff| "
-          << max_abs_diff(full, ref.final_params.at(p.key()));
-      EXPECT_EQ(full.scalar_type(), torch::kFloat32) << "the shards stay fp32";
-    }
+    expect_params_match(*net, ref.final_params, what);
+    for (const auto& p : net->named_parameters()) EXPECT_EQ(p.value().scalar_type(), torch::kFloat32) << "the shards stay fp32";
   });
 }
 
@@ -179,7 +160,7 @@ struct GrowingExtension : AllGatherExtension {
 };
 
 TEST(AllGatherExtension, BadExtensionsAreRefusedNamingTheParameter) {
-  auto msg = message_of([] { LowPrecisionAllGather(torch::kInt); });
+  auto msg = error_message([] { LowPrecisionAllGather(torch::kInt); });
   EXPECT_NE(msg.find("expected kBFloat16, kHalf, kFloat8_e4m3fn or kFloat8_e5m2, got Int"), std::string::npos) << msg;
   run_ranks(2, [](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {2});
@@ -190,7 +171,7 @@ TEST(AllGatherExtension, BadExtensionsAreRefusedNamingTheParameter) {
                                  if (name == "weight") return std::make_shared<GrowingExtension>();
                                  return nullptr;
                                }));
-    auto m = message_of([&] { lin(torch::ones({2, 4})); });
+    auto m = error_message([&] { lin(torch::ones({2, 4})); });
     EXPECT_NE(m.find("parameter 'weight'"), std::string::npos) << m;
     EXPECT_NE(m.find("must keep their number, dtypes and numels"), std::string::npos) << m;
     // An extension that returns nothing: refused at fully_shard, the module left unsharded.
@@ -199,7 +180,7 @@ TEST(AllGatherExtension, BadExtensionsAreRefusedNamingTheParameter) {
       std::vector<torch::Tensor> pre_all_gather(const torch::Tensor&, torch::ScalarType) override { return {}; }
       void post_all_gather(const std::vector<torch::Tensor>&, const torch::Tensor&) override {}
     };
-    m = message_of([&] {
+    m = error_message([&] {
       fully_shard(lin2.ptr(), FullyShardOptions().mesh(mesh).all_gather_extension_fn(
                                   [](const std::string&, const torch::Tensor&) { return std::make_shared<Empty>(); }));
     });

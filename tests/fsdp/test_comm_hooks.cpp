@@ -11,52 +11,11 @@
 
 #include "fsdp/fsdp_param_group.h"
 #include "fsdp/fsdp_state.h"
+#include "error_message.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {
 namespace {
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-// Trains `net` (already sharded over the 1-D `mesh`; `model` calls it) with this rank of `pg` on its slice
-// of each global batch; compares every step's full gradients and the final parameters with `ref`.
-// `around(step, after)` runs before each forward (after = false) and after each backward (collective counts).
-void train_vs_reference(ProcessGroupPtr pg, Net& net, const DeviceMeshPtr& mesh, const std::vector<Batch>& batches,
-                        const Reference& ref, const std::string& what,
-                        const std::function<void(size_t, bool)>& around = {}) {
-  FSDPModule<Net> model(net);
-  auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
-  const int64_t local = kBatch / pg->size();
-  for (size_t step = 0; step < batches.size(); ++step) {
-    auto b = batches[step].slice(pg->rank() * local, local);
-    opt->zero_grad();
-    if (around) around(step, false);
-    loss_fn(model(b.idx), b.targets).backward();
-    if (around) around(step, true);
-    for (const auto& p : net->named_parameters()) {
-      const auto& expect = ref.grads[step].at(p.key());
-      ASSERT_TRUE(p.value().grad().defined()) << p.key() << " has no gradient at step " << step << " (" << what << ")";
-      auto full = DTensor(p.value().grad(), mesh, {Shard(0)}, expect.sizes().vec()).full_tensor();
-      EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
-          << "gradient of " << p.key() << " at step " << step << " on rank " << pg->rank() << " (" << what
-          << "): max |diff| " << max_abs_diff(full, expect);
-    }
-    opt->step();
-  }
-  for (const auto& p : net->named_parameters()) {
-    auto full = DTensor(p.value().detach(), mesh, {Shard(0)}, ref.final_params.at(p.key()).sizes().vec()).full_tensor();
-    EXPECT_TRUE(torch::allclose(full, ref.final_params.at(p.key()), kRtol, kAtol))
-        << p.key() << " after training on rank " << pg->rank() << " (" << what << "): max |diff| "
-        << max_abs_diff(full, ref.final_params.at(p.key()));
-  }
-}
 
 // Every fully_shard module of the blocks + root model: the blocks, then the root.
 std::vector<FSDPModuleAPI> apis(Net& net) {
@@ -123,7 +82,7 @@ TEST(CommHooks, CustomAllGatherAndReduceScatterTrainLikeOneProcess) {
       auto& g = *mesh->get_group(0);
       const auto ag0 = g.collective_count("all_gather_into_tensor");
       const auto rs0 = g.collective_count("reduce_scatter_tensor");
-      train_vs_reference(pg, net, mesh, batches, ref, std::to_string(ws) + " ranks, custom collectives");
+      train_vs_reference(pg, net, batches, ref, std::to_string(ws) + " ranks, custom collectives");
       // Per step: forward gathers root + 2 blocks, backward the 2 blocks (the root stays unsharded);
       // 3 reduce-scatters. Every buffer came from the custom allocate (reduce-scatter: input and output).
       EXPECT_EQ(ag->calls, kSteps * 5);
@@ -157,7 +116,7 @@ TEST(CommHooks, CustomAllocationOfTheWrongSizeIsRefusedOnEveryRank) {
     fsdp_api(net).set_custom_all_gather(std::make_shared<WrongSizeAllGather>());
     FSDPModule<Net> model(net);
     auto b = batches[0].slice(pg->rank() * 6, 6);
-    auto msg = message_of([&] { model(b.idx); });
+    auto msg = error_message([&] { model(b.idx); });
     EXPECT_NE(msg.find("custom AllGather's allocate"), std::string::npos) << msg;
     EXPECT_NE(msg.find("expected a contiguous tensor of exactly that size"), std::string::npos) << msg;
   });
@@ -186,7 +145,7 @@ TEST(CommHooks, AllReduceHookCompletesAManualReplicaReduction) {
         reduced.div_(2);
       });
     }
-    train_vs_reference(pg, net, mesh, batches, ref, "FSDP over 2 ranks + hook over 2 replicas");
+    train_vs_reference(pg, net, batches, ref, "FSDP over 2 ranks + hook over 2 replicas");
     EXPECT_EQ(calls, kSteps * 3);
     int64_t padded = 0;  // every trainable parameter's padded shard, per step
     for (const auto& p : net->named_parameters()) {
@@ -207,14 +166,14 @@ TEST(CommHooks, ProcessGroupAllocatorTrainsLikeOneProcessAndExcludesCustomComms)
     Net net = sharded_net(mesh);
     for (auto api : apis(net)) api.set_allocate_memory_from_process_group_for_comm(true);
     // Gloo has no allocator of its own: the buffers come from the pool as by default.
-    train_vs_reference(pg, net, mesh, batches, ref, "process-group allocation");
-    auto msg = message_of([&] { fsdp_api(net).set_custom_all_gather(std::make_shared<CountingAllGather>()); });
+    train_vs_reference(pg, net, batches, ref, "process-group allocation");
+    auto msg = error_message([&] { fsdp_api(net).set_custom_all_gather(std::make_shared<CountingAllGather>()); });
     EXPECT_NE(msg.find("set_allocate_memory_from_process_group_for_comm"), std::string::npos) << msg;
     fsdp_api(net).set_allocate_memory_from_process_group_for_comm(false);
     fsdp_api(net).set_custom_all_gather(std::make_shared<CountingAllGather>());
-    msg = message_of([&] { fsdp_api(net).set_allocate_memory_from_process_group_for_comm(true); });
+    msg = error_message([&] { fsdp_api(net).set_allocate_memory_from_process_group_for_comm(true); });
     EXPECT_NE(msg.find("has a custom all-gather"), std::string::npos) << msg;
-    msg = message_of([&] { fsdp_api(net).set_symm_mem_for_comm(); });
+    msg = error_message([&] { fsdp_api(net).set_symm_mem_for_comm(); });
     EXPECT_NE(msg.find("refused"), std::string::npos) << msg;
     EXPECT_NE(msg.find("set_allocate_memory_from_process_group_for_comm(true)"), std::string::npos) << msg;
   });
@@ -232,7 +191,7 @@ TEST(CommHooks, SeparateReduceScatterGroupTrainsLikeOneProcess) {
       fsdp_api(net).set_separate_reduce_scatter_group();  // recursive: the blocks too
       auto& g = *mesh->get_group(0);
       const auto rs0 = g.collective_count("reduce_scatter_tensor");
-      train_vs_reference(pg, net, mesh, batches, ref, std::to_string(ws) + " ranks, separate reduce-scatter group");
+      train_vs_reference(pg, net, batches, ref, std::to_string(ws) + " ranks, separate reduce-scatter group");
       EXPECT_EQ(g.collective_count("reduce_scatter_tensor"), rs0) << "a reduce-scatter ran on the shared group";
       fsdp_api(net).set_separate_reduce_scatter_group(false);
       FSDPModule<Net> model(net);
@@ -272,7 +231,7 @@ TEST(CommHooks, UnshardInBackwardFalseSavesTheEmbeddingsAllGather) {
         }
         uint64_t before = 0;
         const auto what = std::to_string(ws) + " ranks, unshard_in_backward(false) on " + (on_block ? "block 1" : "wte");
-        train_vs_reference(pg, net, mesh, batches, ref, what, [&](size_t step, bool after) {
+        train_vs_reference(pg, net, batches, ref, what, [&](size_t step, bool after) {
           // Forward: wte, 2 blocks, root; backward: the blocks (and wte unless it is skipped).
           const auto now = g.collective_count("all_gather_into_tensor");
           if (after) {
@@ -380,8 +339,6 @@ TEST(CommHooks, ResetIterStateDropsTheFailedIterationsWork) {
       fully_shard(net, FullyShardOptions().mesh(mesh));
       FSDPModule<Net> model(net);
       auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
-      const std::vector<Placement> placements =
-          hsdp ? std::vector<Placement>{Replicate(), Shard(0)} : std::vector<Placement>{Shard(0)};
       const std::string what = hsdp ? "HSDP 2 x 2" : "FSDP over 4";
       const int64_t local = kBatch / 4;
       for (size_t step = 0; step < batches.size(); ++step) {
@@ -409,17 +366,10 @@ TEST(CommHooks, ResetIterStateDropsTheFailedIterationsWork) {
           model.reset_iter_state();
         }
         loss_fn(model(b.idx), b.targets).backward();
-        for (const auto& p : net->named_parameters()) {
-          const auto& expect = ref.grads[step].at(p.key());
-          ASSERT_TRUE(p.value().grad().defined()) << p.key() << " at step " << step << " (" << what << ")";
-          auto full = DTensor(p.value().grad(), mesh, placements, expect.sizes().vec()).full_tensor();
-          EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
-              << "gradient of " << p.key() << " at step " << step << " (" << what << "): max |diff| "
-              << max_abs_diff(full, expect);
-        }
+        expect_gradients_match(*net, ref, step, what);
         opt->step();
       }
-      auto msg = message_of([&] { net->blocks[0].reset_iter_state(); });
+      auto msg = error_message([&] { net->blocks[0].reset_iter_state(); });
       EXPECT_NE(msg.find("is not the root"), std::string::npos) << msg;
     });
   }
@@ -442,11 +392,11 @@ TEST(CommHooks, ShareCommCtxTwoRootsTrainLikeOneProcess) {
     share_comm_ctx({a.ptr(), b.ptr()});
     EXPECT_EQ(context(a.ptr()), context(b.ptr()));
     EXPECT_EQ(context(a->blocks[1].ptr()), context(b->blocks[0].ptr()));
-    train_vs_reference(pg, a, mesh_a, batches, ref, "first of two roots sharing a context");
-    train_vs_reference(pg, b, mesh_b, batches, ref, "second of two roots sharing a context");
-    auto msg = message_of([&] { share_comm_ctx({a.ptr(), std::make_shared<torch::nn::LinearImpl>(2, 2)}); });
+    train_vs_reference(pg, a, batches, ref, "first of two roots sharing a context");
+    train_vs_reference(pg, b, batches, ref, "second of two roots sharing a context");
+    auto msg = error_message([&] { share_comm_ctx({a.ptr(), std::make_shared<torch::nn::LinearImpl>(2, 2)}); });
     EXPECT_NE(msg.find("is not sharded"), std::string::npos) << msg;
-    msg = message_of([&] { share_comm_ctx({a.ptr(), b.ptr()}); });
+    msg = error_message([&] { share_comm_ctx({a.ptr(), b.ptr()}); });
     EXPECT_NE(msg.find("already ran a forward"), std::string::npos) << msg;
   });
 }
@@ -469,10 +419,10 @@ TEST(CommHooks, FixedBehaviourSettingsAreAcceptedAndTrainLikeOneProcess) {
     for (auto api : apis(net)) api.set_reduce_scatter_divide_factor(3.0);  // the default factor: same numbers
 #pragma GCC diagnostic pop
     root.set_post_optim_event(std::make_shared<c10::Event>(c10::DeviceType::CPU));  // no streams on the CPU
-    train_vs_reference(pg, net, mesh, batches, ref, "fixed-behaviour settings");
-    auto msg = message_of([&] { root.set_reduce_scatter_max_input_buffers(0); });
+    train_vs_reference(pg, net, batches, ref, "fixed-behaviour settings");
+    auto msg = error_message([&] { root.set_reduce_scatter_max_input_buffers(0); });
     EXPECT_NE(msg.find("expected a positive count, got 0"), std::string::npos) << msg;
-    msg = message_of([&] { net->blocks[0].set_post_optim_event(nullptr); });
+    msg = error_message([&] { net->blocks[0].set_post_optim_event(nullptr); });
     EXPECT_NE(msg.find("is not the root"), std::string::npos) << msg;
   });
 }

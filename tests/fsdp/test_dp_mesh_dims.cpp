@@ -5,47 +5,11 @@
 // every refusal names what was wrong and the fix.
 #include <gtest/gtest.h>
 
+#include "error_message.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {
 namespace {
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-// Trains `net` (sharded or replicated) against `ref`; gradients and parameters through their DTensors.
-void train_vs_reference(ProcessGroupPtr pg, Net& net, const std::vector<Batch>& batches, const Reference& ref,
-                        const std::string& what) {
-  FSDPModule<Net> model(net);
-  auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
-  const int64_t local = kBatch / pg->size();
-  for (size_t step = 0; step < batches.size(); ++step) {
-    auto b = batches[step].slice(pg->rank() * local, local);
-    opt->zero_grad();
-    loss_fn(model(b.idx), b.targets).backward();
-    for (const auto& p : net->named_parameters()) {
-      auto g = sharded_grad(p.value());
-      ASSERT_TRUE(g.has_value()) << p.key() << " has no gradient at step " << step << " (" << what << ")";
-      auto full = g->full_tensor();
-      const auto& expect = ref.grads[step].at(p.key());
-      EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
-          << "gradient of " << p.key() << " at step " << step << " (" << what << "): max |diff| "
-          << max_abs_diff(full, expect);
-    }
-    opt->step();
-  }
-  for (const auto& p : net->named_parameters()) {
-    auto full = sharded_param(p.value()).full_tensor();
-    EXPECT_TRUE(torch::allclose(full, ref.final_params.at(p.key()), kRtol, kAtol))
-        << p.key() << " after training (" << what << "): max |diff| " << max_abs_diff(full, ref.final_params.at(p.key()));
-  }
-}
 
 Net fresh_net() {
   Net net;
@@ -126,7 +90,7 @@ TEST(DpMeshDims, RefusalsNameTheDimensionsAndTheFix) {
   run_ranks(4, [](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {2, 2}, {"dp_replicate", "dp_shard"});
     auto shard = [&](DataParallelMeshDims dims) {
-      return message_of([&] { fully_shard(torch::nn::Linear(3, 2).ptr(), FullyShardOptions().mesh(mesh).dp_mesh_dims(dims)); });
+      return error_message([&] { fully_shard(torch::nn::Linear(3, 2).ptr(), FullyShardOptions().mesh(mesh).dp_mesh_dims(dims)); });
     };
     auto m = shard(DataParallelMeshDims().shard({"dp"}));
     EXPECT_NE(m.find("dp_replicate"), std::string::npos) << "lists the mesh's names: " << m;
@@ -136,12 +100,12 @@ TEST(DpMeshDims, RefusalsNameTheDimensionsAndTheFix) {
     EXPECT_NE(m.find("fsdp::replicate(module"), std::string::npos) << m;
     m = shard(DataParallelMeshDims());
     EXPECT_NE(m.find("at least one of shard or replicate"), std::string::npos) << m;
-    m = message_of([&] {
+    m = error_message([&] {
       replicate(torch::nn::Linear(3, 2).ptr(),
                 ReplicateOptions().mesh(mesh).dp_mesh_dims(DataParallelMeshDims().shard({"dp_shard"})));
     });
     EXPECT_NE(m.find("replicate does not shard"), std::string::npos) << m;
-    m = message_of([&] {
+    m = error_message([&] {
       fully_shard(torch::nn::Linear(3, 2).ptr(),
                   FullyShardOptions().dp_mesh_dims(DataParallelMeshDims().shard({"dp_shard"})));
     });

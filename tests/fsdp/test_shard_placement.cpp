@@ -8,19 +8,11 @@
 
 #include "checkpoint_test_util.h"
 #include "fsdp/checkpoint/checkpoint.h"
+#include "error_message.h"
 #include "fully_shard_test_util.h"
 
 namespace fsdp::testing {
 namespace {
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
 
 // Shard(1) for every 2-D parameter whose dim 1 divides by `ws`, Shard(0) for the others.
 ShardPlacementFn dim1_where_even(int ws) {
@@ -28,18 +20,6 @@ ShardPlacementFn dim1_where_even(int ws) {
     if (p.dim() == 2 && p.size(1) % ws == 0) return Shard(1);
     return std::nullopt;
   };
-}
-
-void expect_grads_and_params(Net& net, const Reference& ref, size_t step, const std::string& what) {
-  for (const auto& p : net->named_parameters()) {
-    auto g = sharded_grad(p.value());
-    ASSERT_TRUE(g.has_value()) << p.key() << " has no gradient at step " << step << " (" << what << ")";
-    auto full = g->full_tensor();
-    const auto& expect = ref.grads[step].at(p.key());
-    EXPECT_TRUE(torch::allclose(full, expect, kGradRtol, kGradAtol))
-        << "gradient of " << p.key() << " at step " << step << " (" << what << "): max |diff| "
-        << max_abs_diff(full, expect);
-  }
 }
 
 void run_shard1_parity(int ws, ReshardAfterForward raf) {
@@ -72,14 +52,10 @@ void run_shard1_parity(int ws, ReshardAfterForward raf) {
       auto b = batches[step].slice(pg->rank() * local, local);
       opt->zero_grad();
       loss_fn(model(b.idx), b.targets).backward();
-      expect_grads_and_params(net, ref, step, what);
+      expect_gradients_match(*net, ref, step, what);
       opt->step();
     }
-    for (const auto& p : net->named_parameters()) {
-      auto full = sharded_param(p.value()).full_tensor();
-      EXPECT_TRUE(torch::allclose(full, ref.final_params.at(p.key()), kRtol, kAtol))
-          << p.key() << " after training (" << what << "): max |diff| " << max_abs_diff(full, ref.final_params.at(p.key()));
-    }
+    expect_params_match(*net, ref.final_params, what);
   });
 }
 
@@ -198,7 +174,7 @@ TEST(ShardPlacement, RefusalsNameTheParameterAndTheFix) {
     auto mesh = init_device_mesh(torch::kCPU, {2});
     auto shard_with = [&](ShardPlacementFn fn) {
       auto lin = torch::nn::Linear(5, 4);  // weight [4, 5]: dim 1 is odd
-      auto m = message_of([&] { fully_shard(lin.ptr(), FullyShardOptions().mesh(mesh).shard_placement_fn(fn)); });
+      auto m = error_message([&] { fully_shard(lin.ptr(), FullyShardOptions().mesh(mesh).shard_placement_fn(fn)); });
       EXPECT_EQ(lin->weight.sizes(), (std::vector<int64_t>{4, 5})) << "a refused fully_shard shards nothing";
       return m;
     };
