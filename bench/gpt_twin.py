@@ -39,6 +39,7 @@ rank 0's minor page faults (getrusage ru_minflt) during the step.
 
 import argparse
 import json
+import re
 import math
 import os
 import resource
@@ -345,6 +346,15 @@ def main():
 
     model, cfg = load_model(args.init)
     model.to(device)
+    # train_gpt --freeze REGEX [--frozen-dtype bf16]: frozen before sharding (a bf16 one beside fp32 weights makes
+    # a group of two dtypes: FSDP2 all-gathers it as bytes).
+    if run.get("freeze"):
+        frozen_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[run.get("frozen_dtype", "fp32")]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if re.search(run["freeze"], name):
+                    p.requires_grad_(False)
+                    p.data = p.data.to(frozen_dtype)
     # AdamW groups as train_gpt: weight decay on dim >= 2 (full shapes, decided before sharding).
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -425,6 +435,8 @@ def main():
                 model.set_requires_gradient_sync(last or rs_each_micro)  # (also sets requires_all_reduce)
                 if rs_each_micro:
                     model.set_requires_all_reduce(last)
+                if run.get("keep_unsharded_between_microbatches", False):
+                    model.set_reshard_after_backward(last)
             loss = lm_loss(forward(x), y) / float(accum)
             loss.backward()
             loss_sum += loss.detach()

@@ -146,6 +146,13 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "float8"}));
   add_integer(g, "--shard-dim", o.shard_dim, "Shard each 2-D weight on this dim (0 or 1) where its size divides by the "
               "FSDP ranks, the others on dim 0 (fully_shard's shard_placement_fn) (Default: 0)", int(0));
+  g->add_option("--freeze", o.freeze,
+                "Freeze the parameters whose name matches this regex (e.g. 'wpe'): no gradient, no update, "
+                "not reduced (fine-tuning part of a model)");
+  g->add_option("--frozen-dtype", o.frozen_dtype,
+                "Store the frozen parameters in this dtype: bf16 beside fp32 weights makes groups of two dtypes, "
+                "which fully_shard all-gathers as bytes in one collective, as FSDP2")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
   g->add_option("--reshard-after-forward", o.reshard_after_forward,
                 "Free the blocks' gathered parameters after forward: true|false|N (N ranks keep a slice)")
       ->capture_default_str();
@@ -159,6 +166,10 @@ void add_flags(CLI::App& app, Options& o) {
                 "replicate (every rank keeps the whole model; gradients all-reduced per block: fsdp::replicate, "
                 "PyTorch's DDP semantics)")
       ->capture_default_str()->check(CLI::IsMember({"fully_shard", "replicate"}));
+  g->add_flag("--keep-unsharded-between-microbatches", o.keep_unsharded,
+              "With --grad-accum-steps: set_reshard_after_backward(false) on every microbatch but the last (FSDP2's "
+              "recipe): the next microbatch's forward reuses the gathered parameters instead of all-gathering "
+              "them again (more memory between microbatches)");
   g->add_flag("--reduce-scatter-each-microbatch", o.reduce_scatter_each_microbatch,
               "With --grad-accum-steps: reduce-scatter every microbatch's gradients (sharded sums: less memory "
               "than keeping unsharded gradients until the last); with --dp-replicate, all-reduce over the "

@@ -63,7 +63,9 @@ inline nlohmann::json run_description(const RunSetup& s, int world, int64_t star
           {"no_shard", o.no_shard},      {"seed", o.seed},
           {"data_parallel", o.data_parallel}, {"dp_replicate", o.dp_replicate},
           {"all_gather_dtype", o.all_gather_dtype}, {"shard_dim", o.shard_dim},
+          {"freeze", o.freeze},          {"frozen_dtype", o.frozen_dtype},
           {"reduce_scatter_each_microbatch", o.reduce_scatter_each_microbatch},
+          {"keep_unsharded_between_microbatches", o.keep_unsharded},
           {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 

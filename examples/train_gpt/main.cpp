@@ -117,6 +117,7 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
       // (set_requires_gradient_sync also sets requires_all_reduce, so it comes first.)
       fsdp::fsdp_api(t.model).set_requires_gradient_sync(last || o.reduce_scatter_each_microbatch);
       if (o.reduce_scatter_each_microbatch) fsdp::fsdp_api(t.model).set_requires_all_reduce(last);
+      if (o.keep_unsharded) fsdp::fsdp_api(t.model).set_reshard_after_backward(last);
     }
     torch::Tensor logits;
     if (!o.no_shard || t.s.parallel.param_dtype == torch::kFloat32) {
@@ -197,11 +198,14 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   torch::manual_seed(o.seed);
   // (Tensor parallelism shards the eagerly built model: deferred_init knows FSDP's rows only.)
   // (--data-parallel replicate: every rank holds the whole model anyway.)
-  const bool sharded_init = !o.no_shard && o.save_init.empty() && tp == 1 && !s.parallel.replicate;
+  // (--freeze changes dtypes before sharding: eager too.)
+  const bool sharded_init =
+      !o.no_shard && o.save_init.empty() && tp == 1 && !s.parallel.replicate && !s.parallel.freeze;
   Model model = sharded_init ? fsdp::deferred_init([&] { return Model(s.cfg); }) : Model(s.cfg);
   const DecayGroups groups = decay_groups(*model);  // on the full shapes, before sharding
   Reporter report(s, model->num_params(), pg);
   if (!o.save_init.empty() && rank == 0) save_initial_weights(*model, s.cfg, o.save_init);
+  if (s.parallel.freeze) report.say("frozen: " + std::to_string(freeze_parameters(*model, s.parallel)) + " parameters");
   // (with --cpu-offload the shards stay on the CPU: fully_shard puts them in pinned host memory).
   if (!sharded_init && device.is_cuda() && !o.cpu_offload) model->to(device);
   if (!o.no_shard) parallelize(model, mesh, s.parallel);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <regex>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
@@ -86,6 +87,17 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     throw UsageError("--shard-dim " + std::to_string(o.shard_dim) + ": expected 0 or 1, with --data-parallel "
                      "fully_shard, without --tp and --all-gather-dtype (FSDP shards tensor-parallel weights and "
                      "extended all-gathers on dim 0). Fix: drop --shard-dim or the other flag");
+  }
+  if (!o.freeze.empty()) {
+    try {
+      p.freeze = std::regex(o.freeze);
+    } catch (const std::regex_error& e) {
+      throw UsageError("--freeze '" + o.freeze + "' is not a regular expression (" + e.what() + ")");
+    }
+  }
+  if (o.frozen_dtype == "bf16") {
+    if (o.freeze.empty()) throw UsageError("--frozen-dtype bf16 needs --freeze REGEX (the parameters to freeze)");
+    p.frozen_dtype = torch::kBFloat16;
   }
   if (p.replicate && p.all_gather_dtype) {
     throw UsageError("--all-gather-dtype " + o.all_gather_dtype + " changes fully_shard's all-gather, but --data-parallel "

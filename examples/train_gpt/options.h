@@ -51,6 +51,8 @@ struct Options {
   std::string mixed_precision = "fp32";
   std::string all_gather_dtype = "fp32";  // bf16 | float8: weights all-gathered in it, upcast after (LowPrecisionAllGather)
   int shard_dim = 0;  // shard_placement_fn: 2-D weights whose size on this dim divides by the FSDP ranks
+  std::string freeze;                 // regex on parameter names: frozen (requires_grad false) before sharding
+  std::string frozen_dtype = "fp32";  // bf16: the frozen parameters stored in bf16 (mixed-dtype groups)
   std::string reshard_after_forward = "true";
   bool activation_checkpointing = false;
   bool cpu_offload = false;
@@ -60,6 +62,7 @@ struct Options {
   bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
   std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)
   bool reduce_scatter_each_microbatch = false;  // accumulate sharded sums; HSDP: all-reduce on the last only
+  bool keep_unsharded = false;  // set_reshard_after_backward(false) but on the last microbatch: no re-gathers
   int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
   // Output.
   int64_t log_every = 10;

@@ -48,6 +48,21 @@ fsdp::tp::ParallelizePlan block_plan(bool sp, int64_t mlp_seq_dim) {
 
 }  // namespace
 
+int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p) {
+  if (!p.freeze) return 0;
+  torch::NoGradGuard no_grad;
+  int frozen = 0;
+  for (auto& item : model.named_parameters()) {
+    if (!std::regex_search(item.key(), *p.freeze)) continue;
+    auto& w = item.value();
+    w.set_requires_grad(false);
+    if (w.scalar_type() != p.frozen_dtype) w.set_data(w.to(p.frozen_dtype));
+    ++frozen;
+  }
+  if (frozen == 0) throw std::invalid_argument("--freeze: no parameter name matches the regex");
+  return frozen;
+}
+
 fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p) {
   if (p.tp == 1 && p.dp_replicate == 1) return fsdp::init_device_mesh(device, {world});
   return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.tp}, {"dp_replicate", "dp_shard", "tp"});

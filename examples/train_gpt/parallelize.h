@@ -3,6 +3,8 @@
 // else in train_gpt is the ordinary training loop around it (main.cpp).
 #pragma once
 
+#include <regex>
+
 #include "fsdp/fsdp.h"
 #include "model.h"
 #include "model_plain.h"
@@ -22,7 +24,15 @@ struct ParallelOptions {
   bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
   std::optional<torch::ScalarType> all_gather_dtype;  ///< LowPrecisionAllGather of the weight matrices
   int shard_dim = 0;  ///< shard_placement_fn: 2-D weights on this dim where it divides by dp_shard
+  std::optional<std::regex> freeze;                ///< parameters frozen before sharding (--freeze)
+  torch::ScalarType frozen_dtype = torch::kFloat32;  ///< their dtype (--frozen-dtype)
 };
+
+/// --freeze: the parameters whose name matches p.freeze stop requiring grad and take p.frozen_dtype, before
+/// any sharding (a frozen bf16 parameter beside fp32 weights makes its group gather bytes, as FSDP2's uint8
+/// all-gather). Returns the number of parameters frozen; throws UsageError-like std::invalid_argument when
+/// none matches (a typo would silently train everything).
+int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p);
 
 /// The device mesh of a run: 1-D over every rank for FSDP alone, else (dp_replicate, dp_shard, tp) with
 /// those names (sizes of 1 allowed). Collective over the world.

@@ -2,6 +2,7 @@
 #include "fsdp/fsdp_collectives.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace fsdp::detail {
 
@@ -29,7 +30,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
   torch::Tensor output, input;
   {
     // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
-    StreamScope copy_in(&comm, CommStream::kAllGatherCopyIn);
+    StreamScope copy_in(&comm, CommStream::kAllGatherCopyIn, /*wait_previous=*/comm.copy_in_waits_current());
     torch::NoGradGuard no_grad;
     // Each parameter's pieces: its (post-forward) shard, cast to param_dtype by the copy below, or its
     // extension's inputs ([Note: all-gather extension]; not for the post-forward gather, which moves the
@@ -131,10 +132,19 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
   }
 }
 
+std::pair<double, double> gradient_divide_factors(torch::ScalarType reduce_dtype, double factor) {
+  if (reduce_dtype == torch::kFloat32 || reduce_dtype == torch::kBFloat16) return {1.0, factor};
+  // N ranks each hold g_i and reduce (g_1 + ... + g_N) / N: dividing by ~sqrt(N) before and after keeps the
+  // sum inside fp16's range (PyTorch's loop, kept bit for bit: the same factors, so the same roundings).
+  double pre = 1.0;
+  while (std::fmod(factor, pre) == 0.0 && factor / pre > pre) pre *= 2.0;
+  return {pre, factor / pre};
+}
+
 ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
-                                   torch::Device device, ReduceScatter* custom) {
+                                   torch::Device device, ReduceScatter* custom, double predivide_factor) {
   torch::NoGradGuard no_grad;
   const int ws = pg.size();
   const int64_t m = data_numel;
@@ -194,10 +204,12 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
     // parameter-heavy models).
     g = torch::Tensor();
   }
+  if (predivide_factor != 1.0) input.narrow(1, 0, m).div_(predivide_factor);  // not the presence flags
   auto flat_in = input.view({-1});
   if (ws == 1) {
     // One rank (replicate's one-rank shard dimension, or a world of 1): the input is the sum.
-    return ReduceScatterResult{torch::Tensor(), flat_in, Work(), std::move(param_indices), m, std::move(missing)};
+    return ReduceScatterResult{torch::Tensor(), flat_in, Work(), std::move(param_indices), m, std::move(missing),
+                               predivide_factor};
   }
   auto output = custom ? custom->allocate({m + np}, reduce_dtype, device) : comm.empty({m + np}, reduce_dtype, device);
   TORCH_CHECK(output.numel() == m + np && output.scalar_type() == reduce_dtype && output.is_contiguous(),
@@ -209,7 +221,8 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
   // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
   // reduce-scatter stream, where the memory is allocated and reused in order. Dropping it here frees each
   // group's input during the backward instead of at its end (as FSDP2 does), lowering the peak.
-  return ReduceScatterResult{torch::Tensor(), output, std::move(work), std::move(param_indices), m, std::move(missing)};
+  return ReduceScatterResult{torch::Tensor(), output, std::move(work), std::move(param_indices), m, std::move(missing),
+                             predivide_factor};
 }
 
 void foreach_reduce_scatter_copy_out(const ReduceScatterResult& rs, const std::vector<FSDPParam>& params,

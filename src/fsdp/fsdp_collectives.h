@@ -51,7 +51,14 @@ struct ReduceScatterResult {
   std::vector<size_t> param_indices;  // params reduced, in order
   int64_t data_numel = 0;             // M: the gradients; then one presence count per parameter
   std::vector<char> missing;          // per reduced parameter: this rank had no gradient
+  double predivide_factor = 1.0;      // the gradients were divided by it before the sum (fp16: see foreach_reduce)
 };
+
+/// The division of a reduction by `factor` (the data-parallel size, or set_gradient_divide_factor's) split
+/// into a division before the sum and one after, as PyTorch's _get_gradient_divide_factors: for reduce
+/// dtypes other than fp32 and bf16 (fp16's range overflows on a sum over many ranks) the pre-factor is the
+/// power of two near sqrt(factor) that PyTorch picks; otherwise all of it after. Returns {pre, post}.
+std::pair<double, double> gradient_divide_factors(torch::ScalarType reduce_dtype, double factor);
 
 /// Copy-in and reduce-scatter (SUM) over `pg` of the unsharded gradients `grads` (indexed like
 /// `params`) of the parameters `param_indices` (M = the sum of their padded numels; `missing[k]`: this
@@ -60,10 +67,11 @@ struct ReduceScatterResult {
 /// once copied in (before the output and the backend's buffers are allocated). CUDA: on the
 /// reduce-scatter stream. Asynchronous. `custom` (may be null): the user's ReduceScatter, which allocates
 /// the input and output and runs the collective (FSDPModuleAPI::set_custom_reduce_scatter).
+/// `predivide_factor` != 1: the gradients are divided by it after the copy-in (the flags are not).
 ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
-                                   torch::Device device, ReduceScatter* custom);
+                                   torch::Device device, ReduceScatter* custom, double predivide_factor = 1.0);
 
 /// Unpacks a completed (and divided) reduce-scatter output: hands each reduced parameter's sharded
 /// gradient to `sink(param index, gradient)`, in `rs.param_indices` order, in the parameter's dtype and

@@ -144,6 +144,14 @@ void FSDPState::implicit_forward_use(size_t index, bool grad_mode) {
   }
   if (ctx->forward_stack.empty() || ctx->forward_stack.back() != this) {
     // A new call (pushed), or back in an enclosing call after a nested one's (no new pre-forward).
+    const auto& st = ctx->forward_stack;
+    TORCH_CHECK(std::find(st.begin(), st.end(), this) != st.end() || !options.mp_policy().output_dtype(),
+                "fully_shard: mp_policy's output_dtype (", *options.mp_policy().output_dtype(), ") is set on ", name(),
+                " on rank ", mesh->get_rank(), ", which has no fsdp::FSDPModule holder and was not called through ",
+                "fsdp::fsdp_forward: FSDP sees the ops that use its parameters, not its output, so it cannot cast ",
+                "the output (PyTorch casts it in a forward hook; LibTorch modules have none). Fix: call it as ",
+                "fsdp::fsdp_forward(*module, [&](const torch::Tensor& x) { return module->forward(x); }, x), declare ",
+                "it as an fsdp::FSDPModule<Holder>, or drop output_dtype and cast the output yourself");
     if (enter_forward_stack()) begin_call();
   } else if (group && group->sharded_state() != ShardedState::UNSHARDED) {
     group->unshard(/*async_op=*/false);  // resharded by hand (reshard()) inside its forward

@@ -188,6 +188,19 @@ ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Mo
   return out;
 }
 
+void move_buffers_to_device(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, torch::Device device) {
+  torch::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for_each_managed_module(modules, [&](size_t, const std::string&, const std::string&, torch::nn::Module& m) {
+    for (auto& b : m.named_buffers(/*recurse=*/false)) {
+      auto& t = b.value();
+      if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      if (t.device() == device || t.is_meta()) continue;
+      t.set_data(t.to(device));  // the same tensor object: references the model kept stay valid
+    }
+  });
+}
+
 GroupDtypes verify_managed_params(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                                   const MixedPrecisionPolicy& mp, const std::string& module_name, int rank) {
   GroupDtypes dtypes;

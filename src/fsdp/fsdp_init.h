@@ -46,6 +46,11 @@ struct ManagedParams {
 ManagedParams get_managed_params(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                                  const FullyShardOptions& options, int rank);
 
+/// Moves the buffers of `modules` (outside already-sharded submodules; each once) to `device`, as
+/// PyTorch's _move_states_to_device at fully_shard: buffers on the meta device (deferred init) stay.
+/// The parameters move with their shards (FSDPParam).
+void move_buffers_to_device(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, torch::Device device);
+
 /// The dtypes of a group, found while checking its parameters.
 struct GroupDtypes {
   std::optional<torch::ScalarType> trainable;  // of the trainable parameters (unset: none trainable)

@@ -32,7 +32,17 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::pair<std::string, torch::Tensor>
   if (opts_.placement_fn) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& [name, tensor] = params[i];
-      auto placement = opts_.placement_fn(name, tensor);
+      auto result = opts_.placement_fn(name, tensor);
+      if (result.mesh && result.mesh != mesh) {
+        const bool same = result.mesh->ranks() == mesh->ranks() && result.mesh->shape() == mesh->shape() &&
+                          result.mesh->device_type() == mesh->device_type();
+        TORCH_CHECK(same, "fully_shard: shard_placement_fn returned the mesh ", result.mesh->str(),
+                    " for parameter '", name, "' of ", module_name, ", but this fully_shard call shards over ",
+                    mesh->str(), "; libfsdp shards one fully_shard call over one mesh (PyTorch's per-parameter ",
+                    "ShardPlacementResult meshes are not supported). Fix: call fully_shard on the module that owns ",
+                    "these parameters (e.g. the experts) with FullyShardOptions().mesh(that mesh), before this call");
+      }
+      const auto& placement = result.placement;
       if (!placement) continue;
       TORCH_CHECK(placement->is_shard(), "fully_shard: shard_placement_fn returned ", placement->str(),
                   " for parameter '", name, "' of ", module_name, "; expected fsdp::Shard(dim) or std::nullopt (Shard(0))");
@@ -117,11 +127,13 @@ void FSDPParamGroup::adopt_converted_shards() {
     }
   }
   if (post_forward_pg_) post_forward_pg_.reset();
+  unsharded_kept_ = false;  // (adopt_converted_shard drops the unsharded tensors)
   for (auto& p : params_) {
     const auto dt = p.param.scalar_type();
     p.adopt_converted_shard((opts_.mp.param_dtype() && at::isFloatingType(dt)) ? *opts_.mp.param_dtype() : dt);
   }
   state_ = ShardedState::SHARDED;
+  comm_->wait_current(CommStream::kAllGatherCopyIn);  // the new shards were copied on the compute stream
   auto base = trainable.value_or(params_.empty() ? torch::kFloat32 : params_[0].orig_dtype);
   auto compute = (opts_.mp.param_dtype() && at::isFloatingType(base)) ? *opts_.mp.param_dtype() : base;
   reduce_dtype_ = opts_.mp.reduce_dtype().value_or(compute);
@@ -162,6 +174,14 @@ void FSDPParamGroup::unshard(bool async_op) {
     check_params_hold_fsdp_data();
   }
   if (state_ == ShardedState::UNSHARDED || pending_ag_) return;  // already unsharded or in flight
+  if (std::exchange(unsharded_kept_, false)) {
+    if (kept_unsharded_data_is_current()) {  // [Note: kept unsharded data]
+      to_unsharded_data();
+      state_ = ShardedState::UNSHARDED;
+      return;
+    }
+    free_unsharded();
+  }
   // SHARDED_POST_FORWARD gathers over the post-forward group: see [Note: reshard_after_forward=k].
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
@@ -189,12 +209,58 @@ void FSDPParamGroup::wait_for_unshard() {
 
 void FSDPParamGroup::reshard() {
   if (pending_ag_) wait_for_unshard();  // a prefetch nobody used: complete the collective first
-  if (state_ == ShardedState::SHARDED) return;  // already sharded
+  if (state_ == ShardedState::SHARDED) {  // already sharded
+    if (std::exchange(unsharded_kept_, false)) free_unsharded();
+    return;
+  }
   if (state_ == ShardedState::UNSHARDED || state_ == ShardedState::UNSHARDED_WITHOUT_DATA) to_sharded_data();
   free_unsharded();
   for (auto& p : params_) p.post_forward_shard = torch::Tensor();
   post_forward_pg_.reset();
   state_ = ShardedState::SHARDED;
+}
+
+// [Note: kept unsharded data]
+// PyTorch leaves a group unsharded where libfsdp would free its unsharded data and gather it again at the
+// next unshard: after a backward with set_reshard_after_backward(false) (also when it synchronised the
+// gradients: microbatches that reduce-scatter each time), and for a group unsharded before the root's
+// forward (an explicit unshard(), an unused prefetch). PyTorch then runs the next forward on that data
+// even if the optimizer changed the shards in between (stale parameters). libfsdp keeps the data, but the
+// parameters hold their shards again (the optimizer steps them), and the next unshard reuses the kept data
+// only if every rank of the shard group still finds its own shard in it, bit for bit after the cast to
+// param_dtype (a local comparison of 1/ws of the group, then one all-reduce of a flag, so that all ranks
+// decide alike: a rank whose shard is empty or unchanged must gather when another's changed); otherwise
+// it all-gathers as usual. So the all-gather is saved between microbatches and redone after an optimizer
+// step or a load, whatever wrote the shards. Parameters with an all-gather extension are not compared
+// (their unsharded values are the extension's, not the shards'): those groups reshard.
+void FSDPParamGroup::reshard_keep_unsharded() {
+  if (pending_ag_) wait_for_unshard();
+  if (state_ == ShardedState::SHARDED) return;
+  bool comparable = state_ == ShardedState::UNSHARDED;
+  for (const auto& p : params_) comparable = comparable && !p.all_gather_extension;
+  if (!comparable) {
+    reshard();
+    return;
+  }
+  to_sharded_data();
+  state_ = ShardedState::SHARDED;
+  unsharded_kept_ = true;
+}
+
+bool FSDPParamGroup::kept_unsharded_data_is_current() {
+  torch::NoGradGuard no_grad;
+  bool current = true;
+  for (const auto& p : params_) {
+    if (p.local_rows == 0) continue;  // nothing of this rank's in it
+    auto mine = p.unsharded_padded.narrow(p.shard_dim, static_cast<int64_t>(shard_rank()) * p.padded_rows, p.local_rows);
+    if (!torch::equal(mine, p.sharded_data.to(mine.device(), mine.scalar_type()))) {
+      current = false;
+      break;
+    }
+  }
+  auto flag = torch::full({1}, current ? 1.0f : 0.0f, torch::TensorOptions().device(opts_.mesh->device()));
+  all_reduce(flag, *shard_pg_, ReduceOp::MIN);
+  return flag.item<float>() == 1.0f;
 }
 
 void FSDPParamGroup::expose_unsharded_shape() {
@@ -211,6 +277,7 @@ void FSDPParamGroup::expose_unsharded_shape() {
   for (auto& p : params_) p.post_forward_shard = torch::Tensor();
   post_forward_pg_.reset();
   free_unsharded();
+  unsharded_kept_ = false;
   to_unsharded_data();
   state_ = ShardedState::UNSHARDED_WITHOUT_DATA;
 }
@@ -378,7 +445,8 @@ void FSDPParamGroup::post_backward(bool sync, bool reshard_after, double divide_
   if (idx.empty()) return;  // no trainable parameter in this group
   pending_rs_ = foreach_reduce(params_, std::move(grads), std::move(idx), m, std::move(missing),
                                reduce_scatter_pg_ ? *reduce_scatter_pg_ : *shard_pg_, *comm_, reduce_dtype_,
-                               opts_.mesh->device(), reduce_scatter_comm());
+                               opts_.mesh->device(), reduce_scatter_comm(),
+                               gradient_divide_factors(reduce_dtype_, divide_factor).first);
   pending_all_reduce_ = requires_all_reduce_;
 }
 
@@ -408,10 +476,12 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
       partial_reduce_output_ = torch::Tensor();
     }
     if (replicate_pg_) all_reduce(rs.output, *replicate_pg_, ReduceOp::SUM);
-    if (divide_factor != 1.0) rs.output.div_(divide_factor);
+    // The rest of the division (fp16: part of it came before the sum; see gradient_divide_factors).
+    const double post_factor = divide_factor / rs.predivide_factor;
+    if (post_factor != 1.0) rs.output.narrow(0, 0, rs.data_numel).div_(post_factor);
     // set_all_reduce_hook: the reduced gradients, divided (PyTorch averages in the collective for fp32
     // and bf16), without the presence flags; changes made in place are what the parameters receive.
-    if (all_reduce_hook) all_reduce_hook(rs.output.narrow(0, 0, rs.data_numel));
+    if (all_reduce_hook) run_all_reduce_hook(rs.output.narrow(0, 0, rs.data_numel));
   }
   // CUDA: the gradients are taken on the compute stream, after the reduction; the output was allocated
   // on the reduce-scatter stream and is read here.
@@ -423,6 +493,27 @@ void FSDPParamGroup::finish_reduce(double divide_factor) {
     // While a backward runs (autograd owns .grad) the sharded grad waits in the stash.
     accumulate(in_backward_ ? p.stashed_grad : p.param.mutable_grad(), std::move(shard));
   });
+}
+
+void FSDPParamGroup::run_all_reduce_hook(const torch::Tensor& reduced) {
+  // Called on the reduce-scatter stream. PyTorch's `stream` argument: the hook runs on the user's stream,
+  // after the reduction, and the reduce-scatter stream (whose completion the copy-out waits for) waits for
+  // the hook's work. The output stays alive past that copy-out, so the hook stream needs no record_stream.
+  if (!all_reduce_hook_stream || !comm_->enabled()) {
+    all_reduce_hook(reduced);
+    return;
+  }
+  const auto device_type = reduced.device().type();
+  c10::Event reduced_ready(device_type);
+  reduced_ready.record(comm_->stream(CommStream::kReduceScatter));
+  c10::Event hook_done(device_type);
+  {
+    c10::StreamGuard on_hook_stream(*all_reduce_hook_stream);
+    reduced_ready.block(*all_reduce_hook_stream);
+    all_reduce_hook(reduced);
+    hook_done.record(*all_reduce_hook_stream);
+  }
+  hook_done.block(comm_->stream(CommStream::kReduceScatter));
 }
 
 void FSDPParamGroup::discard_gradients_in_flight() {

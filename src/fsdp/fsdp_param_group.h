@@ -63,6 +63,12 @@ class FSDPParamGroup {
   bool unshard_in_flight() const { return pending_ag_.has_value(); }
   /// Frees the unsharded data; the parameters' data become their shards again.
   void reshard();
+  /// The parameters' data become their shards again but the unsharded data is kept: the next unshard
+  /// reuses it without an all-gather when no rank's shards changed since ([Note: kept unsharded data]).
+  /// Reshards instead for parameters with an all-gather extension. An all-gather in flight is waited.
+  void reshard_keep_unsharded();
+  /// Whether reshard_keep_unsharded() kept unsharded data that the next unshard may reuse (for tests).
+  bool keeps_unsharded() const { return unsharded_kept_; }
   /// Pre-backward of a group with unshard_in_backward == false: UNSHARDED_WITHOUT_DATA (no collective).
   void expose_unsharded_shape();
   /// Keeps a 1/k slice of the unsharded parameters and frees the rest (reshard_after_forward = k).
@@ -126,6 +132,7 @@ class FSDPParamGroup {
   std::shared_ptr<ReduceScatter> custom_reduce_scatter;  // set_custom_reduce_scatter
   bool allocate_from_process_group = false;              // set_allocate_memory_from_process_group_for_comm
   std::function<void(const torch::Tensor&)> all_reduce_hook;  // set_all_reduce_hook
+  std::optional<c10::Stream> all_reduce_hook_stream;          // its stream (CUDA; null: the reduce-scatter's)
   bool unshard_in_backward = true;                       // set_unshard_in_backward
 
  private:
@@ -142,6 +149,11 @@ class FSDPParamGroup {
   void adopt_converted_shards();
   void alloc_unsharded();
   void free_unsharded();
+  /// [Note: kept unsharded data]: whether every rank of the shard group still finds its shard in the kept
+  /// unsharded data (one all-reduce of a flag over the shard group).
+  bool kept_unsharded_data_is_current();
+  /// Runs all_reduce_hook on `reduced` (on its stream when one was given).
+  void run_all_reduce_hook(const torch::Tensor& reduced);
 
   std::vector<FSDPParam> params_;
   GroupOptions opts_;
@@ -159,6 +171,7 @@ class FSDPParamGroup {
   ShardedState state_ = ShardedState::SHARDED;
   ProcessGroupPtr post_forward_pg_;  // set while SHARDED_POST_FORWARD
   bool in_backward_ = false;         // between begin_backward() and end_backward()/abort_backward()
+  bool unsharded_kept_ = false;      // SHARDED, with the unsharded data kept (reshard_keep_unsharded)
   CommContextPtr comm_;              // CUDA streams shared by the groups of the mesh (no-op on CPU)
 
   std::optional<AllGatherResult> pending_ag_;      // issued by unshard(), waited by wait_for_unshard()

@@ -292,8 +292,10 @@ void FSDPState::lazy_init() {
 }
 
 void FSDPState::root_pre_forward() {
-  // A new iteration. Groups left unsharded by a forward without backward (evaluation) or by an unused
-  // prefetch are resharded, so that no stale all-gather survives an optimizer step.
+  // A new iteration. Groups left unsharded (by an explicit unshard(), a forward without backward, an
+  // unused prefetch, reshard_after_backward=false) hold their shards again, so that an optimizer step or
+  // a load before their next unshard is not lost; their unsharded data is kept and reused by that unshard
+  // unless a shard changed ([Note: kept unsharded data], fsdp_param_group.cpp).
   if (ctx->in_backward) abort_backward();  // a backward that neither finished nor reported its failure
   const bool backward_unfinished = ctx->backward_aborted;  // the last backward threw before its end
   ctx->backward_aborted = false;
@@ -304,7 +306,7 @@ void FSDPState::root_pre_forward() {
       s->group->discard_gradients_in_flight();
       s->group->reshard();
     } else if (s != this && s->reshard_after_forward_k != 0) {
-      s->group->reshard();
+      s->group->reshard_keep_unsharded();
     }
   }
   // [Note: several forwards, one backward]
@@ -315,14 +317,17 @@ void FSDPState::root_pre_forward() {
   // since; a forward whose output was dropped (an evaluation with grad enabled) starts afresh.
   ctx->reset_forward(/*adds_to_backward=*/!backward_unfinished && ctx->open_graph.lock() != nullptr);
   ctx->forward_open = true;
-  // set_post_optim_event: the all-gather streams wait on the user's event (CUDA; no-op on the CPU).
-  if (auto event = std::exchange(post_optim_event, nullptr)) {
-    std::unordered_set<const CommContext*> done;
-    for (FSDPState* s : ctx->states) {
-      if (!s->group || !done.insert(s->group->comm_context().get()).second) continue;
-      s->group->comm_context()->stream_wait(CommStream::kAllGatherCopyIn, event);
-      s->group->comm_context()->stream_wait(CommStream::kAllGather, event);
-    }
+  // set_post_optim_event: the all-gather streams wait on the user's event, and this iteration's copy-ins
+  // not on the compute stream (CUDA; no-op on the CPU).
+  auto event = std::exchange(post_optim_event, nullptr);
+  std::unordered_set<const CommContext*> done;
+  for (FSDPState* s : ctx->states) {
+    if (!s->group || !done.insert(s->group->comm_context().get()).second) continue;
+    auto& comm = *s->group->comm_context();
+    comm.set_copy_in_waits_current(event == nullptr);
+    if (!event) continue;
+    comm.stream_wait(CommStream::kAllGatherCopyIn, event);
+    comm.stream_wait(CommStream::kAllGather, event);
   }
 }
 
@@ -376,6 +381,12 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
     root_pre_forward();
   }
   if (!recomputed_region) note_checkpoint_use();  // (after the root's pre-forward: it resets the regions)
+  // As FSDP2's root pre-forward: the root's tensor inputs go to the mesh's device (accelerators only).
+  if (is_root() && !recomputed_region && mesh && !mesh->device().is_cpu()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.device() != mesh->device()) t = t.to(mesh->device());
+    }
+  }
   enter_forward_stack();
   input_node.reset();
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
@@ -569,10 +580,15 @@ void FSDPState::root_post_backward_final() {
   for (FSDPState* s : ctx->states) {
     if (!s->group) continue;
     if (s->is_last_backward) s->group->finish_reduce(s->divide_factor());
-    // After a synchronised backward the optimizer steps next: it must see the shards and their
-    // gradients, so the group reshards even with reshard_after_backward=false (which keeps the
-    // parameters unsharded only between microbatches that skip the gradient sync).
-    if (s->reshard_after_backward || (s->requires_gradient_sync && s->is_last_backward)) s->group->reshard();
+    // reshard_after_backward=false keeps the unsharded parameters, as PyTorch. After a synchronised
+    // backward the optimizer may step next: the parameters hold their shards (with the gradients) and the
+    // unsharded data is kept for the next unshard, which reuses it if no shard changed ([Note: kept
+    // unsharded data]); between microbatches without gradient sync they stay unsharded.
+    if (s->reshard_after_backward) {
+      s->group->reshard();
+    } else if (s->requires_gradient_sync && s->is_last_backward) {
+      s->group->reshard_keep_unsharded();
+    }
     s->group->end_backward();
   }
   ctx->reset_backward();

@@ -84,6 +84,13 @@ class CommContext {
   /// the CPU, from the device's allocator otherwise (CUDA's caching allocator already reuses blocks).
   torch::Tensor empty(at::IntArrayRef sizes, torch::ScalarType dtype, torch::Device device) const;
 
+  /// Whether each all-gather copy-in first waits for the compute stream (default). set_post_optim_event
+  /// turns it off for one iteration: the all-gather streams waited on the user's event at the root's
+  /// pre-forward instead, and the shards do not change until the next optimizer step (FSDP2 waits once per
+  /// iteration, too).
+  bool copy_in_waits_current() const { return copy_in_waits_current_; }
+  void set_copy_in_waits_current(bool v) { copy_in_waits_current_ = v; }
+
   /// Number of all-gather outputs held by the limiter (0 or 1), for tests.
   int held_all_gather_outputs() const { return held_output_.defined() ? 1 : 0; }
 
@@ -91,6 +98,7 @@ class CommContext {
   torch::Device device_;
   bool enabled_ = false;
   std::optional<c10::Stream> copy_in_, all_gather_, reduce_scatter_;
+  bool copy_in_waits_current_ = true;
   torch::Tensor held_output_;
   std::shared_ptr<c10::Event> held_event_;
   BufferPoolPtr pool_ = make_buffer_pool();

@@ -139,8 +139,14 @@ void FSDPModuleAPI::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> com
   state_->group->custom_reduce_scatter = std::move(comm);
 }
 
-void FSDPModuleAPI::set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook) {
-  if (state_->group) state_->group->all_reduce_hook = std::move(hook);
+void FSDPModuleAPI::set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook,
+                                        std::optional<c10::Stream> stream) {
+  TORCH_CHECK(!stream || stream->device_type() == state_->mesh->device_type(), "set_all_reduce_hook: ",
+              state_->name(), " runs on ", state_->mesh->device(), " but the hook's stream is on ", stream->device(),
+              "; pass a stream of the module's device (or none: the reduce-scatter stream)");
+  if (!state_->group) return;
+  state_->group->all_reduce_hook_stream = hook ? stream : std::nullopt;
+  state_->group->all_reduce_hook = std::move(hook);
 }
 
 void FSDPModuleAPI::set_post_optim_event(std::shared_ptr<c10::Event> event) {
@@ -331,6 +337,7 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   if (!managed.params.empty()) {
     state->group = std::make_unique<detail::FSDPParamGroup>(std::move(managed.params), gopts, state->module_type);
   }
+  detail::move_buffers_to_device(modules, mesh->device());  // (after the last check: a refusal changes nothing)
   detail::register_state(state, modules);
   state->implicit = implicit;
   state->init_params(managed.origin);

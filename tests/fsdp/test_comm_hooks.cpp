@@ -137,13 +137,17 @@ TEST(CommHooks, AllReduceHookCompletesAManualReplicaReduction) {
     Net net = sharded_net(mesh);
     int calls = 0;
     int64_t numel = 0;
+    // With PyTorch's stream argument (a stream of the mesh's device; on the CPU there are no side streams).
+    const c10::Stream cpu_stream(c10::Stream::DEFAULT, c10::Device(torch::kCPU));
     for (auto api : apis(net)) {
-      api.set_all_reduce_hook([&](const torch::Tensor& reduced) {
-        ++calls;
-        numel += reduced.numel();
-        all_reduce(reduced, *replicate_pg, ReduceOp::SUM);
-        reduced.div_(2);
-      });
+      api.set_all_reduce_hook(
+          [&](const torch::Tensor& reduced) {
+            ++calls;
+            numel += reduced.numel();
+            all_reduce(reduced, *replicate_pg, ReduceOp::SUM);
+            reduced.div_(2);
+          },
+          cpu_stream);
     }
     train_vs_reference(pg, net, batches, ref, "FSDP over 2 ranks + hook over 2 replicas");
     EXPECT_EQ(calls, kSteps * 3);
@@ -424,6 +428,9 @@ TEST(CommHooks, FixedBehaviourSettingsAreAcceptedAndTrainLikeOneProcess) {
     EXPECT_NE(msg.find("expected a positive count, got 0"), std::string::npos) << msg;
     msg = error_message([&] { net->blocks[0].set_post_optim_event(nullptr); });
     EXPECT_NE(msg.find("is not the root"), std::string::npos) << msg;
+    const c10::Stream cuda_stream(c10::Stream::UNSAFE, c10::Device(torch::kCUDA, 0), 0);  // (never used)
+    msg = error_message([&] { root.set_all_reduce_hook([](const torch::Tensor&) {}, cuda_stream); });
+    EXPECT_NE(msg.find("but the hook's stream is on cuda:0"), std::string::npos) << msg;
   });
 }
 

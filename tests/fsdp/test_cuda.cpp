@@ -295,6 +295,50 @@ TEST(CudaCommHooks, Float8AllGatherPostOptimEventAndProcessGroupAllocatorOnOneRa
   EXPECT_EQ(f8, f8_settings) << "the post-optimizer event and the process-group allocator changed the numbers";
 }
 
+// fully_shard moves the managed modules' buffers to the mesh's device (meta buffers stay: deferred init), and
+// the root's holder moves its CPU inputs there, as PyTorch; an all-reduce hook on a stream of its own runs
+// after the reduction and before the copy-out (the gradients equal those of the run without the stream).
+TEST(CudaInit, BuffersAndRootInputsMoveToTheMeshDeviceAndTheAllReduceHookRunsOnItsStream) {
+  REQUIRE_CUDA();
+  DefaultGroupReset reset;
+  auto pg = nccl_world_of_one();
+  auto batches = make_batches(2, kBatch, kSeq);
+  auto run = [&](bool hook_stream) {
+    Net net(3);
+    load_full(*net, initial_weights());  // parameters on the CPU: fully_shard puts the shards on the GPU
+    auto counts = net->register_buffer("counts", torch::zeros({3}));
+    auto lazy = net->register_buffer("lazy", torch::empty({3}, torch::Device(torch::kMeta)));
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCUDA, {1}, {}, pg));
+    for (auto& b : net->blocks) fully_shard(b, opts);
+    fully_shard(net, opts);
+    EXPECT_EQ(net->named_buffers()["counts"].device(), kGpu);
+    EXPECT_TRUE(counts.device() == kGpu) << "the same tensor object, moved";
+    EXPECT_TRUE(net->named_buffers()["lazy"].is_meta());
+    FSDPModule<Net> model(net);
+    int calls = 0;
+    if (hook_stream) {
+      auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStreamFromGlobalPool(kGpu);
+      model.set_all_reduce_hook([&](const torch::Tensor& g) {
+        ++calls;
+        g.mul_(1.0);
+      }, stream);
+    }
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    std::vector<torch::Tensor> grads;
+    for (const auto& b : batches) {
+      opt.zero_grad();
+      loss_fn(model(b.idx), b.targets.to(kGpu)).backward();  // CPU token ids: moved by the root
+      for (const auto& p : net->parameters()) grads.push_back(p.grad().cpu());
+      opt.step();
+    }
+    if (hook_stream) EXPECT_EQ(calls, static_cast<int>(batches.size()));
+    return grads;
+  };
+  auto plain = run(false), hooked = run(true);
+  ASSERT_EQ(plain.size(), hooked.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], hooked[i])) << "gradient " << i;
+}
+
 // 2 ranks on one GPU over Gloo with CUDA tensors. The ranks are processes, not threads: autograd runs every
 // CUDA backward node of the process on one device thread, so two rank threads would share it, and one
 // rank's backward hook waiting in a collective would block the other's from ever reaching it.

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <mutex>
 
+#include "error_message.h"
+#include "fsdp/fsdp_collectives.h"
 #include "seed11_net.h"
 #include "unchanged_harness.h"
 
@@ -218,6 +220,61 @@ TEST(MixedPrecision, OutputDtypeAndInputCast) {
     block.reshard();
     EXPECT_EQ(block->fc1->weight.scalar_type(), torch::kFloat32);
     EXPECT_EQ(block->norm->weight.size(0), kDim / 2);
+  });
+}
+
+// reduce_dtype fp16: the division by the data-parallel size is split around the sum as PyTorch's
+// _get_gradient_divide_factors (pre = the power of two near sqrt(N)), so that a sum the fp16 range cannot
+// hold stays finite. Every rank's gradient is 24000 per element: the plain sum over 3 or 4 ranks
+// (72000, 96000) overflows fp16 (max 65504); pre-divided by 2 it does not, and the average is exact (every
+// partial sum is a multiple of fp16's spacing there).
+TEST(Fp16Reduction, DividesBeforeAndAfterTheSumAsPyTorch) {
+  // PyTorch's factors for these sizes (its loop on `factor`, fp16; fp32 and bf16 divide only after).
+  const std::vector<std::pair<double, double>> expected_pre = {{1, 1}, {2, 2}, {3, 2}, {4, 2}, {6, 4},
+                                                               {8, 4}, {16, 4}, {32, 8}, {2.5, 1}};
+  for (const auto& [factor, pre] : expected_pre) {
+    auto [got_pre, got_post] = fsdp::detail::gradient_divide_factors(torch::kHalf, factor);
+    EXPECT_EQ(got_pre, pre) << "factor " << factor;
+    EXPECT_EQ(got_post, factor / pre) << "factor " << factor;
+    EXPECT_EQ(fsdp::detail::gradient_divide_factors(torch::kFloat32, factor).first, 1.0);
+    EXPECT_EQ(fsdp::detail::gradient_divide_factors(torch::kBFloat16, factor).first, 1.0);
+  }
+  for (int ws : {3, 4}) {
+    run_ranks(ws, [&](ProcessGroupPtr pg) {
+      auto mesh = init_device_mesh(torch::kCPU, {ws});
+      torch::nn::Linear lin(torch::nn::LinearOptions(4, 5).bias(false));  // 5 rows: uneven (and empty) shards
+      fully_shard(lin.ptr(), FullyShardOptions().mesh(mesh).mp_policy(MixedPrecisionPolicy().reduce_dtype(torch::kHalf)));
+      (lin(torch::ones({1, 4})).sum() * 24000.0).backward();
+      auto full = sharded_grad(lin->weight)->full_tensor();
+      EXPECT_TRUE(torch::equal(full, torch::full({5, 4}, 24000.0f)))
+          << "world size " << ws << ": the fp16 reduction overflowed or lost precision, got " << full;
+    });
+  }
+}
+
+// output_dtype needs the module's output: through an FSDPModule holder or fsdp::fsdp_forward (whose
+// arguments are also cast by cast_forward_inputs). A group without either is refused at its first op.
+TEST(MixedPrecision, OutputDtypeOnAGroupWithoutHolderNeedsFsdpForward) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    auto mesh = init_device_mesh(torch::kCPU, {2});
+    auto mp = MixedPrecisionPolicy().param_dtype(torch::kBFloat16).output_dtype(torch::kFloat64);
+    torch::nn::Linear lin(kDim, kDim);
+    fully_shard(lin.ptr(), FullyShardOptions().mesh(mesh).mp_policy(mp));
+    auto x = torch::randn({2, kDim});
+    auto msg = error_message([&] { lin(x); });
+    EXPECT_NE(msg.find("output_dtype"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fsdp::fsdp_forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("on rank " + std::to_string(pg->rank())), std::string::npos) << msg;
+    torch::ScalarType seen = torch::kFloat32;
+    auto y = fsdp_forward(*lin, [&](const torch::Tensor& in) {
+      seen = in.scalar_type();
+      return lin(in);
+    }, x.requires_grad_());
+    EXPECT_EQ(seen, torch::kBFloat16) << "cast_forward_inputs on the argument";
+    EXPECT_EQ(y.scalar_type(), torch::kFloat64) << "output_dtype";
+    y.sum().backward();
+    ASSERT_TRUE(lin->weight.grad().defined());
+    EXPECT_EQ(lin->weight.grad().sizes(), lin->weight.sizes()) << "the sharded gradient after the backward";
   });
 }
 

@@ -194,6 +194,24 @@ TEST(ShardPlacement, RefusalsNameTheParameterAndTheFix) {
       return std::nullopt;
     });
     EXPECT_NE(m.find("cannot be sharded on dim 1"), std::string::npos) << m;
+    // ShardPlacementResult: a per-parameter mesh other than fully_shard's is refused (the fix: a fully_shard
+    // call of its own); fully_shard's mesh, or an equal one, is accepted.
+    auto other = init_device_mesh(torch::kCPU, {1, 2}, {"ep", "dp"});
+    m = shard_with([&](const std::string& n, const torch::Tensor&) -> ShardPlacementResult {
+      if (n == "weight") return ShardPlacementResult(Shard(0), other);
+      return std::nullopt;
+    });
+    EXPECT_NE(m.find("parameter 'weight'"), std::string::npos) << m;
+    EXPECT_NE(m.find("per-parameter"), std::string::npos) << m;
+    EXPECT_NE(m.find("call fully_shard on the module that owns"), std::string::npos) << m;
+    auto same = init_device_mesh(torch::kCPU, {2});
+    auto lin = torch::nn::Linear(4, 4);
+    fully_shard(lin.ptr(), FullyShardOptions().mesh(mesh).shard_placement_fn(
+                               [&](const std::string&, const torch::Tensor& p) -> ShardPlacementResult {
+                                 if (p.dim() == 2) return ShardPlacementResult(Shard(1), same);
+                                 return std::nullopt;
+                               }));
+    EXPECT_EQ(sharded_param(lin->weight).placements()[0].str(), Shard(1).str());
   });
 }
 

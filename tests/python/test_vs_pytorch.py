@@ -93,7 +93,13 @@ def test_bf16_accumulation_no_reshard_bitwise_with_libtorch_arithmetic(tmp_path)
     ("replicate", ["--data-parallel", "replicate"]),
     # shard_placement_fn: every 2-D weight whose dim 1 divides by the 2 ranks sharded on dim 1 (Shard(1)).
     ("shard_dim1", ["--shard-dim", "1"]),
-], ids=["replicate", "shard_dim1"])
+    # A frozen bf16 parameter (the position embeddings) in the root's fp32 group: FSDP2's uint8 all-gather.
+    ("mixed_dtypes", ["--freeze", "wpe", "--frozen-dtype", "bf16"]),
+    # set_reshard_after_backward(False) on every microbatch but the last, each microbatch reduce-scattered: the
+    # second microbatch reuses the gathers (libfsdp checks that no shard changed; PyTorch does not need to here).
+    ("keep_unsharded", ["--grad-accum-steps", "2", "--reduce-scatter-each-microbatch",
+                        "--keep-unsharded-between-microbatches"]),
+], ids=["replicate", "shard_dim1", "mixed_dtypes", "keep_unsharded"])
 def test_bitwise_with_pytorch(tmp_path, feature, flags):
     # The same weights and batches, 2 ranks, fp32: within 1e-5 with torch.optim.AdamW, and bit for bit with
     # LibTorch's arithmetic.

@@ -31,8 +31,8 @@
 //   group outside its module's subtree, so nested groups behave as with module hooks; the first autograd
 //   node of an op that used it unshards it in backward; its gradients are reduce-scattered as soon as
 //   every parameter it used has its gradient. mp_policy's cast_forward_inputs casts the floating-point
-//   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype is
-//   not applied. Outside forward and backward a parameter is its local shard (see "Reads" below). An
+//   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype
+//   needs the call through fsdp_forward (refused otherwise). Outside forward and backward a parameter is its local shard (see "Reads" below). An
 //   alias (a view, detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
 //   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
 //   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
@@ -136,8 +136,28 @@ namespace fsdp {
 /// in backward. Unset: true for non-root modules, false for the root (current PyTorch).
 using ReshardAfterForward = std::variant<bool, int>;
 
-/// FullyShardOptions::shard_placement_fn: (name, parameter) -> fsdp::Shard(d), or std::nullopt for Shard(0).
-using ShardPlacementFn = std::function<std::optional<Placement>(const std::string& name, const torch::Tensor& param)>;
+/// What FullyShardOptions::shard_placement_fn returns for one parameter: a placement (fsdp::Shard(d);
+/// std::nullopt = Shard(0)) and optionally the mesh to shard it over (null: fully_shard's). Built
+/// implicitly from a Placement, a std::optional<Placement> or std::nullopt, so `return fsdp::Shard(1);`
+/// works. Mirrors PyTorch's `Shard | ShardPlacementResult | None`. A mesh other than fully_shard's (a
+/// per-parameter mesh, e.g. MoE experts on an expert mesh) is refused at fully_shard, naming the
+/// parameter: shard the module that owns those parameters by its own fully_shard call with that mesh, as
+/// torchtitan does for experts (PyTorch's per-parameter meshes make several groups per call; libfsdp keeps
+/// one group per call).
+/// Example: `return fsdp::ShardPlacementResult(fsdp::Shard(0), ep_mesh);`
+struct ShardPlacementResult {
+  ShardPlacementResult() = default;
+  ShardPlacementResult(std::nullopt_t) {}  // NOLINT(google-explicit-constructor): Shard(0)
+  ShardPlacementResult(Placement p) : placement(std::move(p)) {}  // NOLINT(google-explicit-constructor)
+  ShardPlacementResult(std::optional<Placement> p) : placement(std::move(p)) {}  // NOLINT(google-explicit-constructor)
+  ShardPlacementResult(std::optional<Placement> p, DeviceMeshPtr m) : placement(std::move(p)), mesh(std::move(m)) {}
+  std::optional<Placement> placement;  // std::nullopt: Shard(0)
+  DeviceMeshPtr mesh;                  // null: fully_shard's mesh
+};
+
+/// FullyShardOptions::shard_placement_fn: (name, parameter) -> ShardPlacementResult (e.g. fsdp::Shard(d),
+/// or std::nullopt for Shard(0)).
+using ShardPlacementFn = std::function<ShardPlacementResult(const std::string& name, const torch::Tensor& param)>;
 
 /// Options of fully_shard. Mirrors fully_shard's keyword arguments.
 /// Example: `fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false)
@@ -168,8 +188,8 @@ struct FullyShardOptions {
   /// size (as PyTorch; refused otherwise, naming the parameter), and is refused together with tensor
   /// parallelism or an all-gather extension. The shard is then a contiguous chunk on dim d; gathers,
   /// gradients, state dicts and DCP follow (the DTensor placement is Shard(d)). Mirrors fully_shard's
-  /// shard_placement_fn (a Shard; PyTorch's ShardPlacementResult with a per-parameter mesh has no
-  /// equivalent). (Default: none: every parameter on dim 0)
+  /// shard_placement_fn (a per-parameter mesh is refused: see ShardPlacementResult). (Default: none:
+  /// every parameter on dim 0)
   /// Example: `opts.shard_placement_fn([](const std::string&, const torch::Tensor& p) -> std::optional<fsdp::Placement> { if (p.dim() == 2) return fsdp::Shard(1); return std::nullopt; })`
   TORCH_ARG(ShardPlacementFn, shard_placement_fn) = nullptr;
   /// Gives parameters their own all-gather (see AllGatherExtension; e.g. low_precision_all_gather(kFloat8_e4m3fn)).
@@ -204,7 +224,10 @@ class FSDPModuleAPI {
  public:
   explicit FSDPModuleAPI(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
   /// All-gathers this module's parameters (not its children's). With async_op the returned handle
-  /// must be waited before the parameters are used. Mirrors FSDPModule.unshard().
+  /// must be waited before the parameters are used. Before the root's forward (e.g. to overlap a block's
+  /// all-gather with the loading of the batch) the gathered data is kept for the block's forward, unless
+  /// a shard changed in between (then gathered again: see set_reshard_after_backward). Mirrors
+  /// FSDPModule.unshard().
   UnshardHandle unshard(bool async_op = false);
   /// Frees the unsharded parameters (not recursive). Mirrors FSDPModule.reshard().
   void reshard();
@@ -212,10 +235,13 @@ class FSDPModuleAPI {
   /// microbatch of gradient accumulation). Also sets set_requires_all_reduce to the same value, as
   /// PyTorch does. Mirrors FSDPModule.set_requires_gradient_sync().
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
-  /// Reshard after backward (default true). With false, the parameters stay unsharded after a
-  /// backward that skipped the gradient sync (the microbatches of gradient accumulation), which saves
-  /// the next forward's all-gather; after a synchronised backward the group reshards anyway, so that
-  /// the optimizer sees the shards and their gradients. Mirrors FSDPModule.set_reshard_after_backward().
+  /// Reshard after backward (default true). With false, the unsharded parameters are kept after the
+  /// backward (memory for communication), which saves the next forward's all-gather: between
+  /// microbatches, with or without gradient sync. After a synchronised backward the parameters hold their
+  /// shards and sharded gradients again (the optimizer steps them) while the unsharded data is kept; the
+  /// next forward reuses it only if no rank's shard changed since (compared locally, agreed by one
+  /// all-reduce of a flag), else all-gathers again. PyTorch reuses it even after an optimizer step
+  /// (stale parameters); libfsdp never does. Mirrors FSDPModule.set_reshard_after_backward().
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
   /// HSDP (2-D mesh): whether the gradient reductions all-reduce over the replicate dimension (default
   /// true). With false the gradients are still reduce-scattered within each replica group, but their sums
@@ -258,14 +284,18 @@ class FSDPModuleAPI {
   /// set_requires_all_reduce(false) defers), before the gradients are copied out: `reduce_output` is
   /// this rank's flat reduced gradients ([sum of padded shard numels], reduce dtype, group order),
   /// already divided (as PyTorch's fp32/bf16 default, which averages in the collective); the hook may
-  /// change it in place (e.g. all-reduce it over another mesh dimension). On CUDA it runs on the
-  /// reduce-scatter stream. Null removes it. Not recursive. Mirrors FSDPModule.set_all_reduce_hook()
-  /// (without its stream argument).
+  /// change it in place (e.g. all-reduce it over another mesh dimension). On CUDA it runs on `stream`
+  /// when given (after the reduction; the copy-out of the gradients waits for the hook's work), else on
+  /// the reduce-scatter stream; on the CPU (no streams) the stream is ignored. Null removes it. Not
+  /// recursive. Throws c10::Error for a stream of another device type than the module's mesh. Mirrors
+  /// FSDPModule.set_all_reduce_hook(hook, stream=None).
   /// Example: `fsdp::fsdp_api(block).set_all_reduce_hook([&](const torch::Tensor& g) { fsdp::all_reduce(g, *dp_pg); g.div_(2); });`
-  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook);
+  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> hook,
+                           std::optional<c10::Stream> stream = std::nullopt);
   /// CUDA: the all-gather streams of the root's next forward wait on `event` (recorded after the
-  /// optimizer step) before its first all-gather; consumed by that forward, so set a new one each step.
-  /// The copy-ins still also wait on the compute stream (the false dependency PyTorch removes remains).
+  /// optimizer step) instead of on the compute stream: that iteration's all-gather copy-ins (forward and
+  /// backward) do not wait for the compute queued before them, as PyTorch. Consumed by that forward, so
+  /// record and set a new one each step; without one the copy-ins wait for the compute stream again.
   /// No effect on the CPU (no streams). Throws c10::Error on a non-root after lazy init. Mirrors
   /// FSDPModule.set_post_optim_event().
   void set_post_optim_event(std::shared_ptr<c10::Event> event);
@@ -437,7 +467,9 @@ class FSDPModule : public Holder {
   void set_gradient_divide_factor(double f) { fsdp().set_gradient_divide_factor(f); }
   void set_custom_all_gather(std::shared_ptr<AllGather> c) { fsdp().set_custom_all_gather(std::move(c)); }
   void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> c) { fsdp().set_custom_reduce_scatter(std::move(c)); }
-  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> h) { fsdp().set_all_reduce_hook(std::move(h)); }
+  void set_all_reduce_hook(std::function<void(const torch::Tensor&)> h, std::optional<c10::Stream> stream = std::nullopt) {
+    fsdp().set_all_reduce_hook(std::move(h), stream);
+  }
   void set_post_optim_event(std::shared_ptr<c10::Event> e) { fsdp().set_post_optim_event(std::move(e)); }
   void set_force_sum_reduction_for_comms(bool v) { fsdp().set_force_sum_reduction_for_comms(v); }
   void set_reduce_scatter_unused_params(bool v, bool recurse = true) {
@@ -462,13 +494,18 @@ class FSDPModule : public Holder {
   std::shared_ptr<void> holder_token_;  // shared by copies; see detail::hold_fsdp_forward
 };
 
-/// Runs another entry point of a sharded module (e.g. `generate`) through FSDP's forward hooks:
-///   auto y = fsdp::fsdp_forward(*model, [&] { return model->generate(x); });
-/// `fn` returns a Tensor, a std::vector<Tensor> or a tuple of them. The analogue of
-/// register_fsdp_forward_method. Tensor inputs captured by `fn` are not cast by mp_policy.
-template <typename Fn>
-auto fsdp_forward(const torch::nn::Module& module, Fn&& fn) {
-  return detail::run_with_hooks(detail::state_of(module), std::forward<Fn>(fn));
+/// Runs another entry point of a sharded module (e.g. `generate`) through FSDP's forward hooks, as a
+/// module forward: unshard before, reshard after, outputs cast to mp_policy's output_dtype, gradients
+/// reduce-scattered when the call's backward is done. The entry point's tensor arguments go after `fn`,
+/// which receives them: they are cast by cast_forward_inputs and, when they require grad, mark where the
+/// call's backward ends (captured tensors are neither: the reduce-scatter then waits for the end of
+/// the backward).
+///   auto y = fsdp::fsdp_forward(*model, [&](const torch::Tensor& x) { return model->generate(x); }, x);
+/// `fn` returns a Tensor, a std::vector<Tensor> or a tuple of them; arguments may be tensors, vectors or
+/// other values (passed through). The analogue of register_fsdp_forward_method(module, "generate").
+template <typename Fn, typename... Args>
+auto fsdp_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
+  return detail::run_with_hooks(detail::state_of(module), std::forward<Fn>(fn), std::forward<Args>(args)...);
 }
 
 /// Shards the parameters of `module` (those not already managed by a sharded submodule) as one group.
