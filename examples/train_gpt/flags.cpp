@@ -157,6 +157,11 @@ void add_flags(CLI::App& app, Options& o) {
                 "Free the blocks' gathered parameters after forward: true|false|N (N ranks keep a slice)")
       ->capture_default_str();
   g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
+  g->add_option("--checkpoint-impl", o.checkpoint_impl,
+                "With --activation-checkpointing: no_reentrant (saved-tensor hooks, PyTorch's default) or reentrant "
+                "(an autograd function re-running the block in a nested backward), as checkpoint_wrapper's "
+                "CheckpointImpl")
+      ->capture_default_str()->check(CLI::IsMember({"no_reentrant", "reentrant"}));
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
   add_integer(g, "--tp", o.tp, "Tensor-parallel ranks: each block's heads and MLP columns split across them; "
               "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));

@@ -45,7 +45,8 @@ torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
   if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   for (const auto& m : *h) {
     auto* block = m->as<PlainBlock>();
-    x = activation_checkpointing ? fsdp::checkpoint([block](torch::Tensor t) { return block->forward(t); }, x)
+    const auto options = fsdp::CheckpointOptions().use_reentrant(checkpoint_reentrant);
+    x = activation_checkpointing ? fsdp::checkpoint(options, [block](torch::Tensor t) { return block->forward(t); }, x)
                                  : block->forward(x);
   }
   if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);

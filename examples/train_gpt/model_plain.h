@@ -42,6 +42,7 @@ struct PlainGPTImpl : torch::nn::Module {
   /// Recompute each block in backward (fsdp::checkpoint around each block call in forward): a model
   /// without FSDP hooks has no call site that checkpoint_wrapper could wrap, so the forward does it.
   bool activation_checkpointing = false;
+  bool checkpoint_reentrant = false;  ///< torch.utils.checkpoint's use_reentrant for those regions
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h;  // the blocks, "h.0", "h.1", ...: what parallelize() shards one by one

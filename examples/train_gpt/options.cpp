@@ -75,6 +75,7 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   if (o.mixed_precision == "bf16") p.param_dtype = torch::kBFloat16;
   if (o.mixed_precision == "fp16") p.param_dtype = torch::kHalf;
   p.activation_checkpointing = o.activation_checkpointing;
+  p.checkpoint_options.use_reentrant(o.checkpoint_impl == "reentrant");
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;
   p.dp_replicate = o.dp_replicate;

@@ -55,6 +55,7 @@ struct Options {
   std::string frozen_dtype = "fp32";  // bf16: the frozen parameters stored in bf16 (mixed-dtype groups)
   std::string reshard_after_forward = "true";
   bool activation_checkpointing = false;
+  std::string checkpoint_impl = "no_reentrant";  // reentrant: torch.utils.checkpoint(use_reentrant=True)
   bool cpu_offload = false;
   bool estimate_memory = false;  // print fsdp::estimate_memory's per-rank breakdown and exit (issue 14)
   int tp = 1;                      // tensor-parallel ranks per block (issue 15): heads split across them

@@ -88,12 +88,12 @@ void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, con
 
 void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
-  if (p.activation_checkpointing) apply_activation_checkpointing(model);
+  if (p.activation_checkpointing) apply_activation_checkpointing(model, p.checkpoint_options);
   apply_fsdp(model, fsdp_mesh(mesh, p), p);
 }
 
-void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model) {
-  for (auto& block : model->blocks) fsdp::checkpoint_wrapper(block);
+void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const fsdp::CheckpointOptions& options) {
+  for (auto& block : model->blocks) fsdp::checkpoint_wrapper(block, options);
 }
 
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
@@ -115,6 +115,7 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   model->activation_checkpointing = p.activation_checkpointing;
+  model->checkpoint_reentrant = p.checkpoint_options.use_reentrant();
   if (p.replicate) {
     const auto ropts = replicate_options(fsdp_mesh(mesh, p), p);
     for (auto& block : *model->h) fsdp::replicate(block, ropts);

@@ -16,6 +16,7 @@ struct ParallelOptions {
   torch::ScalarType param_dtype = torch::kFloat32;  ///< compute dtype of forward and backward
   fsdp::ReshardAfterForward reshard_after_forward = true;  ///< for the blocks
   bool activation_checkpointing = false;
+  fsdp::CheckpointOptions checkpoint_options;  ///< for each block's region (--checkpoint-impl)
   bool cpu_offload = false;
   int tp = 1;             ///< tensor-parallel ranks (the mesh's "tp" dim)
   int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
@@ -68,7 +69,7 @@ void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, con
 
 /// Step 0: each block keeps only its input in forward and is recomputed in backward, after FSDP's
 /// pre-backward all-gather of that block (nothing extra is gathered).
-void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model);
+void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const fsdp::CheckpointOptions& options);
 
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);

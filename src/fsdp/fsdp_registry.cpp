@@ -27,7 +27,7 @@ struct Registry {
   };
   std::unordered_map<const Module*, Held> held;
   // Modules checkpoint_wrapper was applied to (held weakly: a new module at a freed one's address is not marked).
-  std::unordered_map<const Module*, std::weak_ptr<Module>> checkpointed;
+  std::unordered_map<const Module*, std::pair<std::weak_ptr<Module>, CheckpointOptions>> checkpointed;
   int64_t next_id = 1;
 
   void purge_locked() {
@@ -40,7 +40,7 @@ struct Registry {
     }
     for (auto it = held.begin(); it != held.end();) it = it->second.module.expired() ? held.erase(it) : std::next(it);
     for (auto it = checkpointed.begin(); it != checkpointed.end();) {
-      it = it->second.expired() ? checkpointed.erase(it) : std::next(it);
+      it = it->second.first.expired() ? checkpointed.erase(it) : std::next(it);
     }
   }
 };
@@ -145,18 +145,19 @@ std::shared_ptr<FSDPState> state_of(const Module& module) {
   return it->second.state;
 }
 
-void mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module) {
+void mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.purge_locked();
-  r.checkpointed[module.get()] = module;
+  r.checkpointed[module.get()] = {module, options};
 }
 
-bool is_checkpointed(const torch::nn::Module& module) {
+std::optional<CheckpointOptions> checkpoint_options(const torch::nn::Module& module) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.checkpointed.find(&module);
-  return it != r.checkpointed.end() && !it->second.expired();
+  if (it == r.checkpointed.end() || it->second.first.expired()) return std::nullopt;
+  return it->second.second;
 }
 
 std::shared_ptr<FSDPState> state_by_id(int64_t id) {

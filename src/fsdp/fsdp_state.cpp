@@ -367,6 +367,13 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   // call like the first recomputed one, though the group is already in its backward: it is tracked, so
   // that the post-backward waits for its gradients ([Note: recomputed regions]).
   bool recomputed_region = false;
+  if (ctx && ctx->in_backward && in_non_reentrant_recompute()) {
+    // A non-reentrant region recomputed for the saved tensors of the forward's graph ([Note: non-reentrant
+    // checkpoint], activation_checkpoint.cpp): its graph is never backpropagated, so the call is not
+    // counted; the group's backward is due (its forward ran in the region): unshard as its pre-backward.
+    pre_backward();
+    return inputs;
+  }
   if (training_state == TrainingState::PRE_BACKWARD) {
     recomputed_region = note_checkpoint_use();
     if (!recomputed_region) return inputs;

@@ -310,7 +310,7 @@ FSDPModuleAPI fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>&
   // Implicit: no module of the call has an FSDPModule holder (see [Note: implicit groups]).
   const bool implicit = std::none_of(modules.begin(), modules.end(), [](const auto& m) { return detail::is_marked(*m); });
   for (const auto& m : modules) {
-    TORCH_CHECK(!implicit || !detail::is_checkpointed(*m), "fully_shard: ", m->name(), " has checkpoint_wrapper applied, ",
+    TORCH_CHECK(!implicit || !detail::checkpoint_options(*m), "fully_shard: ", m->name(), " has checkpoint_wrapper applied, ",
                 "but its forward does not go through an fsdp::FSDPModule holder, so nothing can re-run it in backward. ",
                 "Fix: wrap its call in the model's forward, `x = fsdp::checkpoint([m](torch::Tensor t) { return ",
                 "m->forward(t); }, x);`, or declare the module as fsdp::FSDPModule<Holder>");

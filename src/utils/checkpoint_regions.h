@@ -7,7 +7,7 @@
 
 namespace fsdp::detail {
 
-/// One enclosing checkpoint region: its first run (forward, no grad) or its recomputation (backward).
+/// One enclosing (reentrant) checkpoint region: its first run (forward, no grad) or its recomputation (backward).
 /// `region` numbers the region's CheckpointFunction node for the process's lifetime (never reused, unlike
 /// an address).
 struct CheckpointFrame {
@@ -15,7 +15,12 @@ struct CheckpointFrame {
   bool recompute = false;
 };
 
-/// This thread's enclosing checkpoint regions, outermost first (empty outside checkpoint()).
+/// This thread's enclosing checkpoint regions, outermost first (empty outside checkpoint()). Reentrant
+/// regions only: a non-reentrant region's first run is an ordinary forward for FSDP.
 const std::vector<CheckpointFrame>& checkpoint_frames();
+
+/// Whether this thread runs the recomputation of a non-reentrant region ([Note: non-reentrant checkpoint]):
+/// a forward inside a backward whose graph is never backpropagated.
+bool in_non_reentrant_recompute();
 
 }  // namespace fsdp::detail

@@ -193,6 +193,7 @@ struct TwiceBlockImpl : torch::nn::Module {
 TORCH_MODULE(TwiceBlock);
 
 enum class Ckpt { kNone, kWrapper, kRegion, kParentWrapper, kEachCall, kNested };
+CheckpointOptions ckpt_options;  // every region's: non-reentrant (the default) or reentrant; set before run_ranks
 
 // The two calls: b(b(x)), in a parent module (checkpoint_wrapper of the parent: one region by module).
 // `implicit`: b is left implicit (an unchanged model's module, called as b->forward).
@@ -211,11 +212,12 @@ struct TwicePairImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     auto* self = this;
     auto call = [self](torch::Tensor t) { return self->plain ? self->plain->forward(t) : self->b(t); };
-    if (ckpt == Ckpt::kRegion) return fsdp::checkpoint([call](torch::Tensor t) { return call(call(t)); }, x);
+    const auto& o = ckpt_options;
+    if (ckpt == Ckpt::kRegion) return fsdp::checkpoint(o, [call](torch::Tensor t) { return call(call(t)); }, x);
     if (ckpt == Ckpt::kNested) {  // a region inside a region around both calls
-      return fsdp::checkpoint([call](torch::Tensor t) { return call(fsdp::checkpoint(call, t)); }, x);
+      return fsdp::checkpoint(o, [call, o](torch::Tensor t) { return call(fsdp::checkpoint(o, call, t)); }, x);
     }
-    if (ckpt == Ckpt::kEachCall) return fsdp::checkpoint(call, fsdp::checkpoint(call, x));  // two recomputations
+    if (ckpt == Ckpt::kEachCall) return fsdp::checkpoint(o, call, fsdp::checkpoint(o, call, x));  // two recomputations
     return call(call(x));
   }
 };
@@ -251,7 +253,10 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
           std::mutex mu;
           std::vector<Ckpt> modes{Ckpt::kNone, Ckpt::kRegion, Ckpt::kEachCall, Ckpt::kNested};
           if (!implicit) modes.insert(modes.end(), {Ckpt::kWrapper, Ckpt::kParentWrapper});  // holders only
+          for (bool reentrant : {false, true}) {
+          ckpt_options = CheckpointOptions().use_reentrant(reentrant);
           for (Ckpt c : modes) {
+            if (reentrant && c == Ckpt::kNone) continue;
             grads[c].resize(ws);
             run_ranks(ws, [&](ProcessGroupPtr pg) {
               FSDPModule<TwiceNet> m(c, implicit);
@@ -260,8 +265,8 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
               auto mesh = init_device_mesh(torch::kCPU, {ws});
               auto opts = FullyShardOptions().mesh(mesh).reshard_after_forward(reshard);
               if (prec == Prec::kBf16Mp) opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
-              if (c == Ckpt::kWrapper) checkpoint_wrapper(m->pair->b);
-              if (c == Ckpt::kParentWrapper) checkpoint_wrapper(m->pair);
+              if (c == Ckpt::kWrapper) checkpoint_wrapper(m->pair->b, ckpt_options);
+              if (c == Ckpt::kParentWrapper) checkpoint_wrapper(m->pair, ckpt_options);
               fully_shard(m->pair->block(), opts);
               fully_shard(m, opts);
               const int64_t rows = (6 + ws - 1) / ws;
@@ -286,10 +291,12 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
               for (const auto& [k, g] : grads[Ckpt::kNone][r]) {
                 const auto& gc = grads[c][r].at(k);
                 EXPECT_TRUE(torch::equal(g, gc))
-                    << k << " rank " << r << " " << where << " ckpt " << static_cast<int>(c) << ": max diff "
+                    << k << " rank " << r << " " << where << " ckpt " << static_cast<int>(c) << " reentrant "
+                    << reentrant << ": max diff "
                     << (g.numel() ? (g.to(torch::kFloat32) - gc.to(torch::kFloat32)).abs().max().item<float>() : 0.f);
               }
             }
+          }
           }
          }
         }

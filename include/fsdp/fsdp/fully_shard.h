@@ -436,9 +436,10 @@ class FSDPModule : public Holder {
   auto forward(Args&&... args) {
     auto* impl = this->get();
     auto call = [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); };
-    if (detail::is_checkpointed(*impl)) {
+    if (auto options = detail::checkpoint_options(*impl)) {
       return detail::run_with_hooks(
-          detail::state_of(*impl), [call](auto&&... a) { return checkpoint(call, std::forward<decltype(a)>(a)...); },
+          detail::state_of(*impl),
+          [call, o = *options](auto&&... a) { return checkpoint(o, call, std::forward<decltype(a)>(a)...); },
           std::forward<Args>(args)...);
     }
     return detail::run_with_hooks(detail::state_of(*impl), call, std::forward<Args>(args)...);

@@ -16,6 +16,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include "fsdp/utils/activation_checkpoint.h"
 #include "fsdp/utils/detail/forward_args.h"
 
 namespace fsdp {
@@ -38,10 +39,11 @@ FSDPState& fsdp_state(const FSDPModuleAPI& api);
 /// copies) is destroyed: a module sharded while it has one takes the holder path, otherwise (e.g. a
 /// holder passed into a torch::nn::Sequential, which keeps only the module) the implicit one.
 std::shared_ptr<void> hold_fsdp_forward(const torch::nn::Module& module);
-/// Whether checkpoint_wrapper was applied to `module` (then FSDPModule runs its forward under fsdp::checkpoint).
-bool is_checkpointed(const torch::nn::Module& module);
+/// The options checkpoint_wrapper was applied to `module` with (then FSDPModule runs its forward under
+/// fsdp::checkpoint with them), or std::nullopt.
+std::optional<CheckpointOptions> checkpoint_options(const torch::nn::Module& module);
 /// Records that checkpoint_wrapper was applied to `module` (fsdp/algorithms/checkpoint_wrapper.h).
-void mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module);
+void mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options);
 
 /// Hook entry points used by FSDPModule and fsdp_forward. `inputs` are the tensor arguments of the
 /// call; returns the tensors to call the module with (cast, and wrapped to run post-backward).

@@ -1,0 +1,103 @@
+// Saved-tensor hooks for C++ (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) through libfsdp's
+// autograd engine.
+#include "fsdp/utils/saved_tensor_hooks.h"
+
+#include <vector>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/cuda.h>
+
+#include "utils/saved_tensor_hooks_internal.h"
+
+// [Note: saved-tensor hooks]
+// Every SavedVariable that autograd creates asks Engine::get_default_engine().get_default_saved_variable_hooks()
+// for hooks (when saved-tensor hooks are enabled, LibTorch's default). LibTorch's base engine answers none;
+// PyTorch's Python engine answers the Python hooks of torch.autograd.graph.saved_tensors_hooks. C++ has no
+// such registry, so libfsdp installs, when it is loaded, an engine of its own as LibTorch's default (the
+// documented indirection, set_default_engine_stub, by which Python replaces the base engine): the base
+// engine's behaviour, plus an answer from this thread's stack of hook factories. Loading happens before any
+// autograd work (before main), so the base engine is never built and exactly one engine exists, as the
+// engine requires. Cost: one virtual call and one thread-local read per saved tensor. Limit: a process that
+// ran a backward before loading libfsdp (dlopen later) keeps the base engine; the hooks then refuse to start
+// (HooksEngine::is_default) instead of silently saving nothing. A Python process has the Python engine:
+// libfsdp is not meant to be loaded there.
+namespace fsdp {
+namespace detail {
+namespace {
+
+thread_local std::vector<SavedHooksFactory> t_factories;
+
+struct HooksEngine : torch::autograd::Engine {
+  static torch::autograd::Engine& instance() {
+    static HooksEngine engine;
+    return engine;
+  }
+  static bool is_default() { return &torch::autograd::Engine::get_default_engine() == &instance(); }
+  ~HooksEngine() override { stop(); }  // (before the base destructor: see Engine::stop)
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (t_factories.empty()) return nullptr;
+    return t_factories.back()();
+  }
+};
+
+const bool installed = [] {
+  torch::autograd::set_default_engine_stub(&HooksEngine::instance);
+  return true;
+}();
+
+}  // namespace
+
+void push_saved_hooks(SavedHooksFactory factory, const char* api) {
+  TORCH_CHECK(installed && HooksEngine::is_default(), api, ": LibTorch's autograd engine is not libfsdp's (the process "
+              "ran a backward before libfsdp was loaded, or another library replaced the engine), so saved-tensor ",
+              "hooks cannot run. Fix: link libfsdp into the program (not dlopen after autograd ran), or use ",
+              "fsdp::CheckpointOptions().use_reentrant(true)");
+  t_factories.push_back(std::move(factory));
+}
+
+void pop_saved_hooks() { t_factories.pop_back(); }
+
+}  // namespace detail
+
+namespace {
+
+struct Fns {
+  saved_tensors_hooks::Pack pack;
+  saved_tensors_hooks::Unpack unpack;
+};
+
+struct UserHooks : torch::autograd::SavedVariableHooks {
+  explicit UserHooks(std::shared_ptr<Fns> f) : fns(std::move(f)) {}
+  void call_pack_hook(const at::Tensor& tensor) override { packed = fns->pack(tensor); }
+  at::Tensor call_unpack_hook() override { return fns->unpack(packed); }
+  std::shared_ptr<Fns> fns;
+  c10::IValue packed;
+};
+
+}  // namespace
+
+saved_tensors_hooks::saved_tensors_hooks(Pack pack, Unpack unpack) {
+  TORCH_CHECK(pack && unpack, "saved_tensors_hooks: expected a pack and an unpack function");
+  auto fns = std::make_shared<Fns>(Fns{std::move(pack), std::move(unpack)});
+  detail::push_saved_hooks([fns] { return std::make_unique<UserHooks>(fns); }, "saved_tensors_hooks");
+}
+
+saved_tensors_hooks::~saved_tensors_hooks() { detail::pop_saved_hooks(); }
+
+save_on_cpu::save_on_cpu(bool pin_memory)
+    : saved_tensors_hooks(
+          [pin = pin_memory && torch::cuda::is_available()](const torch::Tensor& t) -> c10::IValue {
+            // A copy in host memory (pinned: asynchronous copies back), with the tensor's strides (a transposed
+            // weight stays transposed, so the backward's kernels, and their roundings, are those without the
+            // hooks); the device to return to.
+            auto packed = at::empty_like(t, t.options().device(torch::kCPU).pinned_memory(pin && !t.is_sparse()),
+                                         at::MemoryFormat::Preserve);
+            packed.copy_(t);
+            return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed)});
+          },
+          [pin = pin_memory && torch::cuda::is_available()](const c10::IValue& v) {
+            const auto& items = v.toTupleRef().elements();
+            return items[1].toTensor().to(items[0].toDevice(), /*non_blocking=*/pin);
+          }) {}
+
+}  // namespace fsdp

@@ -1,0 +1,29 @@
+// The thread's stack of saved-tensor hook factories that libfsdp's autograd engine consults for every tensor
+// autograd saves (see [Note: saved-tensor hooks], saved_tensor_hooks.cpp). Used by saved_tensors_hooks and by
+// non-reentrant checkpointing (activation_checkpoint.cpp).
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+namespace fsdp::detail {
+
+/// Makes the hooks of one saved tensor (called by autograd when it saves a tensor on this thread).
+using SavedHooksFactory = std::function<std::unique_ptr<torch::autograd::SavedVariableHooks>()>;
+
+/// While on top of this thread's stack, `factory` gives the hooks of every tensor autograd saves here.
+/// Throws c10::Error (naming `api`) when libfsdp's engine is not LibTorch's default engine.
+void push_saved_hooks(SavedHooksFactory factory, const char* api);
+void pop_saved_hooks();
+
+/// RAII form of push/pop.
+struct SavedHooksScope {
+  SavedHooksScope(SavedHooksFactory factory, const char* api) { push_saved_hooks(std::move(factory), api); }
+  ~SavedHooksScope() { pop_saved_hooks(); }
+  SavedHooksScope(const SavedHooksScope&) = delete;
+  SavedHooksScope& operator=(const SavedHooksScope&) = delete;
+};
+
+}  // namespace fsdp::detail
