@@ -12,6 +12,7 @@
 #include "fsdp/deferred_init_internal.h"
 #include "fsdp/fsdp_state.h"
 #include "tensor/parallel/tp_ops.h"
+#include "utils/checkpoint_regions.h"
 
 namespace fsdp::detail {
 namespace {
@@ -247,6 +248,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   const bool grad_mode = torch::GradMode::is_enabled();
   if (read_between_steps(op, found, other_operands, grad_mode)) return run();
   std::vector<FSDPState*> forward_states;
+  std::vector<FSDPState*> cast_states;  // forward_states, and the states of a recomputation's op
   const bool optimizer_read = !grad_mode && reads_with_own_grad(found, *stack, base, nargs);
   for (const auto& f : found) {
     FSDPState& s = *f.state;
@@ -270,6 +272,11 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     }
     if (s.ctx && s.ctx->in_backward) {
       s.implicit_backward_use(f.index, grad_mode);
+      // A recomputation (a checkpointed region re-run in backward) casts as its forward did.
+      if (grad_mode && !f.written && (in_non_reentrant_recompute() || !checkpoint_frames().empty()) &&
+          std::find(forward_states.begin(), forward_states.end(), &s) == forward_states.end()) {
+        cast_states.push_back(&s);
+      }
     } else if (f.written) {
       // In place: the optimizer's update or an initialisation writes the shard.
       if (f.is_param || f.alias_of_shard) s.implicit_write();
@@ -282,7 +289,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     }
   }
   // cast_forward_inputs: floating-point tensors entering an op with the group's parameters.
-  for (FSDPState* s : forward_states) {
+  cast_states.insert(cast_states.end(), forward_states.begin(), forward_states.end());
+  for (FSDPState* s : cast_states) {
     const auto& mp = s->options.mp_policy();
     if (!mp.cast_forward_inputs() || !mp.param_dtype()) continue;
     for (size_t a = 0; a < nargs; ++a) {

@@ -366,17 +366,18 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   // re-registered. A call recomputed by a region of its own (each call checkpointed separately) is a
   // call like the first recomputed one, though the group is already in its backward: it is tracked, so
   // that the post-backward waits for its gradients ([Note: recomputed regions]).
+  // A recomputation casts as the forward did (cast_forward_inputs), so that it computes the same tensors.
   bool recomputed_region = false;
   if (ctx && ctx->in_backward && in_non_reentrant_recompute()) {
     // A non-reentrant region recomputed for the saved tensors of the forward's graph ([Note: non-reentrant
     // checkpoint], activation_checkpoint.cpp): its graph is never backpropagated, so the call is not
     // counted; the group's backward is due (its forward ran in the region): unshard as its pre-backward.
     pre_backward();
-    return inputs;
+    return cast_forward_inputs(std::move(inputs));
   }
   if (training_state == TrainingState::PRE_BACKWARD) {
     recomputed_region = note_checkpoint_use();
-    if (!recomputed_region) return inputs;
+    if (!recomputed_region) return cast_forward_inputs(std::move(inputs));
   }
   // An fsdp::Join in progress announces the root's forward to the ranks that ran out of data, before
   // any collective of this forward (lazy init's included).
@@ -397,12 +398,7 @@ std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inp
   enter_forward_stack();
   input_node.reset();
   // An exception from the module's forward leaves this state FORWARD; forward_failed resets it.
-  const auto& mp = options.mp_policy();
-  if (mp.cast_forward_inputs() && mp.param_dtype()) {
-    for (auto& t : inputs) {
-      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.param_dtype()) t = t.to(*mp.param_dtype());
-    }
-  }
+  inputs = cast_forward_inputs(std::move(inputs));
   begin_call();
   // Post-backward runs when the gradients of these inputs are computed (and every call of the group
   // is done: see all_calls_done).
@@ -453,8 +449,29 @@ void FSDPState::begin_call() {
   }
 }
 
+std::vector<torch::Tensor> FSDPState::cast_forward_inputs(std::vector<torch::Tensor> inputs) const {
+  const auto& mp = options.mp_policy();
+  if (mp.cast_forward_inputs() && mp.param_dtype()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.param_dtype()) t = t.to(*mp.param_dtype());
+    }
+  }
+  return inputs;
+}
+
+std::vector<torch::Tensor> FSDPState::cast_outputs(std::vector<torch::Tensor> outputs) const {
+  const auto& mp = options.mp_policy();
+  if (mp.output_dtype()) {
+    for (auto& t : outputs) {
+      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.output_dtype()) t = t.to(*mp.output_dtype());
+    }
+  }
+  return outputs;
+}
+
 std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
-  if (training_state == TrainingState::PRE_BACKWARD) return outputs;  // recomputation: see pre_forward
+  // A recomputation (see pre_forward): only the casts of the forward.
+  if (training_state == TrainingState::PRE_BACKWARD) return cast_outputs(std::move(outputs));
   // Implicit states still running inside this module's forward end with it.
   ctx->pop_forward_stack(this, /*inclusive=*/true);
   if (group) {
@@ -491,12 +508,7 @@ std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> ou
       }
     }
   }
-  const auto& mp = options.mp_policy();
-  if (mp.output_dtype()) {
-    for (auto& t : outputs) {
-      if (t.defined() && t.is_floating_point() && t.scalar_type() != *mp.output_dtype()) t = t.to(*mp.output_dtype());
-    }
-  }
+  outputs = cast_outputs(std::move(outputs));
   training_state = TrainingState::IDLE;
   return outputs;
 }

@@ -195,6 +195,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool all_regions_recomputed() const;
 
   double divide_factor() const;
+  /// mp_policy's casts of a call's floating inputs (cast_forward_inputs, to param_dtype) and outputs
+  /// (output_dtype); also applied when the call is recomputed, so that it computes the same tensors.
+  std::vector<torch::Tensor> cast_forward_inputs(std::vector<torch::Tensor> inputs) const;
+  std::vector<torch::Tensor> cast_outputs(std::vector<torch::Tensor> outputs) const;
 
   // Implicit states (fsdp_implicit.cpp), called by the interception fallback (fsdp_interception.cpp).
   /// An op uses parameter `index` outside a backward, not in place: unshards for the forward (lazy init

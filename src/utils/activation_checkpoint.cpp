@@ -330,4 +330,22 @@ std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector
   return CheckpointFunction::apply(at::TensorList(all), holder);
 }
 
+torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int64_t segments, torch::Tensor input,
+                                    const CheckpointOptions& options) {
+  const auto n = static_cast<int64_t>(sequential->size());
+  TORCH_CHECK(segments >= 1 && segments <= n, "checkpoint_sequential: ", segments, " segments for a Sequential of ", n,
+              " modules; expected between 1 and ", n);
+  // The pieces as PyTorch cuts them: segments - 1 of n / segments modules, checkpointed; the rest runs as is.
+  const int64_t size = n / segments;
+  auto run = [seq = sequential.ptr()](int64_t begin, int64_t end) {
+    return [seq, begin, end](torch::Tensor x) {
+      for (auto it = seq->begin() + begin; it != seq->begin() + end; ++it) x = it->forward(x);
+      return x;
+    };
+  };
+  int64_t begin = 0;
+  for (int64_t s = 0; s + 1 < segments; ++s, begin += size) input = checkpoint(options, run(begin, begin + size), input);
+  return run(begin, n)(input);
+}
+
 }  // namespace fsdp

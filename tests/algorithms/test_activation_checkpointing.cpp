@@ -305,5 +305,61 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
   }
 }
 
+// A region whose input is fp32 around a group computing in bf16 (mp_policy on the block only; the model
+// around it is not sharded): the recomputation casts as the forward did (the holder's cast_forward_inputs and
+// output_dtype, an implicit group's per-op casts), in both forms; gradients bit for bit with no checkpointing.
+struct MixedRegionImpl : torch::nn::Module {
+  FSDPModule<TwiceBlock> blk{nullptr};
+  TwiceBlock plain{nullptr};
+  torch::nn::Linear head{nullptr};
+  std::optional<CheckpointOptions> ckpt;
+  MixedRegionImpl(bool implicit, std::optional<CheckpointOptions> c) : ckpt(std::move(c)) {
+    if (implicit) {
+      plain = register_module("b", TwiceBlock());
+    } else {
+      blk = register_module("b", TwiceBlock());
+    }
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto* self = this;
+    auto call = [self](torch::Tensor t) { return (self->plain ? self->plain->forward(t) : self->blk(t)).to(torch::kFloat32); };
+    auto h = torch::tanh(x);  // fp32 into the region
+    return head(ckpt ? fsdp::checkpoint(*ckpt, call, h) : call(h));
+  }
+};
+TORCH_MODULE(MixedRegion);
+
+TEST(ActivationCheckpointing, RecomputationCastsAsTheForwardWithAPolicyOnTheBlockOnly) {
+  torch::manual_seed(9);
+  MixedRegion init(false, std::nullopt);
+  const auto w = snapshot(*init);
+  const auto x = torch::randn({5, 6}, torch::requires_grad());
+  for (bool implicit : {false, true}) {
+    std::vector<std::optional<CheckpointOptions>> modes{std::nullopt, CheckpointOptions(),
+                                                       CheckpointOptions().use_reentrant(true)};
+    std::vector<std::map<std::string, torch::Tensor>> grads;
+    for (const auto& mode : modes) {
+      run_ranks(1, [&](ProcessGroupPtr pg) {
+        MixedRegion m(implicit, mode);
+        load_full(*m, w);
+        auto mp = MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32);
+        if (!implicit) mp.output_dtype(torch::kFloat32);
+        fully_shard(implicit ? m->plain.ptr() : m->blk.ptr(),
+                    FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {1})).mp_policy(mp));
+        m->forward(x).pow(2).sum().backward();
+        std::map<std::string, torch::Tensor> g;
+        for (const auto& p : m->named_parameters()) g[p.key()] = p.value().grad().clone();
+        grads.push_back(std::move(g));
+      });
+    }
+    for (size_t i = 1; i < grads.size(); ++i) {
+      for (const auto& [k, g] : grads[0]) {
+        EXPECT_TRUE(torch::equal(g, grads[i].at(k))) << k << (implicit ? " implicit" : " holder") << " mode " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::testing

@@ -197,5 +197,48 @@ TEST(NonReentrantCheckpoint, ARecomputationThatDiffersIsRefusedNamingTheTensor) 
   EXPECT_NE(msg.find("determinism_check must be \"default\" or \"none\", got \"always\""), std::string::npos) << msg;
 }
 
+// checkpoint_sequential: 7 modules in 3 segments (2, 2 and the last 3 run as is): the first two pieces are
+// recomputed, once each, the last not; the gradients are those of the plain Sequential, bit for bit.
+struct CountingImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  int calls = 0;
+  CountingImpl() { fc = register_module("fc", torch::nn::Linear(6, 6)); }
+  torch::Tensor forward(torch::Tensor x) {
+    ++calls;
+    return torch::tanh(fc(x));
+  }
+};
+TORCH_MODULE(Counting);
+
+TEST(NonReentrantCheckpoint, CheckpointSequentialRecomputesEveryPieceButTheLast) {
+  torch::manual_seed(8);
+  torch::nn::Sequential seq;
+  std::vector<Counting> layers;
+  for (int i = 0; i < 7; ++i) {
+    layers.emplace_back();
+    seq->push_back(layers.back());
+  }
+  auto x = torch::randn({4, 6}, torch::requires_grad());
+  seq->forward(x).pow(2).sum().backward();
+  std::vector<torch::Tensor> ref;
+  for (auto& p : seq->parameters()) ref.push_back(p.grad().clone());
+  auto ref_x = x.grad().clone();
+  for (bool reentrant : {false, true}) {
+    for (auto& p : seq->parameters()) p.mutable_grad() = torch::Tensor();
+    x.mutable_grad() = torch::Tensor();
+    for (auto& l : layers) l->calls = 0;
+    checkpoint_sequential(seq, 3, x, CheckpointOptions().use_reentrant(reentrant)).pow(2).sum().backward();
+    std::vector<int> calls;
+    for (auto& l : layers) calls.push_back(l->calls);
+    EXPECT_EQ(calls, (std::vector<int>{2, 2, 2, 2, 1, 1, 1})) << "reentrant " << reentrant;
+    std::vector<torch::Tensor> got;
+    for (auto& p : seq->parameters()) got.push_back(p.grad().clone());
+    expect_equal(got, ref, reentrant ? "checkpoint_sequential, reentrant" : "checkpoint_sequential");
+    EXPECT_TRUE(torch::equal(x.grad(), ref_x));
+  }
+  auto msg = error_message([&] { checkpoint_sequential(seq, 8, x); });
+  EXPECT_NE(msg.find("8 segments for a Sequential of 7 modules; expected between 1 and 7"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace fsdp::testing

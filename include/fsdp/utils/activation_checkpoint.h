@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include "fsdp/utils/detail/forward_args.h"
@@ -105,5 +106,13 @@ template <typename Fn, typename... Args,
 auto checkpoint(Fn fn, Args... args) {
   return checkpoint(CheckpointOptions(), std::move(fn), std::move(args)...);
 }
+
+/// Runs `sequential` on `input` in `segments` pieces of size(sequential) / segments modules (the last one
+/// takes the rest): every piece but the last is a checkpointed region (with `options`), the last runs
+/// normally, as its activations are needed at once. Mirrors torch.utils.checkpoint.checkpoint_sequential
+/// (functions, segments, input, use_reentrant=...). Throws c10::Error unless 1 <= segments <= size.
+/// Example: `auto y = fsdp::checkpoint_sequential(layers, 4, x);`
+torch::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential, int64_t segments, torch::Tensor input,
+                                    const CheckpointOptions& options = {});
 
 }  // namespace fsdp
