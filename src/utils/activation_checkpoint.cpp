@@ -149,7 +149,7 @@ struct SavedMeta {
   bool operator==(const SavedMeta& o) const { return sizes == o.sizes && dtype == o.dtype && device == o.device; }
 };
 
-struct NonReentrantFrame : std::enable_shared_from_this<NonReentrantFrame> {
+struct NonReentrantFrame {
   CheckpointFn fn;
   std::vector<torch::Tensor> inputs;  // the region's inputs, as passed
   std::vector<at::Generator> gens;

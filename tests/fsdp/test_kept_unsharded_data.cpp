@@ -1,5 +1,5 @@
 // Kept unsharded data (CTest labels fully_shard, fsdp_api; [Note: kept unsharded data],
-// src/fsdp/fsdp_param_group.cpp): set_reshard_after_backward(false) keeps the gathered parameters after
+// src/fsdp/fsdp_param_group_kept.cpp): set_reshard_after_backward(false) keeps the gathered parameters after
 // every backward, also a synchronised one, as FSDP2, and an explicit unshard() before the root's forward is
 // kept for it. The next unshard reuses the data only if no rank's shard changed: microbatches skip the
 // all-gathers, an optimizer step (or a write on one rank) makes every rank gather again. Each trains the
