@@ -287,6 +287,39 @@ def parse_reshard(value):
     return int(value)
 
 
+def apply_activation_checkpointing(model, mode):
+    """train_gpt --activation-checkpointing as torchtitan applies it: each block (or every K-th) wrapped by
+    checkpoint_wrapper before sharding; selective-op with torchtitan's op policy (matmul and attention outputs
+    saved, every second matmul recomputed; GPT's biased linears are addmm here, Llama's mm)."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default}
+    save = matmuls | {aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_efficient_attention.default,
+                      aten._scaled_dot_product_flash_attention_for_cpu.default, aten.max.default}
+
+    def selective_context():
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            key = "recompute" if ctx.is_recompute else "forward"
+            if func in matmuls:
+                counts[key] += 1
+                if counts[key] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    every = int(mode.split(":")[1]) if mode.startswith("layer:") else 1
+    for i, block in enumerate(model.h):
+        if (i + 1) % every == 0:
+            kwargs = {"context_fn": selective_context} if mode == "selective-op" else {}
+            model.h[i] = checkpoint_wrapper(block, **kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--init", required=True, help="initial weights: train_gpt --save-init FILE")
@@ -355,6 +388,7 @@ def main():
                 if re.search(run["freeze"], name):
                     p.requires_grad_(False)
                     p.data = p.data.to(frozen_dtype)
+    apply_activation_checkpointing(model, run.get("activation_checkpointing", "none"))
     # AdamW groups as train_gpt: weight decay on dim >= 2 (full shapes, decided before sharding).
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -156,9 +156,23 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--reshard-after-forward", o.reshard_after_forward,
                 "Free the blocks' gathered parameters after forward: true|false|N (N ranks keep a slice)")
       ->capture_default_str();
-  g->add_flag("--activation-checkpointing", o.activation_checkpointing, "Recompute each block in backward");
+  g->add_option("--activation-checkpointing", o.activation_checkpointing,
+                "Recompute activations in backward instead of keeping them (torchtitan's modes): none; full (every "
+                "block recomputed); selective-op (per op: matmul and attention outputs kept, every other matmul and "
+                "the rest recomputed); layer:K (every K-th block recomputed in full)")
+      ->capture_default_str()
+      ->check([](const std::string& v) -> std::string {
+        if (v == "none" || v == "full" || v == "selective-op") return "";
+        if (v.rfind("layer:", 0) == 0 && v.size() > 6 && v.find_first_not_of("0123456789", 6) == std::string::npos &&
+            std::stoll(v.substr(6)) >= 1) {
+          return "";
+        }
+        return "expected none, full, selective-op or layer:K (K >= 1), got '" + v + "'";
+      });
+  g->add_flag("--activation-offload", o.activation_offload,
+              "Keep the tensors the forward saves for backward in host memory (save_on_cpu; pinned on CUDA)");
   g->add_option("--checkpoint-impl", o.checkpoint_impl,
-                "With --activation-checkpointing: no_reentrant (saved-tensor hooks, PyTorch's default) or reentrant "
+                "With --activation-checkpointing full or layer:K: no_reentrant (saved-tensor hooks, PyTorch's default) or reentrant "
                 "(an autograd function re-running the block in a nested backward), as checkpoint_wrapper's "
                 "CheckpointImpl")
       ->capture_default_str()->check(CLI::IsMember({"no_reentrant", "reentrant"}));

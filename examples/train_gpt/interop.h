@@ -66,6 +66,7 @@ inline nlohmann::json run_description(const RunSetup& s, int world, int64_t star
           {"freeze", o.freeze},          {"frozen_dtype", o.frozen_dtype},
           {"reduce_scatter_each_microbatch", o.reduce_scatter_each_microbatch},
           {"keep_unsharded_between_microbatches", o.keep_unsharded},
+          {"activation_checkpointing", o.activation_checkpointing},
           {"device", o.device.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : o.device}};
 }
 

@@ -119,14 +119,19 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
       if (o.reduce_scatter_each_microbatch) fsdp::fsdp_api(t.model).set_requires_all_reduce(last);
       if (o.keep_unsharded) fsdp::fsdp_api(t.model).set_reshard_after_backward(last);
     }
-    torch::Tensor logits;
-    if (!o.no_shard || t.s.parallel.param_dtype == torch::kFloat32) {
-      logits = t.model(x);
-    } else {  // --no-shard (the floor): mixed precision the plain-LibTorch way, by autocast around the forward
-      CpuAutocast autocast(t.s.parallel.param_dtype, device.type());
-      logits = t.model(x);
+    torch::Tensor logits, loss;
+    {
+      // --activation-offload: what the forward (and the loss) saves for backward goes to host memory.
+      std::optional<fsdp::save_on_cpu> offload;
+      if (o.activation_offload) offload.emplace(/*pin_memory=*/device.is_cuda());
+      if (!o.no_shard || t.s.parallel.param_dtype == torch::kFloat32) {
+        logits = t.model(x);
+      } else {  // --no-shard (the floor): mixed precision the plain-LibTorch way, by autocast around the forward
+        CpuAutocast autocast(t.s.parallel.param_dtype, device.type());
+        logits = t.model(x);
+      }
+      loss = lm_loss(logits, y) / static_cast<double>(o.grad_accum_steps);
     }
-    auto loss = lm_loss(logits, y) / static_cast<double>(o.grad_accum_steps);
     (t.scaler ? t.scaler->scale(loss) : loss).backward();
     loss_sum += loss.detach();
   }

@@ -10,28 +10,41 @@
 namespace train_gpt {
 namespace {
 
-/// Peak activation bytes of one microbatch's forward + backward on one rank, from the model shape: what
-/// autograd saves (B x T x C elements unless said otherwise, in the compute dtype e), counted from
-/// model.cpp's forward:
+/// The activations of one microbatch's forward + backward on one rank, from the model shape: what autograd
+/// saves (B x T x C elements unless said otherwise, in the compute dtype e), counted from model.cpp's forward:
 ///   per block 16: its input (saved by ln_1), ln_1's output (by c_attn), qkv 3 (by SDPA, as q/k/v views),
 ///     SDPA's output 1 (also c_proj's input: LibTorch's CPU flash attention allocates it [B, T, H, D], so
 ///     transpose(1, 2).contiguous() is free), the residual sum 1 (by ln_2), ln_2's
 ///     output 1 (by c_fc), c_fc's output 4 (by GELU), GELU's output 4 (by mlp.c_proj); plus fp32 stats:
 ///     LayerNorm mean + rstd (2 x 2 x B x T) and SDPA's logsumexp (B x H x T);
-///   head: the last block's output (by ln_f) 1, ln_f's output 1 (by lm_head), the logits B x T x V in e
+///   selective-op (train_gpt's selective_op_policy: c_attn's and c_fc's outputs and SDPA's saved, c_proj's and
+///     mlp.c_proj's recomputed): the input 1, qkv 3, SDPA's output 1 and logsumexp, c_fc's output 4;
+///   the rest: the last block's output (by ln_f) 1, ln_f's output 1 (by lm_head), the logits B x T x V in e
 ///     (train_step keeps them), log_softmax's fp32 output B x T x V (by nll_loss);
-///   backward temporaries: the larger of the loss's two fp32 B x T x V gradients and a block's MLP
-///     gradients (4 + 4 + 2 residual).
-/// With activation checkpointing a block saves only its input; one block at a time is recomputed (its 15
-/// inner tensors and stats come back during its backward).
-int64_t gpt_activation_bytes(const GPTConfig& c, int64_t batch, int64_t e, bool checkpointing) {
-  const int64_t B = batch, T = c.block_size, C = c.n_embd, L = c.n_layer, H = c.n_head, V = c.vocab_size;
+///   backward temporaries: the loss's two fp32 B x T x V gradients, then a block's MLP gradients (4 + 4 + 2
+///     residual).
+fsdp::ActivationProfile gpt_activation_profile(const GPTConfig& c, int64_t batch, int64_t e) {
+  const int64_t B = batch, T = c.block_size, C = c.n_embd, H = c.n_head, V = c.vocab_size;
   const int64_t btc = B * T * C * e;
-  const int64_t stats = 2 * 2 * B * T * 4 + B * H * T * 4;
-  const int64_t head = 2 * btc + B * T * V * e + B * T * V * 4;
-  const int64_t backward_tmp = std::max<int64_t>(2 * B * T * V * 4, 10 * btc);
-  const int64_t blocks = checkpointing ? (L * btc + 15 * btc + stats) : L * (16 * btc + stats);
-  return blocks + head + backward_tmp;
+  const int64_t ln_stats = 2 * 2 * B * T * 4, sdpa_stats = B * H * T * 4;
+  fsdp::ActivationProfile p;
+  p.blocks = c.n_layer;
+  p.block_saved = 16 * btc + ln_stats + sdpa_stats;
+  p.block_input = btc;
+  p.block_selective = 9 * btc + sdpa_stats;
+  p.other_saved = 2 * btc + B * T * V * e + B * T * V * 4;
+  p.head_backward_temporary = 2 * B * T * V * 4;
+  p.block_backward_temporary = 10 * btc;
+  return p;
+}
+
+/// --activation-checkpointing as the estimator's mode.
+fsdp::ActivationCheckpointing activation_checkpointing(const std::string& mode) {
+  using Mode = fsdp::ActivationCheckpointing::Mode;
+  if (mode == "full") return {Mode::full, 1};
+  if (mode == "selective-op") return {Mode::selective, 1};
+  if (mode.rfind("layer:", 0) == 0) return {Mode::full, std::stoll(mode.substr(6))};
+  return {};
 }
 
 // LibTorch's own first-use memory on the CPU over the process baseline, independent of the model: the
@@ -66,14 +79,16 @@ void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
   eo.device_is_cpu = !cuda;
   eo.optimizer_bytes_per_element = 8.0;  // AdamW: exp_avg + exp_avg_sq in fp32
   const int64_t e = static_cast<int64_t>(c10::elementSize(s.parallel.param_dtype));
-  eo.activation_bytes = gpt_activation_bytes(s.cfg, o.batch_size, e, o.activation_checkpointing);
+  eo.activation_bytes = fsdp::activation_peak_bytes(gpt_activation_profile(s.cfg, o.batch_size, e),
+                                                   activation_checkpointing(o.activation_checkpointing));
   eo.runtime_overhead_bytes = cuda ? 0 : cpu_runtime_overhead_bytes(s.parallel.param_dtype);
   const auto est = fsdp::estimate_memory(fsdp::param_infos(*model), groups, eo);
   if (rank != 0) return;
   std::cout << "memory estimate per rank: " << describe(s.cfg) << ", " << est.num_params << " parameters, "
             << world << (world == 1 ? " rank" : " ranks") << ", batch " << o.batch_size << ", " << o.mixed_precision
             << ", reshard_after_forward " << o.reshard_after_forward
-            << (o.activation_checkpointing ? ", activation checkpointing" : "") << (o.cpu_offload ? ", cpu offload" : "")
+            << (o.activation_checkpointing != "none" ? ", activation checkpointing " + o.activation_checkpointing : "")
+            << (o.cpu_offload ? ", cpu offload" : "")
             << (cuda ? " (CUDA: the caching allocator's peak)" : " (CPU: RSS growth over the process baseline)") << "\n"
             << fsdp::format_memory_estimate(est);
 }

@@ -76,6 +76,10 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   if (o.mixed_precision == "fp16") p.param_dtype = torch::kHalf;
   p.activation_checkpointing = o.activation_checkpointing;
   p.checkpoint_options.use_reentrant(o.checkpoint_impl == "reentrant");
+  if (o.activation_checkpointing == "selective-op" && o.checkpoint_impl == "reentrant") {
+    throw UsageError("--activation-checkpointing selective-op needs --checkpoint-impl no_reentrant (selective "
+                     "checkpointing works on the saved tensors, which the reentrant form does not use)");
+  }
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;
   p.dp_replicate = o.dp_replicate;
@@ -126,7 +130,7 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                                      "--tp that divides them");
     need(cfg.dropout == 0.0, "--dropout > 0 is not supported with tensor parallelism yet (the TP ranks would drop "
                              "different elements of the same activation). Fix: --dropout 0");
-    need(!o.cpu_offload && !o.activation_checkpointing && o.mixed_precision != "fp16",
+    need(!o.cpu_offload && o.activation_checkpointing == "none" && o.mixed_precision != "fp16",
          "--cpu-offload, --activation-checkpointing and --mixed-precision fp16 are not supported with tensor "
          "parallelism yet. Fix: drop them or --tp 1");
     need(!o.sequence_parallel || cfg.block_size % o.tp == 0,
@@ -181,7 +185,7 @@ void check_no_shard(const Options& o, int world_size) {
     throw UsageError("--no-shard runs one process without FSDP, but WORLD_SIZE is " + std::to_string(world_size) +
                      ". Fix: run train_gpt without a launcher (or --nproc-per-node 1), or drop --no-shard");
   }
-  if (o.mixed_precision == "fp16" || o.cpu_offload || o.activation_checkpointing) {
+  if (o.mixed_precision == "fp16" || o.cpu_offload || o.activation_checkpointing != "none") {
     throw UsageError("--no-shard supports fp32 and bf16 only, without --cpu-offload and --activation-checkpointing. "
                      "Fix: drop --no-shard or those options");
   }

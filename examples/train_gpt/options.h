@@ -54,7 +54,8 @@ struct Options {
   std::string freeze;                 // regex on parameter names: frozen (requires_grad false) before sharding
   std::string frozen_dtype = "fp32";  // bf16: the frozen parameters stored in bf16 (mixed-dtype groups)
   std::string reshard_after_forward = "true";
-  bool activation_checkpointing = false;
+  std::string activation_checkpointing = "none";  // none | full | selective-op | layer:K (torchtitan's modes)
+  bool activation_offload = false;  // the forward's saved tensors in host memory (save_on_cpu)
   std::string checkpoint_impl = "no_reentrant";  // reentrant: torch.utils.checkpoint(use_reentrant=True)
   bool cpu_offload = false;
   bool estimate_memory = false;  // print fsdp::estimate_memory's per-rank breakdown and exit (issue 14)

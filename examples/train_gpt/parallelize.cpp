@@ -1,5 +1,8 @@
 #include "parallelize.h"
 
+#include <memory>
+#include <set>
+
 namespace train_gpt {
 namespace {
 
@@ -88,12 +91,40 @@ void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, con
 
 void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
-  if (p.activation_checkpointing) apply_activation_checkpointing(model, p.checkpoint_options);
+  if (p.activation_checkpointing != "none") apply_activation_checkpointing(model, p);
   apply_fsdp(model, fsdp_mesh(mesh, p), p);
 }
 
-void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const fsdp::CheckpointOptions& options) {
-  for (auto& block : model->blocks) fsdp::checkpoint_wrapper(block, options);
+void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const ParallelOptions& p) {
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    if (auto options = block_checkpoint_options(p, static_cast<int64_t>(i))) fsdp::checkpoint_wrapper(model->blocks[i], *options);
+  }
+}
+
+std::optional<fsdp::CheckpointOptions> block_checkpoint_options(const ParallelOptions& p, int64_t index) {
+  const std::string& mode = p.activation_checkpointing;
+  if (mode == "full") return p.checkpoint_options;
+  if (mode == "selective-op") return fsdp::CheckpointOptions(p.checkpoint_options).context_fn(selective_op_policy);
+  if (mode.rfind("layer:", 0) == 0) {
+    const int64_t k = std::stoll(mode.substr(6));
+    if ((index + 1) % k == 0) return p.checkpoint_options;
+  }
+  return std::nullopt;
+}
+
+fsdp::SelectiveCheckpointContexts selective_op_policy() {
+  static const auto save = [] {
+    const auto ops = fsdp::default_selective_save_list();
+    return std::set<std::string>(ops.begin(), ops.end());
+  }();
+  auto matmuls = std::make_shared<int64_t>(0);  // this region's matrix products so far
+  return fsdp::create_selective_checkpoint_contexts(
+      [matmuls](const fsdp::SelectiveCheckpointContext&, const c10::OperatorHandle& op, const std::vector<c10::IValue>&) {
+        const std::string& name = op.schema().name();
+        const bool matmul = name == "aten::mm" || name == "aten::linear" || name == "aten::addmm" || name == "aten::matmul";
+        if (matmul && ++*matmuls % 2 == 0) return fsdp::CheckpointPolicy::PREFER_RECOMPUTE;
+        return save.count(name) ? fsdp::CheckpointPolicy::MUST_SAVE : fsdp::CheckpointPolicy::PREFER_RECOMPUTE;
+      });
 }
 
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
@@ -114,8 +145,10 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
-  model->activation_checkpointing = p.activation_checkpointing;
-  model->checkpoint_reentrant = p.checkpoint_options.use_reentrant();
+  model->block_checkpoint.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(model->h->size()); ++i) {
+    model->block_checkpoint.push_back(block_checkpoint_options(p, i));
+  }
   if (p.replicate) {
     const auto ropts = replicate_options(fsdp_mesh(mesh, p), p);
     for (auto& block : *model->h) fsdp::replicate(block, ropts);

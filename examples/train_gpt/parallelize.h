@@ -15,8 +15,8 @@ namespace train_gpt {
 struct ParallelOptions {
   torch::ScalarType param_dtype = torch::kFloat32;  ///< compute dtype of forward and backward
   fsdp::ReshardAfterForward reshard_after_forward = true;  ///< for the blocks
-  bool activation_checkpointing = false;
-  fsdp::CheckpointOptions checkpoint_options;  ///< for each block's region (--checkpoint-impl)
+  std::string activation_checkpointing = "none";  ///< none | full | selective-op | layer:K
+  fsdp::CheckpointOptions checkpoint_options;  ///< for each checkpointed block's region (--checkpoint-impl)
   bool cpu_offload = false;
   int tp = 1;             ///< tensor-parallel ranks (the mesh's "tp" dim)
   int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
@@ -69,7 +69,16 @@ void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, con
 
 /// Step 0: each block keeps only its input in forward and is recomputed in backward, after FSDP's
 /// pre-backward all-gather of that block (nothing extra is gathered).
-void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const fsdp::CheckpointOptions& options);
+void apply_activation_checkpointing(fsdp::FSDPModule<GPT>& model, const ParallelOptions& p);
+
+/// The checkpoint options of block `index` for p.activation_checkpointing (torchtitan's modes), or none:
+/// full: every block; layer:K: blocks K, 2K, ... (counted from 1, as torchtitan); selective-op: every block,
+/// with selective_op_policy().
+std::optional<fsdp::CheckpointOptions> block_checkpoint_options(const ParallelOptions& p, int64_t index);
+
+/// torchtitan's selective "op" policy: the outputs of fsdp::default_selective_save_list()'s ops are saved,
+/// except every second matrix product of a region (counted per region), which is recomputed with the rest.
+fsdp::SelectiveCheckpointContexts selective_op_policy();
 
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);

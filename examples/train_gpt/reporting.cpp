@@ -197,7 +197,8 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << (o_.clip_grad > 0 ? fmt("%g", o_.clip_grad) : std::string("off"))
      << (foreach_optimizer ? ", foreach kernels" : "") << "; precision " << o_.mixed_precision
      << ", reshard after forward " << o_.reshard_after_forward << (o_.cpu_offload ? ", cpu offload" : "")
-     << (o_.activation_checkpointing ? ", activation checkpointing" : "");
+     << (o_.activation_checkpointing != "none" ? ", activation checkpointing " + o_.activation_checkpointing : "")
+     << (o_.activation_offload ? ", activation offload" : "");
   say(os.str());
 }
 

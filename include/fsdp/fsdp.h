@@ -7,6 +7,7 @@
 // torch.utils.checkpoint
 #include "fsdp/utils/activation_checkpoint.h"
 #include "fsdp/utils/saved_tensor_hooks.h"
+#include "fsdp/utils/selective_checkpoint.h"
 // torch.distributed (c10d)
 #include "fsdp/c10d/collectives.h"
 #include "fsdp/c10d/distributed.h"

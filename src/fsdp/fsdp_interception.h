@@ -8,13 +8,13 @@
 
 #include <torch/types.h>
 
-#include "tensor/intercept.h"
+#include "utils/intercept.h"
 
 namespace fsdp::detail {
 
 class FSDPState;
 
-/// Installs fsdp's layer of the interception (tensor/intercept.h: implicit groups' parameters, deferred
+/// Installs fsdp's layer of the interception (utils/intercept.h: implicit groups' parameters, deferred
 /// init, then TP's layer for the rest). Throws c10::Error if another library already registered a fallback
 /// for the key (e.g. torchdistx loaded in the same process).
 void ensure_interception_registered();

@@ -15,6 +15,7 @@
 #include "fsdp/consistency.h"
 #include "c10d/process_group_access.h"
 #include "utils/checkpoint_regions.h"
+#include "utils/selective_checkpoint_internal.h"
 
 namespace fsdp::detail {
 
@@ -343,6 +344,9 @@ bool FSDPState::all_regions_recomputed() const {
 }
 
 std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
+  // FSDP's own ops (unshard, casts, hooks) are not those of an enclosing selective checkpoint region, and differ
+  // between its first run and its recomputation ([Note: selective checkpoint]).
+  detail::SuspendSelective suspend_selective;
   // A forward recomputed during this module's backward (activation checkpointing around it, inside its
   // hooks): the pre-backward already unsharded the parameters, and nothing must be resharded or
   // re-registered. A call recomputed by a region of its own (each call checkpointed separately) is a
@@ -452,6 +456,7 @@ std::vector<torch::Tensor> FSDPState::cast_outputs(std::vector<torch::Tensor> ou
 }
 
 std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
+  detail::SuspendSelective suspend_selective;  // (as pre_forward)
   // A recomputation (see pre_forward): only the casts of the forward.
   if (training_state == TrainingState::PRE_BACKWARD) return cast_outputs(std::move(outputs));
   // Implicit states still running inside this module's forward end with it.

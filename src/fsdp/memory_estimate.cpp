@@ -335,6 +335,21 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   return e;
 }
 
+int64_t activation_peak_bytes(const ActivationProfile& p, const ActivationCheckpointing& ac) {
+  TORCH_CHECK(p.blocks >= 0 && p.block_saved >= 0 && p.block_input >= 0 && p.block_selective >= 0 && p.other_saved >= 0 &&
+                  p.head_backward_temporary >= 0 && p.block_backward_temporary >= 0,
+              "activation_peak_bytes: every count must be >= 0");
+  TORCH_CHECK(ac.every >= 1, "activation_peak_bytes: every must be >= 1, got ", ac.every);
+  using Mode = ActivationCheckpointing::Mode;
+  const int64_t kept_by_region = ac.mode == Mode::selective ? p.block_selective : p.block_input;
+  TORCH_CHECK(ac.mode == Mode::none || kept_by_region <= p.block_saved, "activation_peak_bytes: a checkpointed block ",
+              "keeps ", kept_by_region, " bytes, more than the ", p.block_saved, " it saves without checkpointing");
+  const int64_t regions = ac.mode == Mode::none ? 0 : ac.mode == Mode::selective ? p.blocks : p.blocks / ac.every;
+  const int64_t kept = (p.blocks - regions) * p.block_saved + regions * kept_by_region;
+  const int64_t recomputed = regions > 0 ? p.block_saved - kept_by_region : 0;
+  return std::max(kept + p.other_saved + p.head_backward_temporary, kept + recomputed + p.block_backward_temporary);
+}
+
 std::string format_memory_estimate(const MemoryEstimate& e) {
   std::ostringstream os;
   auto row = [&](const char* name, int64_t bytes, const std::string& what) {

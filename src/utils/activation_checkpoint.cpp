@@ -12,6 +12,7 @@
 
 #include "utils/checkpoint_regions.h"
 #include "utils/saved_tensor_hooks_internal.h"
+#include "utils/selective_checkpoint_internal.h"
 
 // [Note: recomputed regions]
 // A module called in several checkpoint regions (each call checkpointed on its own, or nested regions) is
@@ -160,6 +161,7 @@ struct NonReentrantFrame {
   std::vector<torch::Tensor> recomputed;   // recomputation: per saved tensor, until unpacked
   size_t recomputed_count = 0;             // tensors the running recomputation saved so far
   std::mutex mu;                           // unpacks may come from several autograd threads
+  std::unique_ptr<detail::SelectiveRegion> selective;  // context_fn's policy ([Note: selective checkpoint])
 
   // Runs the recomputation if `index`'s tensor is not waiting (first unpack, or a second backward).
   torch::Tensor take(size_t index);
@@ -171,6 +173,7 @@ struct FirstRunHooks : torch::autograd::SavedVariableHooks {
   void call_pack_hook(const at::Tensor& t) override {
     index = frame->saved.size();
     frame->saved.push_back({t.sizes().vec(), t.scalar_type(), t.device()});
+    if (frame->selective) frame->selective->on_pack(index, t);
   }
   at::Tensor call_unpack_hook() override { return frame->take(index); }
   std::shared_ptr<NonReentrantFrame> frame;
@@ -215,6 +218,14 @@ void NonReentrantFrame::recompute() {
   torch::AutoGradMode enable(true);
   NonReentrantRecomputeDepth depth;
   detail::SavedHooksScope hooks([this] { return std::make_unique<RecomputeHooks>(this); }, "checkpoint");
+  // A selective region skips the ops its first run saved; their saved tensors arrive here.
+  detail::SelectiveRegion::Scope selective_scope(selective.get(), [this](size_t index, const torch::Tensor* t) {
+    const size_t k = recomputed_count++;
+    TORCH_CHECK(!check || k == index, "checkpoint (selective): a saved op's tensor #", index, " arrived as #", k,
+                " of the recomputation. The region's ops depend on state that changed between forward and ",
+                "backward; make them depend on the inputs only");
+    if (t && index < recomputed.size()) recomputed[index] = t->detach();
+  });
   fn(detached);  // the outputs and the recomputation's graph are dropped here
   TORCH_CHECK(!check || recomputed_count == saved.size(), "checkpoint: the recomputation saved ", recomputed_count,
               " tensors for backward, the forward ", saved.size(), ". The region's ops depend on state that changed ",
@@ -224,6 +235,9 @@ void NonReentrantFrame::recompute() {
 
 torch::Tensor NonReentrantFrame::take(size_t index) {
   std::lock_guard<std::mutex> lock(mu);
+  if (selective) {
+    if (const torch::Tensor* kept = selective->kept(index)) return *kept;
+  }
   if (index >= recomputed.size() || !recomputed[index].defined()) recompute();
   TORCH_CHECK(index < recomputed.size() && recomputed[index].defined(), "checkpoint: the recomputation did not save ",
               "tensor #", index, " (", saved[index].str(), ") that the forward saved (determinism_check \"none\")");
@@ -238,10 +252,16 @@ std::vector<torch::Tensor> checkpoint_non_reentrant(CheckpointFn fn, const std::
   if (options.preserve_rng_state()) frame->rng = get_states(frame->gens);
   frame->autocast = AutocastState::current();
   frame->check = options.determinism_check() == "default";
+  if (options.context_fn()) {
+    frame->selective = std::make_unique<detail::SelectiveRegion>(options.context_fn()(), frame->gens,
+                                                                 options.preserve_rng_state(), frame->check);
+  }
   std::vector<torch::Tensor> outs;
   {
     std::weak_ptr<NonReentrantFrame> weak = frame;  // the hooks own the frame; the factory must not
     detail::SavedHooksScope hooks([weak] { return std::make_unique<FirstRunHooks>(weak.lock()); }, "checkpoint");
+    // (Also without a policy: suspends an enclosing selective region, whose op count must not see this one's.)
+    detail::SelectiveRegion::Scope selective_scope(frame->selective.get(), {});
     outs = fn(inputs);
   }
   frame->fn = std::move(fn);  // kept by the hooks for the recomputation (none: nothing was saved)
@@ -319,6 +339,8 @@ std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector
                                               const CheckpointOptions& options) {
   TORCH_CHECK(options.determinism_check() == "default" || options.determinism_check() == "none",
               "checkpoint: determinism_check must be \"default\" or \"none\", got \"", options.determinism_check(), "\"");
+  TORCH_CHECK(!options.use_reentrant() || !options.context_fn(), "checkpoint: context_fn (selective checkpointing) ",
+              "needs the non-reentrant form; got use_reentrant(true). Fix: CheckpointOptions().use_reentrant(false)");
   if (!torch::GradMode::is_enabled()) return fn(inputs);  // nothing to save for
   if (!options.use_reentrant()) return checkpoint_non_reentrant(std::move(fn), inputs, options);
   // A dummy input that requires grad keeps the recomputation in the graph even when no real input

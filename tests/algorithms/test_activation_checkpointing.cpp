@@ -179,7 +179,8 @@ namespace {
 // holder or left implicit: its gradient is reduced once per backward (one reduce-scatter per group), and
 // the gradients are bit-equal to the same run without checkpointing, in fp32, with bf16 mixed precision
 // (bf16 reduction: a second reduce-scatter would round a partial sum; issue 28 item 6) and with a bf16
-// model, on inputs with and without grad, for both reshard_after_forward values.
+// model, on inputs with and without grad, for both reshard_after_forward values; in the three forms
+// (non-reentrant, reentrant, selective with the linears saved).
 
 struct TwiceBlockImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
@@ -253,10 +254,16 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
           std::mutex mu;
           std::vector<Ckpt> modes{Ckpt::kNone, Ckpt::kRegion, Ckpt::kEachCall, Ckpt::kNested};
           if (!implicit) modes.insert(modes.end(), {Ckpt::kWrapper, Ckpt::kParentWrapper});  // holders only
-          for (bool reentrant : {false, true}) {
+          // Non-reentrant, reentrant, and selective (the linears saved: their recomputation skipped).
+          for (int form : {0, 1, 2}) {
+          const bool reentrant = form == 1;
           ckpt_options = CheckpointOptions().use_reentrant(reentrant);
+          if (form == 2) {
+            ckpt_options.context_fn([] { return create_selective_checkpoint_contexts(
+                {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::add.Tensor"}); });
+          }
           for (Ckpt c : modes) {
-            if (reentrant && c == Ckpt::kNone) continue;
+            if (form > 0 && c == Ckpt::kNone) continue;
             grads[c].resize(ws);
             run_ranks(ws, [&](ProcessGroupPtr pg) {
               FSDPModule<TwiceNet> m(c, implicit);
@@ -291,8 +298,8 @@ TEST(ActivationCheckpointing, GroupCalledTwiceReducesOnceAndMatchesNoCheckpointB
               for (const auto& [k, g] : grads[Ckpt::kNone][r]) {
                 const auto& gc = grads[c][r].at(k);
                 EXPECT_TRUE(torch::equal(g, gc))
-                    << k << " rank " << r << " " << where << " ckpt " << static_cast<int>(c) << " reentrant "
-                    << reentrant << ": max diff "
+                    << k << " rank " << r << " " << where << " ckpt " << static_cast<int>(c) << " form "
+                    << form << ": max diff "
                     << (g.numel() ? (g.to(torch::kFloat32) - gc.to(torch::kFloat32)).abs().max().item<float>() : 0.f);
               }
             }

@@ -19,6 +19,25 @@ ParamInfo P(std::string fqn, std::vector<int64_t> shape) { return ParamInfo{std:
 std::vector<ParamInfo> two_group_params() { return {P("root.w", {5, 2}), P("a.w", {10, 4}), P("a.b", {10})}; }
 std::vector<ShardGroupInfo> two_groups() { return {{"", {"root.w"}, false}, {"a", {"a.w", "a.b"}, std::nullopt}}; }
 
+// activation_peak_bytes: the two moments (the backward's start with the head's tensors; a checkpointed block's
+// backward with its recomputed ones), for each mode. 4 blocks saving 16 units each, input 1, selective 9, the head
+// 6 with 4 of loss gradients, 10 of block temporaries.
+TEST(MemoryEstimate, ActivationPeakPerCheckpointingMode) {
+  ActivationProfile p;
+  p.blocks = 4, p.block_saved = 16, p.block_input = 1, p.block_selective = 9, p.other_saved = 6;
+  p.head_backward_temporary = 4, p.block_backward_temporary = 10;
+  using Mode = ActivationCheckpointing::Mode;
+  EXPECT_EQ(activation_peak_bytes(p), 4 * 16 + 10);                           // max(74, 74)
+  EXPECT_EQ(activation_peak_bytes(p, {Mode::full}), 4 * 1 + 15 + 10);          // max(14, 29)
+  EXPECT_EQ(activation_peak_bytes(p, {Mode::selective}), 4 * 9 + 7 + 10);     // max(46, 53)
+  EXPECT_EQ(activation_peak_bytes(p, {Mode::full, 2}), 2 * 16 + 2 * 1 + 15 + 10);  // blocks 2 and 4 checkpointed
+  p.head_backward_temporary = 100;  // the loss's gradients dominate: the backward's start is the peak
+  EXPECT_EQ(activation_peak_bytes(p, {Mode::full}), 4 * 1 + 6 + 100);
+  EXPECT_THROW(activation_peak_bytes(p, {Mode::full, 0}), c10::Error);
+  p.block_selective = 17;
+  EXPECT_THROW(activation_peak_bytes(p, {Mode::selective}), c10::Error);
+}
+
 TEST(MemoryEstimate, UnevenPaddingOnThreeRanks) {
   MemoryEstimateOptions o;
   o.world_size = 3;

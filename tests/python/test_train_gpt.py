@@ -157,7 +157,10 @@ def baseline(text_files, tmp_path_factory):
 # Measured: the fp32 options are bitwise equal to the baseline (parameters 0 off); bf16 0.035 and fp16
 # 0.008 of the update off (an optimizer that never steps: 1).
 @pytest.mark.parametrize("flags,rtol,param_tol", [
-    (["--activation-checkpointing"], 1e-6, 1e-6),
+    (["--activation-checkpointing", "full"], 1e-6, 1e-6),
+    (["--activation-checkpointing", "selective-op"], 1e-6, 1e-6),
+    (["--activation-checkpointing", "layer:2", "--checkpoint-impl", "reentrant"], 1e-6, 1e-6),
+    (["--activation-offload"], 1e-6, 1e-6),
     (["--reshard-after-forward", "false"], 1e-6, 1e-6),
     (["--reshard-after-forward", "2"], 1e-6, 1e-6),
     (["--cpu-offload"], 1e-6, 1e-6),

@@ -49,7 +49,9 @@ CASES = {
     "fp32": [],
     "bf16": ["--mixed-precision", "bf16"],
     # The model's own checkpointing flag, with dropout: the recomputation replays the same random masks.
-    "fp32_ac_dropout": ["--activation-checkpointing", "--dropout", "0.1"],
+    "fp32_ac_dropout": ["--activation-checkpointing", "full", "--dropout", "0.1"],
+    # Selective checkpointing (matmul and attention outputs kept) of implicit groups vs holders, with dropout.
+    "fp32_sac_dropout": ["--activation-checkpointing", "selective-op", "--dropout", "0.1"],
     # Gradient accumulation: set_requires_gradient_sync on the unchanged root; blocks kept gathered.
     "bf16_accum_no_reshard": ["--mixed-precision", "bf16", "--grad-accum-steps", "2", "--reshard-after-forward",
                               "false"],

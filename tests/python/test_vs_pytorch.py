@@ -99,7 +99,9 @@ def test_bf16_accumulation_no_reshard_bitwise_with_libtorch_arithmetic(tmp_path)
     # second microbatch reuses the gathers (libfsdp checks that no shard changed; PyTorch does not need to here).
     ("keep_unsharded", ["--grad-accum-steps", "2", "--reduce-scatter-each-microbatch",
                         "--keep-unsharded-between-microbatches"]),
-], ids=["replicate", "shard_dim1", "mixed_dtypes", "keep_unsharded"])
+    # Selective activation checkpointing, torchtitan's op policy, on both sides (PyTorch's through its dispatch modes).
+    ("selective_ac", ["--activation-checkpointing", "selective-op"]),
+], ids=["replicate", "shard_dim1", "mixed_dtypes", "keep_unsharded", "selective_ac"])
 def test_bitwise_with_pytorch(tmp_path, feature, flags):
     # The same weights and batches, 2 ranks, fp32: within 1e-5 with torch.optim.AdamW, and bit for bit with
     # LibTorch's arithmetic.

@@ -134,6 +134,37 @@ std::vector<ShardGroupInfo> shard_groups(const torch::nn::Module& module, const 
 MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::vector<ShardGroupInfo>& groups,
                                const MemoryEstimateOptions& options);
 
+/// The activations of a model made of repeated blocks (transformer layers), as the caller counts them from its
+/// forward: bytes of one microbatch on one rank, in the compute dtype. For activation_peak_bytes.
+struct ActivationProfile {
+  int64_t blocks = 0;           ///< repeated blocks, each one checkpoint region when checkpointed
+  int64_t block_saved = 0;      ///< what one block's ops save for backward without checkpointing (its input included)
+  int64_t block_input = 0;      ///< one block's input: all that a fully checkpointed block keeps
+  int64_t block_selective = 0;  ///< what a selectively checkpointed block keeps: its input and the saved ops' outputs
+  int64_t other_saved = 0;      ///< saved outside the blocks (embeddings, final norm, head, loss)
+  int64_t head_backward_temporary = 0;   ///< the backward's temporaries before the blocks' (the loss's gradients)
+  int64_t block_backward_temporary = 0;  ///< one block's backward temporaries (gradients of its largest ops)
+};
+
+/// Activation checkpointing of the blocks, as torchtitan's modes: none; full (each block one region, `every`-th
+/// block only when every > 1: torchtitan's "layer every K"); selective (each block one region whose policy keeps
+/// some ops' outputs: ActivationProfile::block_selective).
+struct ActivationCheckpointing {
+  enum class Mode { none, full, selective };
+  Mode mode = Mode::none;
+  int64_t every = 1;  ///< with full: blocks every, 2 x every, ... (counted from 1) are checkpointed
+};
+
+/// Peak activation bytes of one forward + backward under `ac`: the larger of two moments. The backward's start:
+/// every block's kept tensors, the rest of the model's, the loss's gradients. The backward of the last
+/// checkpointed block (none: of the last block): the blocks' kept tensors, the block's recomputed ones (what it
+/// saves without checkpointing less what it kept) and its backward temporaries; the head's saved tensors are
+/// freed by then (counting them at both moments over-predicted checkpointed runs by 5-12%). Pass the result as
+/// MemoryEstimateOptions::activation_bytes. Throws c10::Error for a negative byte count, every < 1, or a kept
+/// size above block_saved.
+/// Example: `eo.activation_bytes = fsdp::activation_peak_bytes(profile, {fsdp::ActivationCheckpointing::Mode::selective});`
+int64_t activation_peak_bytes(const ActivationProfile& profile, const ActivationCheckpointing& ac = {});
+
 /// A table of `e`, one row per component in MiB (2^20 bytes), for printing.
 std::string format_memory_estimate(const MemoryEstimate& e);
 

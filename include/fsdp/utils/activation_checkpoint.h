@@ -22,6 +22,7 @@
 #include <torch/types.h>
 
 #include "fsdp/utils/detail/forward_args.h"
+#include "fsdp/utils/selective_checkpoint.h"
 
 namespace fsdp {
 
@@ -49,13 +50,20 @@ struct CheckpointOptions {
   /// backward would otherwise silently give wrong gradients). "none": no check. Non-reentrant only, as in
   /// PyTorch. (Default: "default")
   TORCH_ARG(std::string, determinism_check) = "default";
+  /// Selective activation checkpointing (non-reentrant only): called once per region run, it returns the
+  /// region's per-op policy (fsdp/utils/selective_checkpoint.h): the outputs of the ops it saves are kept from
+  /// the forward and those ops are not run again in backward; the rest is recomputed. Empty: every op is
+  /// recomputed (full checkpointing). Mirrors checkpoint's context_fn=partial(create_selective_checkpoint_contexts,
+  /// policy). (Default: empty)
+  /// Example: `fsdp::CheckpointOptions().context_fn([] { return fsdp::create_selective_checkpoint_contexts({"aten::mm", "aten::linear"}); })`
+  TORCH_ARG(std::function<SelectiveCheckpointContexts()>, context_fn);
 };
 
 /// Runs `fn(inputs)` as a checkpointed region (see CheckpointOptions). Parameters used by `fn` get their
 /// gradients accumulated as usual, even when no input requires grad. Outputs are the same tensors (values)
 /// `fn` returns. The autocast state of the forward (CPU and CUDA) is restored for the recomputation.
-/// Throws c10::Error if `fn` returns no tensor (reentrant), or for a bad determinism_check value; a failed
-/// determinism check throws from the backward.
+/// Throws c10::Error if `fn` returns no tensor (reentrant), for a bad determinism_check value, or for a
+/// context_fn with use_reentrant(true); a failed determinism check throws from the backward.
 std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector<torch::Tensor>& inputs,
                                               const CheckpointOptions& options = {});
 

@@ -10,7 +10,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/linear.h>
 
-#include "tensor/intercept.h"
+#include "utils/intercept.h"
 #include "tensor/parallel/tp_ops.h"
 
 namespace fsdp::tp {

@@ -1,7 +1,7 @@
 // The ops of tensor-parallel modules: aten::linear and aten::embedding on a TP weight, run with the
 // collectives of the module's style (Megatron-LM's f/g functions, as PyTorch's ColwiseParallel and
 // RowwiseParallel place them through DTensor redistributes). Reached from the interception's fallback
-// (tensor/intercept.h; tp_run_op below is TP's layer); see docs/TENSOR_PARALLEL.md section 2.
+// (utils/intercept.h; tp_run_op below is TP's layer); see docs/TENSOR_PARALLEL.md section 2.
 #include "tensor/parallel/tp_ops.h"
 
 #include <algorithm>
@@ -13,7 +13,7 @@
 #include <torch/autograd.h>
 
 #include "fsdp/c10d/collectives.h"
-#include "tensor/intercept.h"
+#include "utils/intercept.h"
 
 namespace fsdp::tp::detail {
 namespace {

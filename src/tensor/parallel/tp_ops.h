@@ -1,6 +1,6 @@
 // Tensor parallelism's op side (tp_ops.cpp): the registry of TP parameters and the handling of the ops
 // that run a parallelised module (aten::linear, aten::embedding) inside the dispatcher fallback of
-// the interception (tensor/intercept.h: TP's layer, or fsdp's above it). The plan side (matching,
+// the interception (utils/intercept.h: TP's layer, or fsdp's above it). The plan side (matching,
 // validation, sharding) is tensor_parallel.cpp.
 #pragma once
 
@@ -83,7 +83,7 @@ bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
 /// parameters.
 void tp_run_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
-/// Installs the TP layer of the interception (tensor/intercept.h); called by parallelize_module.
+/// Installs the TP layer of the interception (utils/intercept.h); called by parallelize_module.
 void ensure_tp_interception();
 
 }  // namespace fsdp::tp::detail

@@ -1,9 +1,11 @@
-// Tensor-level interception: the dispatch key that tensor-parallel parameters and the parameters of
-// fsdp's implicit groups carry, and the one fallback that sees the ops on them. The fallback is
-// installed in layers so that dependencies run one way: tensor/parallel installs the handler of TP
-// parameters (tp_ops.cpp); fsdp, above it, installs one that handles its own parameters and calls
-// TP's for the rest (fsdp/fsdp_interception.cpp). The highest layer installed handles every op.
-// See [Note: implicit groups] in fsdp/fsdp_implicit.cpp for what is intercepted and why.
+// Op interception (libfsdp's counterpart of Python's dispatch modes): the dispatch key that tensor-parallel
+// parameters and the parameters of fsdp's implicit groups carry (and that a selective checkpoint region puts
+// in the thread's included keys), and the one fallback that sees the ops on them. The fallback is installed
+// in layers so that dependencies run one way: tensor/parallel installs the handler of TP parameters
+// (tp_ops.cpp); fsdp, above it, installs one that handles its own parameters and calls TP's for the rest
+// (fsdp/fsdp_interception.cpp); selective checkpointing (utils/selective_checkpoint.cpp), above all, decides
+// per op and calls the layer below. The highest layer installed receives every op.
+// See [Note: implicit groups] in fsdp/fsdp_implicit.cpp and [Note: selective checkpoint].
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,14 +31,20 @@ struct NoInterception : c10::impl::ExcludeDispatchKeyGuard {
 using InterceptFn = void (*)(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
 /// The layers of the fallback, lowest first.
-enum class InterceptLayer { TensorParallel = 0, FSDP = 1 };
+enum class InterceptLayer { TensorParallel = 0, FSDP = 1, Checkpoint = 2 };
 
-/// Installs `layer`'s handlers (once per process and layer; later calls are no-ops) and registers the
-/// fallback of kInterceptKey on the first call. `fallback` sees every op on an intercepted tensor;
-/// `composite` sees aten::linear and aten::matmul, which are composite (without it they decompose before
-/// reaching the fallback). The highest installed layer handles both. Throws c10::Error if another library
-/// already registered a fallback for the key (e.g. torchdistx loaded in the same process).
+/// Installs `layer`'s handlers (once per process and layer; later calls are no-ops). `fallback` sees every op on
+/// an intercepted tensor; `composite` sees aten::linear and aten::matmul, which are composite (without it they
+/// decompose before reaching the fallback). The highest installed layer receives both, whatever the order of
+/// installation. The key's kernels themselves are registered when libfsdp is loaded (see intercept.cpp). Throws
+/// c10::Error if that registration failed: another library registered a fallback for the key (e.g. torchdistx
+/// loaded in the same process).
 void install_intercept_layer(InterceptLayer layer, InterceptFn fallback, InterceptFn composite);
+
+/// Hands `op` to the highest installed layer below `layer` (its composite handler when `composite`), or
+/// runs it below the key when there is none.
+void call_layer_below(InterceptLayer layer, bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                      torch::jit::Stack* stack);
 
 /// Whether `op` only reads its tensors' metadata (sizes, dtype, *_like factories): it never needs a
 /// parameter's values, so no layer unshards or communicates for it.

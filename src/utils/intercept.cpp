@@ -1,0 +1,134 @@
+// The fallback of kInterceptKey and its layers (utils/intercept.h).
+#include "utils/intercept.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include <torch/library.h>
+
+namespace fsdp::detail {
+namespace {
+
+constexpr int kLayers = 3;
+// Each layer's handlers (null until installed), and the highest layer's, read on every intercepted op (hence
+// atomics; a layer is installed once and never removed).
+std::array<std::atomic<InterceptFn>, kLayers> layer_fallback{};
+std::array<std::atomic<InterceptFn>, kLayers> layer_composite{};
+std::atomic<InterceptFn> current_fallback{nullptr};
+std::atomic<InterceptFn> current_composite{nullptr};
+std::mutex install_mu;
+int highest_installed = -1;
+
+void redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const InterceptFn fn = current_fallback.load(std::memory_order_acquire);
+  fn ? fn(op, ks, stack) : redispatch(op, ks, stack);  // (no layer yet: no tensor carries the key)
+}
+
+void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const InterceptFn fn = current_composite.load(std::memory_order_acquire);
+  fn ? fn(op, ks, stack) : redispatch(op, ks, stack);
+}
+
+// The key's kernels are registered when libfsdp is loaded (before main: no other thread dispatches yet), not when
+// the first layer is installed: a registration updates the dispatch tables of every op while other threads may be
+// reading them (ranks run as threads in the tests; LibTorch's dispatcher then failed an internal assert, seen when
+// a selective checkpoint region installed the first layer on one rank while the other ran ops). A registration
+// that fails (another library, e.g. torchdistx, owns the key) is reported by install_intercept_layer.
+struct Registration {
+  std::unique_ptr<torch::Library> fallback, aten;
+  std::string error;
+};
+
+const Registration& registration() {
+  static const Registration r = [] {
+    Registration reg;
+    try {
+      reg.fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__);
+      reg.fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+      reg.aten = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kInterceptKey, __FILE__, __LINE__);
+      reg.aten->impl("linear", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
+      reg.aten->impl("matmul", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
+    } catch (const c10::Error& e) {
+      reg.error = e.what_without_backtrace();
+    }
+    return reg;
+  }();
+  return r;
+}
+
+const bool registered_at_load = (registration(), true);
+
+}  // namespace
+
+bool is_metadata_op(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, bool> cache;
+  const auto& schema = op.schema();
+  auto it = cache.find(&schema);
+  if (it != cache.end()) return it->second;
+  const std::string_view name = schema.name();
+  auto ends_with = [&](std::string_view suffix) {
+    return name.size() >= suffix.size() && name.substr(name.size() - suffix.size()) == suffix;
+  };
+  // Factories that take a tensor only for its shape and options (optimizer state: zeros_like(p)), and
+  // queries of metadata (set_data's compatibility check).
+  const bool meta = ends_with("_like") || name == "aten::_has_compatible_shallow_copy_type" ||
+                    name == "aten::is_same_size" || name == "aten::_version" || name == "aten::is_set_to" ||
+                    name == "aten::sym_size" || name == "aten::sym_stride" || name == "aten::sym_numel" ||
+                    name == "aten::size" || name == "aten::stride" || name == "aten::dim";
+  return cache.emplace(&schema, meta).first->second;
+}
+
+namespace {
+void redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  redispatch_below_intercept(op, ks, stack);
+}
+}  // namespace
+
+void redispatch_below_intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
+  op.redispatchBoxed(ks & after, stack);
+}
+
+void call_layer_below(InterceptLayer layer, bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                      torch::jit::Stack* stack) {
+  for (int level = static_cast<int>(layer) - 1; level >= 0; --level) {
+    const InterceptFn fn = (composite ? layer_composite : layer_fallback)[level].load(std::memory_order_acquire);
+    if (fn) return fn(op, ks, stack);
+  }
+  redispatch_below_intercept(op, ks, stack);
+}
+
+void install_intercept_layer(InterceptLayer layer, InterceptFn fallback_fn, InterceptFn composite_fn) {
+  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
+              kInterceptKey, " (implicit FSDP groups, tensor parallelism, selective checkpointing) could not be ",
+              "registered when libfsdp was loaded: ", registration().error, ". Another library in this process owns the ",
+              "key (torchdistx's deferred_init?); load only one of them");
+  const int level = static_cast<int>(layer);
+  if (layer_fallback[level].load(std::memory_order_acquire)) return;  // (the fast path of every later call)
+  std::lock_guard<std::mutex> lock(install_mu);
+  if (layer_fallback[level].load(std::memory_order_relaxed)) return;
+  layer_composite[level].store(composite_fn, std::memory_order_release);
+  layer_fallback[level].store(fallback_fn, std::memory_order_release);
+  if (level > highest_installed) {
+    current_fallback.store(fallback_fn, std::memory_order_release);
+    current_composite.store(composite_fn, std::memory_order_release);
+  }
+  highest_installed = std::max(highest_installed, level);
+}
+
+torch::Tensor intercepted(const torch::Tensor& t) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set() | c10::DispatchKeySet(kInterceptKey),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return torch::Tensor(std::move(impl));
+}
+
+}  // namespace fsdp::detail
