@@ -352,11 +352,15 @@ SelectiveCheckpointContexts create_selective_checkpoint_contexts(const std::vect
                 "'aten::add.Tensor' (one overload)");
   }
   auto save = std::make_shared<const std::set<std::string>>(ops_to_save.begin(), ops_to_save.end());
+  // (The overload's full name is built only when some entry names one overload: the policy runs for every op.)
+  const bool overloads = std::any_of(ops_to_save.begin(), ops_to_save.end(),
+                                     [](const std::string& e) { return e.find('.') != std::string::npos; });
   return create_selective_checkpoint_contexts(
-      [save](const SelectiveCheckpointContext&, const c10::OperatorHandle& op, const std::vector<c10::IValue>&) {
+      [save, overloads](const SelectiveCheckpointContext&, const c10::OperatorHandle& op, const std::vector<c10::IValue>&) {
         const auto& name = op.operator_name();
-        return save->count(name.name) || save->count(detail::op_string(name)) ? CheckpointPolicy::MUST_SAVE
-                                                                               : CheckpointPolicy::PREFER_RECOMPUTE;
+        return save->count(name.name) || (overloads && save->count(detail::op_string(name)))
+                   ? CheckpointPolicy::MUST_SAVE
+                   : CheckpointPolicy::PREFER_RECOMPUTE;
       },
       allow_cache_entry_mutation);
 }
