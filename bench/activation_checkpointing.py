@@ -56,6 +56,7 @@ def main():
                                      env)
                     baseline = float(re.search(r"over the (\d+) MiB before construction", out).group(1))
                     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+                    rows = [x for x in rows if x.get("loss") is not None and "step_ms" in x]  # (not the eval rows)
                     times.setdefault(mode, []).extend(x["step_ms"] for x in rows if x["step"] > 2)
                     peaks.setdefault(mode, []).append(rows[-1]["peak_rss_mb"] - baseline)
                     losses.setdefault(mode, {x["step"]: x["loss"] for x in rows})

@@ -36,7 +36,10 @@
 // requiring grad as in the first run, so that the ops after it save what they saved then), and the generators
 // are set to their states after the op (else the next dropout would draw the skipped one's mask). The policy
 // is not asked again: the first run's decisions are followed, so a counting policy stays aligned. A saved
-// output modified in place since (its version moved) is refused unless allow_cache_entry_mutation.
+// output modified in place since (its version moved) is refused unless allow_cache_entry_mutation; except that an
+// in-place or out= op of the region's own first run (not nested in another op) that writes a saved output first
+// copies the saved value (copy on write: torch::nn::Linear on a 3-D input adds its bias in place to matmul's
+// output), and the recomputation then gets a fresh copy of it each time, to apply that op to again.
 //   Differences from PyTorch: linear and matmul reach the policy whole (they are composite: the key's
 // registrations see them before they decompose, as FSDP's and TP's layers need); ops run with grad disabled
 // are always recomputed (they save nothing for backward); the saved outputs stay for a second backward over
@@ -63,6 +66,7 @@ struct CachedOp {
   std::vector<c10::IValue> outputs;  // tensors detached
   std::vector<int64_t> versions;     // per tensor of `outputs`, in order
   std::vector<bool> requires_grad;   // per tensor of `outputs`, in order
+  std::vector<bool> copied;          // per tensor of `outputs`: a copy taken before an in-place op changed it
   std::vector<SavedSlot> slots;
   std::vector<torch::Tensor> rng_after;
 };
@@ -76,6 +80,7 @@ struct SelectiveRun {
   std::vector<std::pair<size_t, torch::Tensor>>* pending = nullptr;  // the running saved op's packs
 
   void first_run(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+  void copy_before_write(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
   void recompute(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 };
 
@@ -151,6 +156,55 @@ std::string op_string(const c10::OperatorName& name) {
 
 }  // namespace
 
+// The k-th tensor of `values` (tensors and tensor lists, in order) becomes `t`.
+void replace_tensor(std::vector<c10::IValue>& values, size_t k, const torch::Tensor& t) {
+  for (auto& v : values) {
+    if (v.isTensor()) {
+      if (k-- == 0) return void(v = t);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      if (k < list.size()) return list.set(k, t);
+      k -= list.size();
+    }
+  }
+}
+
+// An in-place (or out=) op of the first run about to change a saved output (LibTorch's torch::nn::Linear adds its
+// bias in place to matmul's output): the saved value is copied first, so that the recomputation gets the output as
+// the op made it and applies the change again itself.
+void SelectiveRun::copy_before_write(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const auto& schema_args = op.schema().arguments();
+  for (size_t a = 0; a < schema_args.size() && a < args.size(); ++a) {
+    const auto* alias = schema_args[a].alias_info();
+    if (!alias || !alias->isWrite()) continue;
+    for_tensors(args[a], [&](const torch::Tensor& t, int64_t) {
+      if (!t.defined() || !t.has_storage()) return;
+      auto it = region->saved_storages_.find(t.storage().unsafeGetStorageImpl());
+      if (it == region->saved_storages_.end()) return;
+      auto [op_index, k] = it->second;
+      region->saved_storages_.erase(it);
+      CachedOp& cached = region->cached_[op_index];
+      torch::Tensor tmp;
+      size_t flat = k;
+      const torch::Tensor* saved = nullptr;
+      for (auto& v : cached.outputs) {  // the k-th tensor
+        if (v.isTensor()) {
+          if (flat-- == 0) { saved = &v.toTensor(); break; }
+        } else if (v.isTensorList()) {
+          const size_t n = v.toTensorList().size();
+          if (flat < n) { tmp = v.toTensorList().get(flat); saved = &tmp; break; }
+          flat -= n;
+        }
+      }
+      if (!saved || static_cast<int64_t>(saved->_version()) != cached.versions[k]) return;  // (changed already: refused later)
+      torch::Tensor copy = saved->clone();
+      cached.versions[k] = static_cast<int64_t>(copy._version());
+      cached.copied[k] = true;
+      replace_tensor(cached.outputs, k, copy);
+    });
+  }
+}
+
 void SelectiveRun::first_run(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                              torch::jit::Stack* stack) {
   const size_t ordinal_here = ordinal++;
@@ -158,6 +212,7 @@ void SelectiveRun::first_run(bool composite, const c10::OperatorHandle& op, c10:
   DepthGuard depth_guard(this);
   const size_t nargs = op.schema().arguments().size();
   std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
+  if (!region->saved_storages_.empty()) copy_before_write(op, args);
   const CheckpointPolicy policy = region->contexts_.policy(SelectiveCheckpointContext{}, op, args);
   // An op whose output aliases an input (a view, an in-place or out= op) is always recomputed: a view costs
   // nothing to recompute, and serving an in-place op's saved output would leave its input unmodified.
@@ -191,8 +246,13 @@ void SelectiveRun::first_run(bool composite, const c10::OperatorHandle& op, c10:
       cached.outputs.push_back(*it);
     }
     for_tensors(*it, [&](const torch::Tensor& t, int64_t) {
+      if (t.defined() && t.has_storage()) {
+        region->saved_storages_.insert_or_assign(t.storage().unsafeGetStorageImpl(),
+                                                 std::make_pair(region->cached_.size(), cached.versions.size()));
+      }
       cached.versions.push_back(t.defined() ? static_cast<int64_t>(t._version()) : 0);
       cached.requires_grad.push_back(t.defined() && t.requires_grad());
+      cached.copied.push_back(false);
     });
   }
   for (auto& [index, t] : packs) {
@@ -266,7 +326,8 @@ void SelectiveRun::recompute(bool composite, const c10::OperatorHandle& op, c10:
                   " of the region) that the first run saved was modified in place afterwards, so the backward ",
                   "would use the modified value. Fix: recompute this op (return PREFER_RECOMPUTE for it), or pass ",
                   "allow_cache_entry_mutation=true to create_selective_checkpoint_contexts if the change is harmless");
-      auto served = t.detach();
+      // A copy taken before an in-place op: the recomputation applies that op again, to a copy of its own.
+      auto served = cached.copied[i] ? t.clone() : t.detach();
       if (cached.requires_grad[i]) {
         // A non-leaf (a leaf would refuse the in-place ops the region may apply to it), from a node that never
         // runs: the recomputation's graph is not backpropagated.

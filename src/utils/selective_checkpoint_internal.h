@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Generator.h>
@@ -61,6 +62,8 @@ class SelectiveRegion {
   bool check_;
   std::vector<CachedOp> cached_;                        // in the first run's order
   std::unordered_map<size_t, torch::Tensor> kept_;      // saved tensors kept as they were
+  // The storages of the saved outputs not yet copied: (op, tensor) in cached_, for copy on write.
+  std::unordered_map<const c10::StorageImpl*, std::pair<size_t, size_t>> saved_storages_;
 };
 
 /// Suspends this thread's selective region (library code run inside a region, e.g. FSDP's pre-forward: its

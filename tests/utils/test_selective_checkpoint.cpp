@@ -1,9 +1,10 @@
 // Selective activation checkpointing on one process (CTest label: activation_checkpointing), as PyTorch's
 // test_checkpoint's selective tests: the gradients equal those without checkpointing bit for bit (fp32, dropout
 // on, autocast), the saved ops are not run again in backward while the others are, a saved random op leaves the
-// generators where the forward did, a saved output modified in place is refused naming the op (or allowed), a
-// counting policy is asked in the first run only, nested regions, a retained graph, and bad input refused. With
-// FSDP (holders and implicit groups, mixed precision, several world sizes): tests/algorithms/.
+// generators where the forward did, an in-place change of a saved output inside the region works (copied first)
+// while one after it is refused naming the op (or allowed), a counting policy is asked in the first run only,
+// nested regions, a retained graph, and bad input refused. With FSDP (holders and implicit groups, mixed
+// precision, several world sizes) and the memory between none and full: tests/algorithms/.
 #include <gtest/gtest.h>
 
 #include <ATen/autocast_mode.h>
@@ -238,23 +239,42 @@ TEST(SelectiveCheckpoint, AutocastNestedRegionsAndARetainedGraph) {
   expect_equal(twice(save_ops({"aten::linear"}), save_ops({"aten::gelu"})), ref, "selective inside selective");
 }
 
-TEST(SelectiveCheckpoint, ASavedOutputModifiedInPlaceIsRefusedUnlessAllowed) {
+TEST(SelectiveCheckpoint, InPlaceChangesOfASavedOutput) {
   auto w = torch::randn({8, 8}, torch::requires_grad());
   auto x = torch::randn({4, 8}, torch::requires_grad());
-  auto fn = [&](torch::Tensor t) {
+  // Inside the region (as torch::nn::Linear adds its bias to matmul's output on 3-D inputs): the saved value is
+  // copied before the change, and the recomputation changes a copy of its own; gradients as without checkpointing,
+  // also over a retained graph.
+  auto inside = [&](torch::Tensor t) {
     auto h = torch::mm(t, w);
-    auto s = torch::sigmoid(h);  // saves its output
-    h.mul_(2);                   // the saved mm output changes after it was saved
-    return (s * h).sum();
+    h.add_(1.5);
+    return (torch::sigmoid(h) * h).sum();
   };
-  auto y = checkpoint(save_ops({"aten::mm"}), fn, x);
+  inside(x).backward();
+  const auto ref_w = w.grad().clone(), ref_x = x.grad().clone();
+  w.mutable_grad() = torch::Tensor();
+  x.mutable_grad() = torch::Tensor();
+  auto loss = checkpoint(save_ops({"aten::mm"}), inside, x);
+  loss.backward({}, /*retain_graph=*/true);
+  EXPECT_TRUE(torch::equal(w.grad(), ref_w));
+  EXPECT_TRUE(torch::equal(x.grad(), ref_x));
+  loss.backward();
+  EXPECT_TRUE(torch::equal(w.grad(), 2 * ref_w)) << "the second backward recomputes from the unchanged saved value";
+  // After the region (the caller changes an output the region saved): the recomputation would serve the changed
+  // value, so it is refused naming the op, unless allowed.
+  auto outside = [&](torch::Tensor t) {
+    auto h = torch::mm(t, w);
+    return std::make_tuple(torch::sigmoid(h).sum(), h);
+  };
+  auto [y, h] = checkpoint(save_ops({"aten::mm"}), outside, x);
+  h.mul_(2);
   auto msg = error_message([&] { y.backward(); });
   EXPECT_NE(msg.find("the output of aten::mm (op #0 of the region) that the first run saved was modified in place"),
             std::string::npos) << msg;
   EXPECT_NE(msg.find("allow_cache_entry_mutation"), std::string::npos) << msg;
-  // Allowed: no error (PyTorch's semantics: the modified value is served).
-  auto y2 = checkpoint(save_ops({"aten::mm"}, /*allow_mutation=*/true), fn, x);
-  EXPECT_NO_THROW(y2.backward());
+  auto [y2, h2] = checkpoint(save_ops({"aten::mm"}, /*allow_mutation=*/true), outside, x);
+  h2.mul_(2);
+  EXPECT_NO_THROW(y2.backward());  // (PyTorch's semantics: the changed value is served)
 }
 
 TEST(SelectiveCheckpoint, BadInputIsRefused) {
