@@ -219,16 +219,21 @@ TEST(Implicit, CheckpointWrapperOnAnImplicitModuleIsRefusedBeforeSharding) {
     auto mesh = init_device_mesh(torch::kCPU, {1}, {}, pg);
     PlainNet net;
     auto blk = net->blocks[0];
-    checkpoint_wrapper(blk);
-    const auto before = net->blocks[0]->as<BlockImpl>()->fc1->weight.sizes().vec();
-    try {
-      fully_shard(blk, FullyShardOptions().mesh(mesh));
-      ADD_FAILURE() << "no error";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("fsdp::checkpoint"), std::string::npos) << e.what();
+    // Refused at once (nothing would call its forward through libfsdp: it would silently not checkpoint), before
+    // sharding and after it.
+    for (bool sharded : {false, true}) {
+      if (sharded) fully_shard(blk, FullyShardOptions().mesh(mesh));
+      try {
+        checkpoint_wrapper(blk);
+        ADD_FAILURE() << "no error";
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what_without_backtrace();
+        EXPECT_NE(msg.find("fsdp::checkpoint"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(sharded ? "is sharded without an fsdp::FSDPModule holder" : "has no live fsdp::FSDPModule holder"),
+                  std::string::npos) << msg;
+      }
+      EXPECT_FALSE(detail::checkpoint_options(*blk));
     }
-    EXPECT_EQ(net->blocks[0]->as<BlockImpl>()->fc1->weight.sizes().vec(), before);
-    EXPECT_FALSE(detail::state_of(*blk));
   });
 }
 

@@ -230,26 +230,40 @@ TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesTheLocalShardAndTrainingCon
 // ---- Errors ------------------------------------------------------------------------------------------
 
 // checkpoint_wrapper needs a call site the library owns (an FSDPModule holder): on an unchanged module
-// it would silently not checkpoint, so fully_shard refuses it, naming the fix (fsdp::checkpoint at the
-// call site). The holder path still accepts it.
-TEST(UnchangedErrors, CheckpointWrapperOnImplicitModuleRefusedAtFullyShard) {
+// it would silently not checkpoint, so checkpoint_wrapper (and apply_activation_checkpointing) refuses it, naming
+// the fix (fsdp::checkpoint at the call site). The holder path still accepts it.
+TEST(UnchangedErrors, CheckpointWrapperOnAModuleWithoutHolderIsRefused) {
   run_ranks(1, [](ProcessGroupPtr pg) {
     PlainNet net;
-    checkpoint_wrapper(net->blocks[0]);
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {pg->size()}));
     std::string msg;
     try {
-      fully_shard(net->blocks[0], opts);
+      checkpoint_wrapper(net->blocks[0]);
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }
-    EXPECT_NE(msg.find("fully_shard"), std::string::npos) << msg;
     EXPECT_NE(msg.find("checkpoint_wrapper"), std::string::npos) << msg;
     EXPECT_NE(msg.find("fsdp::checkpoint"), std::string::npos) << msg;
     EXPECT_NE(msg.find("BlockImpl"), std::string::npos) << "names the module type: " << msg;
-    EXPECT_EQ(detail::state_of(*net->blocks[0]), nullptr) << "a refused call leaves the module unsharded";
+    EXPECT_FALSE(detail::checkpoint_options(*net->blocks[0])) << "a refused call leaves the module unwrapped";
+    // apply_activation_checkpointing: all or nothing, each module named by its path.
+    auto is_block = [](torch::nn::Module& m) { return dynamic_cast<BlockImpl*>(&m) != nullptr; };
+    msg.clear();
+    try {
+      apply_activation_checkpointing(*net, is_block);
+    } catch (const c10::Error& e) {
+      msg = e.what_without_backtrace();
+    }
+    EXPECT_NE(msg.find("2 of the 2 modules check_fn selected cannot be wrapped"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'blocks.0' (fsdp::testing::BlockImpl) has no live fsdp::FSDPModule holder"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("'blocks.1' (fsdp::testing::BlockImpl)"), std::string::npos) << msg;
+    EXPECT_FALSE(detail::checkpoint_options(*net->blocks[0]));
     Net holder_net;
-    checkpoint_wrapper(holder_net->blocks[0]);
+    EXPECT_EQ(apply_activation_checkpointing(*holder_net, is_block, CheckpointOptions().use_reentrant(true)),
+              static_cast<int64_t>(holder_net->blocks.size()));
+    ASSERT_TRUE(detail::checkpoint_options(*holder_net->blocks[0]));
+    EXPECT_TRUE(detail::checkpoint_options(*holder_net->blocks[0])->use_reentrant());
     EXPECT_NO_THROW(fully_shard(holder_net->blocks[0], opts));
   });
 }
