@@ -227,6 +227,7 @@ void NonReentrantFrame::recompute() {
     if (t && index < recomputed.size()) recomputed[index] = t->detach();
   });
   fn(detached);  // the outputs and the recomputation's graph are dropped here
+  selective_scope.finish();
   TORCH_CHECK(!check || recomputed_count == saved.size(), "checkpoint: the recomputation saved ", recomputed_count,
               " tensors for backward, the forward ", saved.size(), ". The region's ops depend on state that changed ",
               "between forward and backward; make them depend on the inputs only, or pass ",

@@ -388,6 +388,15 @@ SelectiveRegion::Scope::Scope(SelectiveRegion* region, Fill fill) : previous_(t_
 
 SelectiveRegion::Scope::~Scope() { t_run = previous_; }
 
+void SelectiveRegion::Scope::finish() const {
+  if (!run_ || !run_->fill || !run_->region->check_) return;
+  const auto& cached = run_->region->cached_;
+  TORCH_CHECK(run_->cursor == cached.size(), "checkpoint (selective): the recomputation ran ", run_->ordinal,
+              " ops and reached ", run_->cursor, " of the ", cached.size(), " ops the first run saved (the next: ",
+              op_string(cached[run_->cursor].name), ", op #", cached[run_->cursor].ordinal, "). The region's ops ",
+              "depend on state that changed between forward and backward; make them depend on the inputs only");
+}
+
 SuspendSelective::SuspendSelective() : previous_(t_run) { t_run = nullptr; }
 SuspendSelective::~SuspendSelective() { t_run = previous_; }
 

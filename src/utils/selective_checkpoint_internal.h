@@ -45,6 +45,9 @@ class SelectiveRegion {
    public:
     Scope(SelectiveRegion* region, Fill fill);
     ~Scope();
+    /// After a recomputation: throws c10::Error (when the region checks determinism) if it did not reach every
+    /// op the first run saved.
+    void finish() const;
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 

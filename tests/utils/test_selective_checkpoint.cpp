@@ -297,6 +297,15 @@ TEST(SelectiveCheckpoint, BadInputIsRefused) {
   msg = error_message([&] { y.sum().backward(); });
   EXPECT_NE(msg.find("op #0 of the region's recomputation is aten::mul.Scalar, but the first run saved aten::mm there"),
             std::string::npos) << msg;
+  // A recomputation that ends before a saved op.
+  bool stop = false;
+  auto y2 = checkpoint(save_ops({"aten::mm"}), [&](torch::Tensor t) {
+    auto a = torch::sin(t);
+    return stop ? a : torch::mm(a, w);
+  }, x);
+  stop = true;
+  msg = error_message([&] { y2.sum().backward(); });
+  EXPECT_NE(msg.find("reached 0 of the 1 ops the first run saved (the next: aten::mm, op #1)"), std::string::npos) << msg;
 }
 
 }  // namespace
