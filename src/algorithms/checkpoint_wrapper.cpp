@@ -33,6 +33,15 @@ void checkpoint_wrapper(const std::shared_ptr<torch::nn::Module>& module, const 
   detail::mark_checkpointed(module, options);
 }
 
+void offload_wrapper(const std::shared_ptr<torch::nn::Module>& module) {
+  TORCH_CHECK(module, "offload_wrapper: got a null module");
+  const auto why = unwrappable(*module);
+  TORCH_CHECK(why.empty(), "offload_wrapper: ", module->name(), " ", why, ", so nothing in libfsdp calls its forward. ",
+              "Fix: run its call in the model's forward under `fsdp::save_on_cpu offload(/*pin_memory=*/true);`, or ",
+              "declare the module as fsdp::FSDPModule<Holder> before wrapping it");
+  detail::mark_offloaded(module);
+}
+
 int64_t apply_activation_checkpointing(torch::nn::Module& model, const std::function<bool(torch::nn::Module&)>& check_fn,
                                        const CheckpointOptions& options) {
   TORCH_CHECK(check_fn, "apply_activation_checkpointing: expected a check_fn, got an empty function");

@@ -28,6 +28,8 @@ struct Registry {
   std::unordered_map<const Module*, Held> held;
   // Modules checkpoint_wrapper was applied to (held weakly: a new module at a freed one's address is not marked).
   std::unordered_map<const Module*, std::pair<std::weak_ptr<Module>, CheckpointOptions>> checkpointed;
+  // Modules offload_wrapper was applied to (weakly, as checkpointed).
+  std::unordered_map<const Module*, std::weak_ptr<Module>> offloaded;
   int64_t next_id = 1;
 
   void purge_locked() {
@@ -41,6 +43,9 @@ struct Registry {
     for (auto it = held.begin(); it != held.end();) it = it->second.module.expired() ? held.erase(it) : std::next(it);
     for (auto it = checkpointed.begin(); it != checkpointed.end();) {
       it = it->second.first.expired() ? checkpointed.erase(it) : std::next(it);
+    }
+    for (auto it = offloaded.begin(); it != offloaded.end();) {
+      it = it->second.expired() ? offloaded.erase(it) : std::next(it);
     }
   }
 };
@@ -158,6 +163,20 @@ std::optional<CheckpointOptions> checkpoint_options(const torch::nn::Module& mod
   auto it = r.checkpointed.find(&module);
   if (it == r.checkpointed.end() || it->second.first.expired()) return std::nullopt;
   return it->second.second;
+}
+
+void mark_offloaded(const std::shared_ptr<torch::nn::Module>& module) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.purge_locked();
+  r.offloaded[module.get()] = module;
+}
+
+bool is_offloaded(const torch::nn::Module& module) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.offloaded.find(&module);
+  return it != r.offloaded.end() && !it->second.expired();
 }
 
 std::shared_ptr<FSDPState> state_by_id(int64_t id) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 
+#include "error_message.h"
 #include "fsdp/utils/activation_checkpoint.h"
 #include "seed11_net.h"
 #include "unchanged_harness.h"
@@ -118,6 +119,45 @@ TEST(ActivationCheckpointing, ActivationMemoryIsLower) {
   EXPECT_LT(held[Mode::kFull] * 2, held[Mode::kNone]);
   EXPECT_LT(held[Mode::kFull], held[Mode::kSelective]);
   EXPECT_LT(held[Mode::kSelective], held[Mode::kNone]);
+}
+
+// offload_wrapper: the tensors saved inside each block go through save_on_cpu (the innermost hooks: an outer
+// counting hook sees only the ones saved outside the blocks), and the gradients are those without it, bit for bit;
+// a module without a holder is refused.
+TEST(ActivationCheckpointing, OffloadWrapperSendsTheBlocksSavedTensorsThroughSaveOnCpu) {
+  auto batches = make_batches(1, kBatch, kSeq, 31);
+  std::map<bool, std::map<std::string, torch::Tensor>> grads;
+  std::map<bool, int64_t> outer_packs;
+  for (bool offload : {false, true}) {
+    run_ranks(1, [&](ProcessGroupPtr pg) {
+      Net net;
+      load_full(*net, initial_weights());
+      auto mesh = init_device_mesh(torch::kCPU, {1});
+      for (auto& b : net->blocks) {
+        if (offload) offload_wrapper(b);
+        fully_shard(b, FullyShardOptions().mesh(mesh));
+      }
+      fully_shard(net, FullyShardOptions().mesh(mesh));
+      FSDPModule<Net> model(net);
+      int64_t packs = 0;
+      torch::Tensor loss;
+      {
+        saved_tensors_hooks count([&packs](const torch::Tensor& t) -> c10::IValue { ++packs; return t; },
+                                  [](const c10::IValue& v) { return v.toTensor(); });
+        loss = loss_fn(model(batches[0].idx), batches[0].targets);
+      }
+      loss.backward();
+      outer_packs[offload] = packs;
+      for (const auto& p : net->named_parameters()) grads[offload][p.key()] = p.value().grad().clone();
+    });
+  }
+  EXPECT_LT(outer_packs[true], outer_packs[false]) << "the blocks' saved tensors went to save_on_cpu";
+  EXPECT_GT(outer_packs[true], 0) << "the rest of the model's still reach the outer hooks";
+  for (const auto& [k, g] : grads[false]) EXPECT_TRUE(torch::equal(g, grads[true].at(k))) << k;
+  Block plain;
+  auto msg = error_message([&] { offload_wrapper(plain); });
+  EXPECT_NE(msg.find("no live fsdp::FSDPModule holder"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fsdp::save_on_cpu"), std::string::npos) << msg;
 }
 
 }  // namespace

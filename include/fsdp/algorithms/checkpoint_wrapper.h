@@ -29,6 +29,19 @@ void checkpoint_wrapper(const torch::nn::ModuleHolder<T>& holder, const Checkpoi
   checkpoint_wrapper(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), options);
 }
 
+/// Activation offload of `module`'s forward: whenever it runs through fsdp::FSDPModule, the tensors autograd saves
+/// during the call go to pinned host memory (fsdp::save_on_cpu(pin_memory=true); on the CPU, another allocation)
+/// and come back in backward. With checkpoint_wrapper as well, a non-reentrant region keeps its inputs itself and
+/// saves nothing else through the hooks, so little is offloaded (as PyTorch's offload_wrapper around checkpoint_wrapper).
+/// Throws c10::Error for a null module or one without a live FSDPModule holder (as checkpoint_wrapper).
+/// Mirrors torch.distributed.algorithms._checkpoint.checkpoint_wrapper.offload_wrapper(module).
+/// Example: `for (auto& block : model->blocks) fsdp::offload_wrapper(block);`
+void offload_wrapper(const std::shared_ptr<torch::nn::Module>& module);
+template <typename T>
+void offload_wrapper(const torch::nn::ModuleHolder<T>& holder) {
+  offload_wrapper(std::static_pointer_cast<torch::nn::Module>(holder.ptr()));
+}
+
 /// checkpoint_wrapper(module, options) on every descendant of `model` (not `model` itself) for which
 /// `check_fn(module)` is true, e.g. each transformer block. All or nothing: every match must have a live
 /// FSDPModule holder, else c10::Error names each one without (its path and type) and nothing is applied.

@@ -121,6 +121,7 @@
 
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/utils/activation_checkpoint.h"
+#include "fsdp/utils/saved_tensor_hooks.h"
 #include "fsdp/tensor/dtensor.h"
 #include "fsdp/fsdp/all_gather_extension.h"
 #include "fsdp/fsdp/comm.h"
@@ -431,10 +432,13 @@ class FSDPModule : public Holder {
   }
 
   /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks).
-  /// If checkpoint_wrapper was applied, the module's own forward is checkpointed inside FSDP's hooks.
+  /// If checkpoint_wrapper was applied, the module's own forward is checkpointed inside FSDP's hooks; if
+  /// offload_wrapper was, the call runs under save_on_cpu(pin_memory=true).
   template <typename... Args>
   auto forward(Args&&... args) {
     auto* impl = this->get();
+    std::optional<save_on_cpu> offload;
+    if (detail::is_offloaded(*impl)) offload.emplace(/*pin_memory=*/true);
     auto call = [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); };
     if (auto options = detail::checkpoint_options(*impl)) {
       return detail::run_with_hooks(

@@ -44,6 +44,10 @@ std::shared_ptr<void> hold_fsdp_forward(const torch::nn::Module& module);
 std::optional<CheckpointOptions> checkpoint_options(const torch::nn::Module& module);
 /// Records that checkpoint_wrapper was applied to `module` (fsdp/algorithms/checkpoint_wrapper.h).
 void mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options);
+/// Whether offload_wrapper was applied to `module` (then FSDPModule runs its forward under save_on_cpu), and the
+/// record of it (fsdp/algorithms/checkpoint_wrapper.h).
+bool is_offloaded(const torch::nn::Module& module);
+void mark_offloaded(const std::shared_ptr<torch::nn::Module>& module);
 
 /// Hook entry points used by FSDPModule and fsdp_forward. `inputs` are the tensor arguments of the
 /// call; returns the tensors to call the module with (cast, and wrapped to run post-backward).
