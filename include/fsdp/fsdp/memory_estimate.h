@@ -136,6 +136,7 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
 
 /// The activations of a model made of repeated blocks (transformer layers), as the caller counts them from its
 /// forward: bytes of one microbatch on one rank, in the compute dtype. For activation_peak_bytes.
+/// Example: `fsdp::ActivationProfile p; p.blocks = 12; p.block_saved = 16 * btc; p.block_input = btc;` (btc: bytes of one B x T x C activation)
 struct ActivationProfile {
   int64_t blocks = 0;           ///< repeated blocks, each one checkpoint region when checkpointed
   int64_t block_saved = 0;      ///< what one block's ops save for backward without checkpointing (its input included)
@@ -149,6 +150,7 @@ struct ActivationProfile {
 /// Activation checkpointing of the blocks, as torchtitan's modes: none; full (each block one region, `every`-th
 /// block only when every > 1: torchtitan's "layer every K"); selective (each block one region whose policy keeps
 /// some ops' outputs: ActivationProfile::block_selective).
+/// Example: `fsdp::ActivationCheckpointing{fsdp::ActivationCheckpointing::Mode::full, /*every=*/2}` (train_gpt's layer:2)
 struct ActivationCheckpointing {
   enum class Mode { none, full, selective };
   Mode mode = Mode::none;

@@ -20,12 +20,14 @@ namespace fsdp {
 /// What the policy decides for one op. Mirrors torch.utils.checkpoint.CheckpointPolicy. The PREFER_* values are
 /// hints to a compiler in PyTorch; eagerly (PyTorch's and libfsdp's case) PREFER_SAVE acts as MUST_SAVE and
 /// PREFER_RECOMPUTE as MUST_RECOMPUTE.
+/// Example: `return op.schema().name() == "aten::mm" ? fsdp::CheckpointPolicy::MUST_SAVE : fsdp::CheckpointPolicy::PREFER_RECOMPUTE;`
 enum class CheckpointPolicy { MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE };
 
 /// What the policy is told about the call. Mirrors torch.utils.checkpoint.SelectiveCheckpointContext.
 /// libfsdp asks the policy in the first run only (the recomputation follows the first run's decisions, so a
 /// policy that counts ops, as torchtitan's "save every other matmul", needs no recompute branch):
 /// `is_recompute` is always false.
+/// Example: `[](const fsdp::SelectiveCheckpointContext& ctx, const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) { ... }`
 struct SelectiveCheckpointContext {
   bool is_recompute = false;
 };
@@ -34,13 +36,15 @@ struct SelectiveCheckpointContext {
 /// the decomposition of composite ops, e.g. aten::layer_norm arrives as aten::native_layer_norm, except
 /// aten::linear and aten::matmul, which arrive whole), with the op's arguments (tensors and scalars, as the
 /// schema orders them). An op whose output aliases an input (a view, an in-place or out= op) is recomputed
-/// whatever the policy returns. Example of an op's name: `op.schema().name() == "aten::mm"`.
+/// whatever the policy returns. Throwing from it fails the forward with that error.
+/// Example: `fsdp::SelectiveCheckpointPolicyFn save_mm = [](auto&, const c10::OperatorHandle& op, auto&) { return op.schema().name() == "aten::mm" ? fsdp::CheckpointPolicy::MUST_SAVE : fsdp::CheckpointPolicy::PREFER_RECOMPUTE; };`
 using SelectiveCheckpointPolicyFn =
     std::function<CheckpointPolicy(const SelectiveCheckpointContext& ctx, const c10::OperatorHandle& op,
                                    const std::vector<c10::IValue>& args)>;
 
 /// A selective policy for one checkpoint region (what create_selective_checkpoint_contexts returns; PyTorch's
 /// pair of context managers).
+/// Example: `fsdp::CheckpointOptions().context_fn([] { return fsdp::SelectiveCheckpointContexts{save_mm}; })`
 struct SelectiveCheckpointContexts {
   SelectiveCheckpointPolicyFn policy;
   /// false: a saved output modified in place after it was saved (its version counter moved) makes the
