@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "utils/checkpoint_regions.h"
+#include "utils/rng_states.h"
 #include "utils/saved_tensor_hooks_internal.h"
 #include "utils/selective_checkpoint_internal.h"
 
@@ -59,22 +60,6 @@ std::vector<at::Generator> generators_for(const std::vector<torch::Tensor>& inpu
   return gens;
 }
 
-std::vector<torch::Tensor> get_states(std::vector<at::Generator>& gens) {
-  std::vector<torch::Tensor> states;
-  for (auto& g : gens) {
-    std::lock_guard<std::mutex> lock(g.mutex());
-    states.push_back(g.get_state());
-  }
-  return states;
-}
-
-void set_states(std::vector<at::Generator>& gens, const std::vector<torch::Tensor>& states) {
-  for (size_t i = 0; i < gens.size(); ++i) {
-    std::lock_guard<std::mutex> lock(gens[i].mutex());
-    gens[i].set_state(states[i]);
-  }
-}
-
 // The autocast state a region ran under (CPU and CUDA), restored for its recomputation.
 struct AutocastState {
   bool cpu = false, cuda = false;
@@ -97,8 +82,8 @@ class RecomputeStates {
   RecomputeStates(std::vector<at::Generator> gens, const std::vector<torch::Tensor>* rng, const AutocastState& autocast)
       : gens_(std::move(gens)), autocast_before_(AutocastState::current()) {
     if (rng) {
-      rng_before_ = get_states(gens_);
-      set_states(gens_, *rng);
+      rng_before_ = detail::get_states(gens_);
+      detail::set_states(gens_, *rng);
     }
     autocast.apply();
     // As torch.autocast's scope: the casts cached for the recomputation (of the parameters) are dropped when
@@ -111,7 +96,7 @@ class RecomputeStates {
   ~RecomputeStates() {
     autocast_before_.apply();
     if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    if (!rng_before_.empty()) set_states(gens_, rng_before_);
+    if (!rng_before_.empty()) detail::set_states(gens_, rng_before_);
   }
   RecomputeStates(const RecomputeStates&) = delete;
   RecomputeStates& operator=(const RecomputeStates&) = delete;
@@ -250,7 +235,7 @@ std::vector<torch::Tensor> checkpoint_non_reentrant(CheckpointFn fn, const std::
   auto frame = std::make_shared<NonReentrantFrame>();
   frame->inputs = inputs;
   frame->gens = generators_for(inputs);
-  if (options.preserve_rng_state()) frame->rng = get_states(frame->gens);
+  if (options.preserve_rng_state()) frame->rng = detail::get_states(frame->gens);
   frame->autocast = AutocastState::current();
   frame->check = options.determinism_check() == "default";
   if (options.context_fn()) {
@@ -284,7 +269,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     // inputs.back() is the dummy that keeps the graph connected; the rest are the region's inputs.
     std::vector<torch::Tensor> real(inputs.begin(), inputs.end() - 1);
     auto gens = generators_for(real);
-    auto rng = holder->preserve_rng_state ? get_states(gens) : std::vector<torch::Tensor>();
+    auto rng = holder->preserve_rng_state ? detail::get_states(gens) : std::vector<torch::Tensor>();
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
     ctx->saved_data["rng"] = c10::List<torch::Tensor>(rng);
     ctx->save_for_backward(real);

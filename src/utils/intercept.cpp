@@ -25,16 +25,14 @@ std::atomic<InterceptFn> current_composite{nullptr};
 std::mutex install_mu;
 int highest_installed = -1;
 
-void redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
-
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const InterceptFn fn = current_fallback.load(std::memory_order_acquire);
-  fn ? fn(op, ks, stack) : redispatch(op, ks, stack);  // (no layer yet: no tensor carries the key)
+  fn ? fn(op, ks, stack) : redispatch_below_intercept(op, ks, stack);  // (no layer yet: no tensor carries the key)
 }
 
 void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const InterceptFn fn = current_composite.load(std::memory_order_acquire);
-  fn ? fn(op, ks, stack) : redispatch(op, ks, stack);
+  fn ? fn(op, ks, stack) : redispatch_below_intercept(op, ks, stack);
 }
 
 // The key's kernels are registered when libfsdp is loaded (before main: no other thread dispatches yet), not when
@@ -85,12 +83,6 @@ bool is_metadata_op(const c10::OperatorHandle& op) {
                     name == "aten::size" || name == "aten::stride" || name == "aten::dim";
   return cache.emplace(&schema, meta).first->second;
 }
-
-namespace {
-void redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  redispatch_below_intercept(op, ks, stack);
-}
-}  // namespace
 
 void redispatch_below_intercept(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   static const auto after = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);

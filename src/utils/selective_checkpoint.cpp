@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "utils/intercept.h"
+#include "utils/rng_states.h"
 #include "utils/selective_checkpoint_internal.h"
 
 // [Note: selective checkpoint]
@@ -114,15 +115,6 @@ void sac_composite(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
   handle(true, op, ks, stack);
 }
 
-std::vector<torch::Tensor> generator_states(std::vector<at::Generator>& gens) {
-  std::vector<torch::Tensor> states;
-  for (auto& g : gens) {
-    std::lock_guard<std::mutex> lock(g.mutex());
-    states.push_back(g.get_state());
-  }
-  return states;
-}
-
 // Calls `f(tensor, element)` for a tensor IValue (element -1) or each tensor of a list.
 template <typename F>
 void for_tensors(const c10::IValue& v, F&& f) {
@@ -156,17 +148,19 @@ std::string op_string(const c10::OperatorName& name) {
 
 }  // namespace
 
-// The k-th tensor of `values` (tensors and tensor lists, in order) becomes `t`.
-void replace_tensor(std::vector<c10::IValue>& values, size_t k, const torch::Tensor& t) {
+// Where the k-th tensor of `values` (tensors and tensor lists, in order) is: its value and its element in a list
+// (-1: the value is the tensor), or a null value.
+std::pair<c10::IValue*, int64_t> locate_tensor(std::vector<c10::IValue>& values, size_t k) {
   for (auto& v : values) {
     if (v.isTensor()) {
-      if (k-- == 0) return void(v = t);
+      if (k-- == 0) return {&v, -1};
     } else if (v.isTensorList()) {
-      auto list = v.toTensorList();
-      if (k < list.size()) return list.set(k, t);
-      k -= list.size();
+      const size_t n = v.toTensorList().size();
+      if (k < n) return {&v, static_cast<int64_t>(k)};
+      k -= n;
     }
   }
+  return {nullptr, -1};
 }
 
 // An in-place (or out=) op of the first run about to change a saved output (LibTorch's torch::nn::Linear adds its
@@ -184,23 +178,18 @@ void SelectiveRun::copy_before_write(const c10::OperatorHandle& op, const std::v
       auto [op_index, k] = it->second;
       region->saved_storages_.erase(it);
       CachedOp& cached = region->cached_[op_index];
+      auto [value, element] = locate_tensor(cached.outputs, k);
       torch::Tensor tmp;
-      size_t flat = k;
-      const torch::Tensor* saved = nullptr;
-      for (auto& v : cached.outputs) {  // the k-th tensor
-        if (v.isTensor()) {
-          if (flat-- == 0) { saved = &v.toTensor(); break; }
-        } else if (v.isTensorList()) {
-          const size_t n = v.toTensorList().size();
-          if (flat < n) { tmp = v.toTensorList().get(flat); saved = &tmp; break; }
-          flat -= n;
-        }
-      }
+      const torch::Tensor* saved = value ? tensor_at(*value, element, tmp) : nullptr;
       if (!saved || static_cast<int64_t>(saved->_version()) != cached.versions[k]) return;  // (changed already: refused later)
       torch::Tensor copy = saved->clone();
       cached.versions[k] = static_cast<int64_t>(copy._version());
       cached.copied[k] = true;
-      replace_tensor(cached.outputs, k, copy);
+      if (element < 0) {
+        *value = copy;
+      } else {
+        value->toTensorList().set(element, copy);
+      }
     });
   }
 }
@@ -276,7 +265,7 @@ void SelectiveRun::first_run(bool composite, const c10::OperatorHandle& op, c10:
     if (slot.kind == SlotKind::Kept) region->kept_.emplace(index, std::move(t));
     cached.slots.push_back(std::move(slot));
   }
-  if (region->restore_rng_ && op.hasTag(at::Tag::nondeterministic_seeded)) cached.rng_after = generator_states(region->gens_);
+  if (region->restore_rng_ && op.hasTag(at::Tag::nondeterministic_seeded)) cached.rng_after = get_states(region->gens_);
   region->cached_.push_back(std::move(cached));
 }
 
@@ -349,12 +338,7 @@ void SelectiveRun::recompute(bool composite, const c10::OperatorHandle& op, c10:
       stack->push_back(out);
     }
   }
-  if (!cached.rng_after.empty()) {
-    for (size_t g = 0; g < region->gens_.size(); ++g) {
-      std::lock_guard<std::mutex> lock(region->gens_[g].mutex());
-      region->gens_[g].set_state(cached.rng_after[g]);
-    }
-  }
+  if (!cached.rng_after.empty()) set_states(region->gens_, cached.rng_after);
 }
 
 SelectiveRegion::SelectiveRegion(SelectiveCheckpointContexts contexts, std::vector<at::Generator> gens,

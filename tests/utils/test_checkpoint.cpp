@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "error_message.h"
+#include "expect_tensors_equal.h"
 #include "fsdp/utils/activation_checkpoint.h"
 
 namespace fsdp::testing {
@@ -41,14 +42,6 @@ struct Mlp {
   }
 };
 
-void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << ": gradient " << i;
-    if (a[i].defined()) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << ": gradient " << i << " differs";
-  }
-}
-
 TEST(NonReentrantCheckpoint, GradientsBitIdenticalAndTheRegionRunsOnceMoreInBackward) {
   Mlp m;
   auto x = torch::randn({5, 8}, torch::requires_grad());
@@ -64,14 +57,14 @@ TEST(NonReentrantCheckpoint, GradientsBitIdenticalAndTheRegionRunsOnceMoreInBack
   EXPECT_NE(y.grad_fn()->name().find("Mul"), std::string::npos) << "the region's own graph, not a checkpoint node";
   y.pow(2).sum().backward();
   EXPECT_EQ(m.calls, 2) << "recomputed once, at the first saved tensor the backward needed";
-  expect_equal(m.grads(), ref, "non-reentrant");
+  expect_tensors_equal(m.grads(), ref, "non-reentrant");
   EXPECT_TRUE(torch::equal(x.grad(), ref_x));
   // The reentrant form is still there, with the same numbers.
   m.zero();
   x.mutable_grad() = torch::Tensor();
   checkpoint(CheckpointOptions().use_reentrant(true), [&](const torch::Tensor& in) { return m(in); }, x)
       .pow(2).sum().backward();
-  expect_equal(m.grads(), ref, "reentrant");
+  expect_tensors_equal(m.grads(), ref, "reentrant");
   EXPECT_TRUE(torch::equal(x.grad(), ref_x));
 }
 
@@ -93,7 +86,7 @@ TEST(NonReentrantCheckpoint, InputWithoutGradParametersInsideAndNonTensorArgumen
   auto [a, b, c] = checkpoint(fn, x, 0.5, true, bias);
   EXPECT_EQ(c, 7);
   (a.pow(2).sum() + b.sum()).backward();
-  expect_equal(m.grads(), ref, "parameters inside, input without grad");
+  expect_tensors_equal(m.grads(), ref, "parameters inside, input without grad");
   EXPECT_TRUE(torch::equal(bias.grad(), ref_bias));
   // A backward through one output only.
   m.zero();
@@ -103,7 +96,7 @@ TEST(NonReentrantCheckpoint, InputWithoutGradParametersInsideAndNonTensorArgumen
   m.zero();
   auto [a2, b2, c2] = checkpoint(fn, x, 0.5, false, bias);
   b2.sum().backward();
-  expect_equal(m.grads(), ref, "a backward through one of the outputs");
+  expect_tensors_equal(m.grads(), ref, "a backward through one of the outputs");
 }
 
 TEST(NonReentrantCheckpoint, NestedRegionsAndASecondBackwardOverARetainedGraph) {
@@ -124,10 +117,10 @@ TEST(NonReentrantCheckpoint, NestedRegionsAndASecondBackwardOverARetainedGraph) 
   loss.backward({}, /*retain_graph=*/true);
   // The outer region once more (2 calls: its inner region runs as a first run again), the inner once more.
   EXPECT_EQ(m.calls, 5);
-  expect_equal(m.grads(), ref, "nested");
+  expect_tensors_equal(m.grads(), ref, "nested");
   m.zero();
   loss.backward();  // the retained graph: recomputed again
-  expect_equal(m.grads(), ref, "second backward over the retained graph");
+  expect_tensors_equal(m.grads(), ref, "second backward over the retained graph");
 }
 
 TEST(NonReentrantCheckpoint, DropoutAndAutocastAsInTheForwardAndPreserveRngStateOff) {
@@ -145,7 +138,7 @@ TEST(NonReentrantCheckpoint, DropoutAndAutocastAsInTheForwardAndPreserveRngState
     torch::manual_seed(12345);
     y.pow(2).sum().backward();
     if (preserve) {
-      expect_equal(m.grads(), ref, "dropout with the forward's RNG state");
+      expect_tensors_equal(m.grads(), ref, "dropout with the forward's RNG state");
       EXPECT_TRUE(torch::equal(torch::rand({4}), after)) << "the caller's RNG state is put back after the recomputation";
     } else {
       EXPECT_FALSE(torch::equal(m.grads()[0], ref[0])) << "other dropout masks without preserve_rng_state";
@@ -168,7 +161,7 @@ TEST(NonReentrantCheckpoint, DropoutAndAutocastAsInTheForwardAndPreserveRngState
     return a.grads();
   };
   auto autocast_ref = run(false);
-  expect_equal(run(true), autocast_ref, "autocast restored for the recomputation");
+  expect_tensors_equal(run(true), autocast_ref, "autocast restored for the recomputation");
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "and switched off again after it";
 }
 
@@ -233,7 +226,7 @@ TEST(NonReentrantCheckpoint, CheckpointSequentialRecomputesEveryPieceButTheLast)
     EXPECT_EQ(calls, (std::vector<int>{2, 2, 2, 2, 1, 1, 1})) << "reentrant " << reentrant;
     std::vector<torch::Tensor> got;
     for (auto& p : seq->parameters()) got.push_back(p.grad().clone());
-    expect_equal(got, ref, reentrant ? "checkpoint_sequential, reentrant" : "checkpoint_sequential");
+    expect_tensors_equal(got, ref, reentrant ? "checkpoint_sequential, reentrant" : "checkpoint_sequential");
     EXPECT_TRUE(torch::equal(x.grad(), ref_x));
   }
   auto msg = error_message([&] { checkpoint_sequential(seq, 8, x); });

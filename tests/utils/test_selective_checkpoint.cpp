@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "error_message.h"
+#include "expect_tensors_equal.h"
 #include "fsdp/utils/activation_checkpoint.h"
 #include "fsdp/utils/selective_checkpoint.h"
 
@@ -63,14 +64,6 @@ struct Block {
     for (auto t : params()) t.mutable_grad() = torch::Tensor();
   }
 };
-
-void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << ": gradient " << i;
-    if (a[i].defined()) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << ": gradient " << i << " differs";
-  }
-}
 
 // Counts the dispatcher's calls of some ops on every thread (the recomputation runs in the backward).
 class OpCounter {
@@ -143,10 +136,10 @@ TEST(SelectiveCheckpoint, GradientsBitIdenticalAndSavedOpsAreNotRecomputed) {
   ASSERT_EQ(addmm0, 4);
   // Full (non-reentrant) checkpointing runs the linears twice; saving them runs them once.
   counter.reset();
-  expect_equal(run(CheckpointOptions()), ref, "full");
+  expect_tensors_equal(run(CheckpointOptions()), ref, "full");
   EXPECT_EQ(counter.count("aten::addmm"), 2 * addmm0);
   counter.reset();
-  expect_equal(run(save_ops({"aten::linear"})), ref, "selective: linear saved");
+  expect_tensors_equal(run(save_ops({"aten::linear"})), ref, "selective: linear saved");
   EXPECT_EQ(counter.count("aten::addmm"), addmm0) << "a saved op is not run again in backward";
   // Every other linear saved (a counting policy): 6 runs.
   auto every_other = CheckpointOptions().context_fn([] {
@@ -158,14 +151,14 @@ TEST(SelectiveCheckpoint, GradientsBitIdenticalAndSavedOpsAreNotRecomputed) {
         });
   });
   counter.reset();
-  expect_equal(run(every_other), ref, "selective: every other linear saved");
+  expect_tensors_equal(run(every_other), ref, "selective: every other linear saved");
   EXPECT_EQ(counter.count("aten::addmm"), addmm0 + addmm0 / 2);
   // Saving the attention kernel (whichever this build picks), the matmuls and gelu: only the norms and the
   // dropouts run again.
   std::vector<std::string> more = default_selective_save_list();
   more.push_back("aten::gelu");
   counter.reset();
-  expect_equal(run(save_ops(more)), ref, "selective: matmuls, attention, gelu saved");
+  expect_tensors_equal(run(save_ops(more)), ref, "selective: matmuls, attention, gelu saved");
   EXPECT_EQ(counter.count("aten::addmm"), addmm0);
 }
 
@@ -218,7 +211,7 @@ TEST(SelectiveCheckpoint, AutocastNestedRegionsAndARetainedGraph) {
     y.to(torch::kFloat32).pow(2).sum().backward();
     return b.grads();
   };
-  expect_equal(run(save_ops({"aten::linear"})), run(std::nullopt), "autocast");
+  expect_tensors_equal(run(save_ops({"aten::linear"})), run(std::nullopt), "autocast");
   // A full region nested in a selective one, and the other way round; a second backward over a retained graph.
   auto twice = [&](CheckpointOptions outer, CheckpointOptions inner) {
     b.zero();
@@ -228,15 +221,15 @@ TEST(SelectiveCheckpoint, AutocastNestedRegionsAndARetainedGraph) {
     auto first = b.grads();
     b.zero();
     loss.backward();
-    expect_equal(b.grads(), first, "second backward over the retained graph");
+    expect_tensors_equal(b.grads(), first, "second backward over the retained graph");
     return first;
   };
   b.zero();
   b(b(x)).pow(2).sum().backward();
   const auto ref = b.grads();
-  expect_equal(twice(save_ops({"aten::linear"}), CheckpointOptions()), ref, "full inside selective");
-  expect_equal(twice(CheckpointOptions(), save_ops({"aten::linear", "aten::gelu"})), ref, "selective inside full");
-  expect_equal(twice(save_ops({"aten::linear"}), save_ops({"aten::gelu"})), ref, "selective inside selective");
+  expect_tensors_equal(twice(save_ops({"aten::linear"}), CheckpointOptions()), ref, "full inside selective");
+  expect_tensors_equal(twice(CheckpointOptions(), save_ops({"aten::linear", "aten::gelu"})), ref, "selective inside full");
+  expect_tensors_equal(twice(save_ops({"aten::linear"}), save_ops({"aten::gelu"})), ref, "selective inside selective");
 }
 
 TEST(SelectiveCheckpoint, InPlaceChangesOfASavedOutput) {
