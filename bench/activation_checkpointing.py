@@ -2,7 +2,11 @@
 """activation_checkpointing: train_gpt's --activation-checkpointing modes side by side (none, full, selective-op,
 layer:2): step time, peak memory, and fsdp::estimate_memory's prediction of it, for docs/BENCHMARKS.md (issue 31).
 
-    MALLOC_MMAP_THRESHOLD_=131072 .venv/bin/python bench/activation_checkpointing.py [--steps 8] [--repeats 2]
+    MALLOC_MMAP_THRESHOLD_=131072 .venv/bin/python bench/activation_checkpointing.py [--steps 8] [--repeats 2] \
+        [--impls holder,plain]
+
+--impls plain runs the unchanged model (--model-impl plain), whose blocks are checkpointed from their parameters'
+ops (recorded regions replayed in backward) instead of through checkpoint_wrapper's holder call.
 
 Each config trains the same model from the same seed on 1 rank x 1 thread, fp32; the modes alternate within each
 repeat so that drift hits all alike. Measured memory: the peak RSS of the last step (VmHWM) minus the RSS before
@@ -33,17 +37,18 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--models", default="small,wide")
+    ap.add_argument("--impls", default="holder", help="model implementations, comma-separated: holder, plain")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     common = ["--steps", str(args.steps), "--eval-every", "1000000", "--eval-batches", "1", "--sample-tokens", "0",
               "--log-every", "1", "--threads", "1", "--seed", "7"]
     print("glibc malloc: " + (f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}"
                               if "MALLOC_MMAP_THRESHOLD_" in os.environ else "default settings"))
-    print("| model | activation checkpointing | median step ms | / none | peak MiB | / none | predicted MiB | error "
-          "| max abs loss diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for model in args.models.split(","):
-        flags = MODELS[model]
+    print("| model | impl | activation checkpointing | median step ms | / none | peak MiB | / none | predicted MiB "
+          "| error | max abs loss diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model, impl in [(m, i) for m in args.models.split(",") for i in args.impls.split(",")]:
+        flags = MODELS[model] + ["--model-impl", impl]
         times, peaks, losses, predicted = {}, {}, {}, {}
         for mode in MODES:
             out = evm.launch(1, flags + common + ["--activation-checkpointing", mode, "--estimate-memory"], env)
@@ -65,7 +70,7 @@ def main():
             ms0, peak0 = statistics.median(times["none"]), statistics.median(peaks["none"])
             dloss = max(abs(losses[mode][s] - losses["none"][s]) for s in losses["none"])
             err = (predicted[mode] - peak) / peak
-            print(f"| {model} | {mode} | {ms:.1f} | {ms / ms0:.2f} | {peak:.0f} | {peak / peak0:.2f} | "
+            print(f"| {model} | {impl} | {mode} | {ms:.1f} | {ms / ms0:.2f} | {peak:.0f} | {peak / peak0:.2f} | "
                   f"{predicted[mode]:.0f} | {100 * err:+.1f}% | {dloss:.1e} |", flush=True)
 
 

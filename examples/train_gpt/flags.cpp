@@ -173,6 +173,7 @@ void add_flags(CLI::App& app, Options& o) {
               "Keep the tensors the forward saves for backward in host memory (save_on_cpu; pinned on CUDA)");
   g->add_option("--checkpoint-impl", o.checkpoint_impl,
                 "With --activation-checkpointing full or layer:K: no_reentrant (saved-tensor hooks, PyTorch's default) or reentrant "
+                "(--model-impl holder only) "
                 "(an autograd function re-running the block in a nested backward), as checkpoint_wrapper's "
                 "CheckpointImpl")
       ->capture_default_str()->check(CLI::IsMember({"no_reentrant", "reentrant"}));

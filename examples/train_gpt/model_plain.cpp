@@ -43,12 +43,7 @@ torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
   auto pos = torch::arange(T, idx.options());
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
   if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
-  for (size_t i = 0; i < h->size(); ++i) {
-    auto* block = h[i]->as<PlainBlock>();
-    const auto* options = i < block_checkpoint.size() && block_checkpoint[i] ? &*block_checkpoint[i] : nullptr;
-    x = options ? fsdp::checkpoint(*options, [block](torch::Tensor t) { return block->forward(t); }, x)
-                : block->forward(x);
-  }
+  for (const auto& block : *h) x = block->as<PlainBlock>()->forward(x);
   if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
   return lm_head(ln_f(x));  // [B, T, vocab]
 }

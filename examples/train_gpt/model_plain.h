@@ -10,11 +10,7 @@
 // PlainBlockImpl::forward for the one place that takes care).
 #pragma once
 
-#include <optional>
-
 #include <torch/torch.h>
-
-#include "fsdp/utils/activation_checkpoint.h"
 
 #include "model.h"  // GPTConfig, CausalSelfAttention, LMHead, init_gpt2_weights (plain LibTorch modules)
 
@@ -43,9 +39,6 @@ struct PlainGPTImpl : torch::nn::Module {
   int64_t num_params() const { return num_params_; }
 
   GPTConfig cfg;
-  /// Per block, its checkpoint options (fsdp::checkpoint around the block's call in forward) or none: a model
-  /// without FSDP hooks has no call site that checkpoint_wrapper could wrap, so the forward does it.
-  std::vector<std::optional<fsdp::CheckpointOptions>> block_checkpoint;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h;  // the blocks, "h.0", "h.1", ...: what parallelize() shards one by one

@@ -80,6 +80,12 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     throw UsageError("--activation-checkpointing selective-op needs --checkpoint-impl no_reentrant (selective "
                      "checkpointing works on the saved tensors, which the reentrant form does not use)");
   }
+  if (o.activation_checkpointing != "none" && o.checkpoint_impl == "reentrant" && o.model_impl == "plain") {
+    throw UsageError("--checkpoint-impl reentrant needs --model-impl holder: the plain model is unchanged LibTorch "
+                     "code, whose blocks are checkpointed from the ops on their parameters (no call to re-run), which "
+                     "only the non-reentrant form can do; use --checkpoint-impl no_reentrant (PyTorch's "
+                     "recommendation, the default)");
+  }
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;
   p.dp_replicate = o.dp_replicate;
@@ -130,9 +136,9 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                                      "--tp that divides them");
     need(cfg.dropout == 0.0, "--dropout > 0 is not supported with tensor parallelism yet (the TP ranks would drop "
                              "different elements of the same activation). Fix: --dropout 0");
-    need(!o.cpu_offload && o.activation_checkpointing == "none" && o.mixed_precision != "fp16",
-         "--cpu-offload, --activation-checkpointing and --mixed-precision fp16 are not supported with tensor "
-         "parallelism yet. Fix: drop them or --tp 1");
+    need(!o.cpu_offload && o.mixed_precision != "fp16",
+         "--cpu-offload and --mixed-precision fp16 are not supported with tensor parallelism yet. Fix: drop them or "
+         "--tp 1");
     need(!o.sequence_parallel || cfg.block_size % o.tp == 0,
          "--sequence-parallel splits the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) " +
              "evenly; use a --tp that divides it");

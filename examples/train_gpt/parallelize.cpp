@@ -145,9 +145,10 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
-  model->block_checkpoint.clear();
+  // The blocks are called by the model's own forward: checkpoint_wrapper on an unchanged module checkpoints it from
+  // the ops on its parameters, no edit of the forward ([Note: implicit checkpoint regions]).
   for (int64_t i = 0; i < static_cast<int64_t>(model->h->size()); ++i) {
-    model->block_checkpoint.push_back(block_checkpoint_options(p, i));
+    if (auto options = block_checkpoint_options(p, i)) fsdp::checkpoint_wrapper(model->h[i], *options);
   }
   if (p.replicate) {
     const auto ropts = replicate_options(fsdp_mesh(mesh, p), p);

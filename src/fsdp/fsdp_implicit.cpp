@@ -60,8 +60,9 @@ namespace fsdp::detail {
 // Limits: uses that do not dispatch (data_ptr(), raw memory in a custom kernel) see what the parameter
 // holds at the time; an alias (view, detach(), .data()) taken while the parameter was sharded and
 // used in forward raises a c10::Error (raise_stale_alias); torch::optim::LBFGS (clones of parameters
-// outside forward) is not supported; activation checkpointing needs the call site (fsdp::checkpoint),
-// as no hook can re-run an unchanged module's forward.
+// outside forward) is not supported. Activation checkpointing of an unchanged module cannot re-run its
+// forward (no hook can); it records the module's ops and replays them ([Note: implicit checkpoint regions],
+// utils/implicit_checkpoint.cpp), non-reentrant only.
 
 namespace {
 

@@ -26,6 +26,8 @@
 //   See [Note: reshard_after_forward=k].
 #pragma once
 
+#include "utils/implicit_checkpoint.h"
+
 #include <string>
 #include <vector>
 
@@ -103,8 +105,9 @@ class FSDPParam {
   DeviceMeshPtr tp_mesh;             // null unless TP
   Placement tp_placement;            // on tp_mesh
   std::vector<int64_t> tp_global_shape;
-  /// Whether the unsharded data carries the interception key too.
-  bool keyed() const { return intercept || tp_mesh != nullptr; }
+  /// Whether the unsharded data carries the interception key too (also for a parameter of a checkpointed unchanged
+  /// module: its ops open the module's checkpoint regions, [Note: implicit checkpoint regions]).
+  bool keyed() const { return intercept || tp_mesh != nullptr || is_implicitly_checkpointed(param); }
 
   int64_t padded_numel() const { return padded_rows * row_numel; }
   bool requires_grad() const { return param.requires_grad(); }

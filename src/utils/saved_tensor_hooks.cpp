@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
 
+#include "utils/implicit_checkpoint.h"
 #include "utils/saved_tensor_hooks_internal.h"
 
 // [Note: saved-tensor hooks]
@@ -26,6 +27,8 @@ namespace detail {
 namespace {
 
 thread_local std::vector<SavedHooksFactory> t_factories;
+thread_local SavedHooksFactory t_region_factory;  // an implicit checkpoint region's
+thread_local size_t t_region_depth = 0;            // t_factories' size when it was set
 
 struct HooksEngine : torch::autograd::Engine {
   static torch::autograd::Engine& instance() {
@@ -35,8 +38,18 @@ struct HooksEngine : torch::autograd::Engine {
   static bool is_default() { return &torch::autograd::Engine::get_default_engine() == &instance(); }
   ~HooksEngine() override { stop(); }  // (before the base destructor: see Engine::stop)
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (t_region_factory && t_factories.size() <= t_region_depth) return t_region_factory();
     if (t_factories.empty()) return nullptr;
     return t_factories.back()();
+  }
+  // A backward begins: the implicit checkpoint region open on this thread (the forward's last) ends before it
+  // ([Note: implicit checkpoint regions]).
+  torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
+                                         const torch::autograd::variable_list& inputs, bool keep_graph,
+                                         bool create_graph, bool accumulate_grad,
+                                         const torch::autograd::edge_list& outputs) override {
+    close_implicit_region();
+    return torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
 };
 
@@ -56,6 +69,17 @@ void push_saved_hooks(SavedHooksFactory factory, const char* api) {
 }
 
 void pop_saved_hooks() { t_factories.pop_back(); }
+
+void set_region_saved_hooks(SavedHooksFactory factory) {
+  if (factory) {
+    TORCH_CHECK(installed && HooksEngine::is_default(), "apply_activation_checkpointing: LibTorch's autograd engine is ",
+                "not libfsdp's (the process ran a backward before libfsdp was loaded, or another library replaced the ",
+                "engine), so the regions of unchanged modules cannot run. Fix: link libfsdp into the program (not ",
+                "dlopen after autograd ran)");
+  }
+  t_region_depth = t_factories.size();
+  t_region_factory = std::move(factory);
+}
 
 }  // namespace detail
 

@@ -18,6 +18,11 @@ using SavedHooksFactory = std::function<std::unique_ptr<torch::autograd::SavedVa
 void push_saved_hooks(SavedHooksFactory factory, const char* api);
 void pop_saved_hooks();
 
+/// The hooks of the implicit checkpoint region open on this thread (implicit_checkpoint.cpp; empty: none). They
+/// sit where the stack stood when they were set: a saved_tensors_hooks scope entered later is innermost, as in
+/// PyTorch. Throws c10::Error as push_saved_hooks.
+void set_region_saved_hooks(SavedHooksFactory factory);
+
 /// RAII form of push/pop.
 struct SavedHooksScope {
   SavedHooksScope(SavedHooksFactory factory, const char* api) { push_saved_hooks(std::move(factory), api); }

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "utils/implicit_checkpoint.h"
 #include "utils/intercept.h"
 #include "utils/rng_states.h"
 #include "utils/selective_checkpoint_internal.h"
@@ -99,22 +100,6 @@ void lower(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   call_layer_below(InterceptLayer::Checkpoint, composite, op, ks, stack);
 }
 
-void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  SelectiveRun* run = t_run;
-  if (!run || run->depth > 0 || !torch::GradMode::is_enabled() || is_metadata_op(op)) {
-    return lower(composite, op, ks, stack);
-  }
-  if (run->fill) return run->recompute(composite, op, ks, stack);
-  run->first_run(composite, op, ks, stack);
-}
-
-void sac_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  handle(false, op, ks, stack);
-}
-void sac_composite(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  handle(true, op, ks, stack);
-}
-
 // Calls `f(tensor, element)` for a tensor IValue (element -1) or each tensor of a list.
 template <typename F>
 void for_tensors(const c10::IValue& v, F&& f) {
@@ -147,6 +132,16 @@ std::string op_string(const c10::OperatorName& name) {
 }
 
 }  // namespace
+
+void selective_handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                      torch::jit::Stack* stack) {
+  SelectiveRun* run = t_run;
+  if (!run || run->depth > 0 || !torch::GradMode::is_enabled() || is_metadata_op(op)) {
+    return lower(composite, op, ks, stack);
+  }
+  if (run->fill) return run->recompute(composite, op, ks, stack);
+  run->first_run(composite, op, ks, stack);
+}
 
 // Where the k-th tensor of `values` (tensors and tensor lists, in order) is: its value and its element in a list
 // (-1: the value is the tensor), or a null value.
@@ -361,7 +356,7 @@ const torch::Tensor* SelectiveRegion::kept(size_t index) const {
 
 SelectiveRegion::Scope::Scope(SelectiveRegion* region, Fill fill) : previous_(t_run) {
   if (region) {
-    install_intercept_layer(InterceptLayer::Checkpoint, &sac_fallback, &sac_composite);
+    install_checkpoint_layer();
     run_ = std::make_unique<SelectiveRun>();
     run_->region = region;
     run_->fill = std::move(fill);

@@ -4,6 +4,7 @@
 #include "fully_shard_test_util.h"
 
 #include "fsdp/fsdp_state.h"
+#include "utils/implicit_checkpoint.h"
 
 namespace fsdp::testing {
 namespace {
@@ -214,25 +215,30 @@ TEST(Implicit, AnAliasOfTheShardUsedInForwardIsAnError) {
   });
 }
 
-TEST(Implicit, CheckpointWrapperOnAnImplicitModuleIsRefusedBeforeSharding) {
+TEST(Implicit, CheckpointWrapperOnAnImplicitModuleOpensRegionsFromItsParametersBeforeAndAfterSharding) {
+  // Nothing calls an unchanged module's forward through libfsdp: checkpoint_wrapper marks its parameters, whose ops
+  // open its regions ([Note: implicit checkpoint regions]); not the holder path's options. The reentrant form,
+  // which re-runs a call, is refused naming the fix, before sharding and after it.
   run_ranks(1, [&](ProcessGroupPtr pg) {
     auto mesh = init_device_mesh(torch::kCPU, {1}, {}, pg);
-    PlainNet net;
-    auto blk = net->blocks[0];
-    // Refused at once (nothing would call its forward through libfsdp: it would silently not checkpoint), before
-    // sharding and after it.
     for (bool sharded : {false, true}) {
+      PlainNet net;
+      auto blk = net->blocks[0];
       if (sharded) fully_shard(blk, FullyShardOptions().mesh(mesh));
       try {
-        checkpoint_wrapper(blk);
+        checkpoint_wrapper(blk, CheckpointOptions().use_reentrant(true));
         ADD_FAILURE() << "no error";
       } catch (const c10::Error& e) {
         const std::string msg = e.what_without_backtrace();
-        EXPECT_NE(msg.find("fsdp::checkpoint"), std::string::npos) << msg;
-        EXPECT_NE(msg.find(sharded ? "is sharded without an fsdp::FSDPModule holder" : "has no live fsdp::FSDPModule holder"),
+        EXPECT_NE(msg.find("use_reentrant(true) for fsdp::testing::BlockImpl, which has no fsdp::FSDPModule holder"),
                   std::string::npos) << msg;
+        EXPECT_NE(msg.find("the non-reentrant form"), std::string::npos) << msg;
       }
-      EXPECT_FALSE(detail::checkpoint_options(*blk));
+      EXPECT_FALSE(detail::is_implicitly_checkpointed(blk->parameters()[0])) << "a refused call marks nothing";
+      checkpoint_wrapper(blk);
+      EXPECT_FALSE(detail::checkpoint_options(*blk)) << "no holder call to wrap";
+      for (const auto& p : blk->parameters()) EXPECT_TRUE(detail::is_implicitly_checkpointed(p));
+      EXPECT_FALSE(detail::is_implicitly_checkpointed(net->head->weight));
     }
   });
 }

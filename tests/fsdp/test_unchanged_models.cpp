@@ -229,34 +229,33 @@ TEST_P(UnchangedMore, ReadUnderNoGradBetweenStepsSeesTheLocalShardAndTrainingCon
 
 // ---- Errors ------------------------------------------------------------------------------------------
 
-// checkpoint_wrapper needs a call site the library owns (an FSDPModule holder): on an unchanged module
-// it would silently not checkpoint, so checkpoint_wrapper (and apply_activation_checkpointing) refuses it, naming
-// the fix (fsdp::checkpoint at the call site). The holder path still accepts it.
-TEST(UnchangedErrors, CheckpointWrapperOnAModuleWithoutHolderIsRefused) {
+// An unchanged module has no call that libfsdp runs: checkpoint_wrapper and apply_activation_checkpointing
+// checkpoint it from the ops on its parameters (non-reentrant; tests/algorithms/test_apply_activation_checkpointing.cpp),
+// and refuse the reentrant form, which re-runs a call, naming the fix; all or nothing, each module named by its path.
+// The holder path still accepts it.
+TEST(UnchangedErrors, ReentrantCheckpointWrapperOnAModuleWithoutHolderIsRefused) {
   run_ranks(1, [](ProcessGroupPtr pg) {
     PlainNet net;
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {pg->size()}));
     std::string msg;
     try {
-      checkpoint_wrapper(net->blocks[0]);
+      checkpoint_wrapper(net->blocks[0], CheckpointOptions().use_reentrant(true));
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }
-    EXPECT_NE(msg.find("checkpoint_wrapper"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("fsdp::checkpoint"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("use_reentrant(true)"), std::string::npos) << msg;
     EXPECT_NE(msg.find("BlockImpl"), std::string::npos) << "names the module type: " << msg;
     EXPECT_FALSE(detail::checkpoint_options(*net->blocks[0])) << "a refused call leaves the module unwrapped";
-    // apply_activation_checkpointing: all or nothing, each module named by its path.
     auto is_block = [](torch::nn::Module& m) { return dynamic_cast<BlockImpl*>(&m) != nullptr; };
     msg.clear();
     try {
-      apply_activation_checkpointing(*net, is_block);
+      apply_activation_checkpointing(*net, is_block, CheckpointOptions().use_reentrant(true));
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }
-    EXPECT_NE(msg.find("2 of the 2 modules check_fn selected cannot be wrapped"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("'blocks.0' (fsdp::testing::BlockImpl) has no live fsdp::FSDPModule holder"), std::string::npos)
-        << msg;
+    EXPECT_NE(msg.find("2 of the 2 modules check_fn selected cannot be checkpointed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'blocks.0' (fsdp::testing::BlockImpl) has no fsdp::FSDPModule holder, and the reentrant form"),
+              std::string::npos) << msg;
     EXPECT_NE(msg.find("'blocks.1' (fsdp::testing::BlockImpl)"), std::string::npos) << msg;
     EXPECT_FALSE(detail::checkpoint_options(*net->blocks[0]));
     Net holder_net;

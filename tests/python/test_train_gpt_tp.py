@@ -5,7 +5,7 @@ the same in every layout (8 sequences: --batch-size is per data-parallel rank, a
 its batch), so every layout must train like FSDP alone on 4 ranks: losses, evaluation losses and
 gradient norms within 1e-5 (relative; TP sums the blocks' matmuls in another order). Layouts: --tp 2
 (dp_shard 2), --tp 2 --sequence-parallel, HSDP + TP (--dp-replicate 2 --tp 2), and the unchanged model
-(--model-impl plain) with sequence parallelism. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
+(--model-impl plain) with sequence parallelism, and with full or selective activation checkpointing. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
 precision. Checkpoints move between layouts; bad layouts fail with the flag to change.
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
@@ -55,6 +55,12 @@ def fsdp_alone(text_files, tmp_path_factory):
     ("tp2_sp", ["--tp", "2", "--sequence-parallel"]),
     ("hsdp_tp2", ["--tp", "2", "--dp-replicate", "2"]),
     ("plain_tp2_sp", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain"]),
+    # Activation checkpointing of the unchanged blocks (recorded and replayed regions) over TP's parameters: the
+    # replay runs the TP styles' collectives again, as PyTorch's recomputation does.
+    ("tp2_sp_ac", ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"]),
+    ("plain_tp2_sp_ac", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain", "--activation-checkpointing",
+                         "full"]),
+    ("plain_tp2_sac", ["--tp", "2", "--model-impl", "plain", "--activation-checkpointing", "selective-op"]),
 ])
 def test_tensor_parallel_layouts_train_like_fsdp_alone(text_files, tmp_path, fsdp_alone, name, extra):
     p = run(args(text_files, tmp_path, name, "--batch-size", "4", *extra), nproc=4)

@@ -48,7 +48,9 @@ def first_difference(holder, plain):
 CASES = {
     "fp32": [],
     "bf16": ["--mixed-precision", "bf16"],
-    # The model's own checkpointing flag, with dropout: the recomputation replays the same random masks.
+    # Activation checkpointing with dropout: the holder model's blocks through checkpoint_wrapper, the plain model's
+    # unchanged blocks through the recorded regions of checkpoint_wrapper on an unchanged module (no forward edit);
+    # the replays draw the same random masks.
     "fp32_ac_dropout": ["--activation-checkpointing", "full", "--dropout", "0.1"],
     # Selective checkpointing (matmul and attention outputs kept) of implicit groups vs holders, with dropout.
     "fp32_sac_dropout": ["--activation-checkpointing", "selective-op", "--dropout", "0.1"],
@@ -90,3 +92,12 @@ def test_help_documents_model_impl():
     p = subprocess.run([str(TRAIN_GPT), "--model-impl", "unchanged"], capture_output=True, encoding="utf-8",
                        timeout=60)
     assert p.returncode != 0 and "--model-impl" in p.stderr, p.stderr
+
+
+def test_reentrant_checkpointing_of_the_plain_model_is_refused_naming_the_fix(text_files, tmp_path):
+    # The plain model's blocks have no call to re-run (the model's forward calls them): only the non-reentrant form.
+    cmd = [str(TRAIN_GPT), "--model-impl", "plain", "--model", "tiny", "--data", *map(str, text_files), "--steps", "1",
+           "--activation-checkpointing", "full", "--checkpoint-impl", "reentrant"]
+    p = subprocess.run(cmd, env=clean_env(), capture_output=True, encoding="utf-8", timeout=120)
+    assert p.returncode != 0
+    assert "--checkpoint-impl reentrant needs --model-impl holder" in p.stdout + p.stderr, p.stdout + p.stderr

@@ -15,12 +15,19 @@
 
 namespace fsdp {
 
-/// Checkpoints `module`'s forward whenever it runs through fsdp::FSDPModule (declare the module as
-/// fsdp::FSDPModule<Holder>), with `options` (CheckpointOptions: non-reentrant by default; use_reentrant(true)
+/// Checkpoints `module`'s forward with `options` (CheckpointOptions: non-reentrant by default; use_reentrant(true)
 /// is PyTorch's CheckpointImpl.REENTRANT; a context_fn makes it selective). Apply before or after fully_shard;
-/// applying it again replaces the options. Throws c10::Error for a null module, or one without a live
-/// FSDPModule holder (nothing in libfsdp calls its forward, so it could not be checkpointed: the message names
-/// fsdp::checkpoint at the call site as the fix).
+/// applying it again replaces the options. Two forms, chosen by how the model calls the module:
+/// - through an fsdp::FSDPModule holder: FSDPModule runs the call under fsdp::checkpoint;
+/// - an unchanged module (called by the model's own code: a Sequential element, a ModuleList entry iterated in the
+///   user's forward, torch::nn::TransformerEncoder's layers, a member called as `fc(x)`), sharded or not: the ops on
+///   its parameters open a checkpoint region that lasts until another module's parameter is used (or a backward
+///   begins), recorded as an op tape and replayed in backward. The values and gradients are those without
+///   checkpointing; the region also takes the ops between the module's last parameter use and the next module's
+///   (residual adds, dropout), and the user's ops after the model (the loss) when no other module's parameter comes
+///   first. Non-reentrant only. See [Note: implicit checkpoint regions], src/utils/implicit_checkpoint.cpp.
+/// Throws c10::Error for a null module; for an unchanged one without parameters of its own (outside holder
+/// modules), with use_reentrant(true), or whose parameter is already another checkpointed module's.
 /// Mirrors checkpoint_wrapper(module, checkpoint_impl, **checkpoint_fn_kwargs).
 /// Example: `fsdp::checkpoint_wrapper(block, fsdp::CheckpointOptions().preserve_rng_state(false));`
 void checkpoint_wrapper(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options = {});
@@ -43,13 +50,14 @@ void offload_wrapper(const torch::nn::ModuleHolder<T>& holder) {
 }
 
 /// checkpoint_wrapper(module, options) on every descendant of `model` (not `model` itself) for which
-/// `check_fn(module)` is true, e.g. each transformer block. All or nothing: every match must have a live
-/// FSDPModule holder, else c10::Error names each one without (its path and type) and nothing is applied.
-/// Returns the number of modules wrapped. Mirrors
-/// torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing(model,
-/// checkpoint_wrapper_fn, check_fn). Not yet: modules without a holder (an unchanged model's blocks called by
-/// the model's own forward); checkpoint them at the call site (fsdp::checkpoint).
-/// Example: `fsdp::apply_activation_checkpointing(*model, [](torch::nn::Module& m) { return dynamic_cast<BlockImpl*>(&m) != nullptr; }, sac);`
+/// `check_fn(module)` is true, e.g. each transformer block, with or without holders: an unchanged model needs no
+/// edit of its forward (LibTorch's TransformerEncoder: check_fn selects its TransformerEncoderLayerImpl layers).
+/// All or nothing: c10::Error names every match that cannot be checkpointed (its path, its type and why: an unchanged
+/// module without parameters, one inside another unchanged match, one sharing a parameter with another, any
+/// unchanged one with use_reentrant(true)) and nothing is applied. Returns the number of modules checkpointed.
+/// Mirrors torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing(model,
+/// checkpoint_wrapper_fn, check_fn).
+/// Example: `fsdp::apply_activation_checkpointing(*model, [](torch::nn::Module& m) { return dynamic_cast<torch::nn::TransformerEncoderLayerImpl*>(&m) != nullptr; });`
 int64_t apply_activation_checkpointing(torch::nn::Module& model, const std::function<bool(torch::nn::Module&)>& check_fn,
                                        const CheckpointOptions& options = {});
 

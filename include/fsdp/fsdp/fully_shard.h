@@ -34,9 +34,9 @@
 //   inputs of the ops that use the group's parameters (module inputs are not visible); output_dtype
 //   needs the call through fsdp_forward (refused otherwise). Outside forward and backward a parameter is its local shard (see "Reads" below). An
 //   alias (a view, detach(), .data()) of a parameter taken while it was sharded and used in a forward throws a
-//   c10::Error. Activation checkpointing needs a call site: wrap the call in the model's forward,
-//   `x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x)` (checkpoint_wrapper()
-//   on an implicit module throws). Cost: ~1 us per op that takes a parameter; other ops pay nothing.
+//   c10::Error. Activation checkpointing: checkpoint_wrapper() / apply_activation_checkpointing() on the
+//   unchanged module (its ops are recorded and replayed in backward, non-reentrant), or fsdp::checkpoint around
+//   the call in the model's forward. Cost: ~1 us per op that takes a parameter; other ops pay nothing.
 //   torch::optim::LBFGS is not supported (it clones parameters outside forward).
 // - holder (no per-op cost in forward): declare the module as fsdp::FSDPModule<Block> instead of Block
 //   and call it as `block(x)` (or through fsdp::fsdp_forward() for other entry points). Its shards carry

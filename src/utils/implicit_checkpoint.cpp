@@ -1,0 +1,514 @@
+// Checkpoint regions of unchanged modules: recorded op tapes replayed in backward.
+#include "utils/implicit_checkpoint.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "utils/intercept.h"
+#include "utils/non_reentrant_frame.h"
+#include "utils/saved_tensor_hooks_internal.h"
+#include "utils/selective_checkpoint_internal.h"
+
+// [Note: implicit checkpoint regions]
+// PyTorch's apply_activation_checkpointing swaps a module for a wrapper whose forward runs the module under
+// torch.utils.checkpoint. A LibTorch model's containers call their children's Impl directly (Sequential through
+// AnyModule, ModuleList and TransformerEncoder through as<Layer>()), so nothing can wrap the call of an unchanged
+// module (see [Note: implicit groups], fsdp_implicit.cpp); what can be seen is its parameters, at op level.
+//   Regions. The checkpointed module's parameters carry libfsdp's interception key (utils/intercept.h), and this
+// layer of the fallback sees every op on them. With grad enabled, an op on a parameter of checkpointed module M
+// (not a metadata query, not detach) opens a region for M: from then on the key is in the thread's included keys,
+// so every op of the thread reaches this layer; the region records each top-level op (not nested in another op)
+// and runs it as it would run anyway: its first run is the ordinary forward, with the saved-tensor hooks of a
+// non-reentrant checkpoint ([Note: non-reentrant checkpoint]) around it. The region ends at the first op that uses
+// another module's parameter (a parameter of another checkpointed module, which opens that one's region; or
+// another leaf that requires grad and carries the key: a parameter of an FSDP or TP module), when a backward begins
+// (libfsdp's autograd engine, saved_tensor_hooks.cpp), where an explicit checkpoint region begins, or at a holder's
+// pre- or post-forward. So a region spans from the module's first parameter use to the next module's: the block's
+// ops before its first weight (none in a pre-norm block) are the previous region's, and the ops between its last
+// weight and the next module's (residual adds, dropout) are its own. The boundaries move work between regions; the
+// values are those of the forward either way, since a region replays exactly what it recorded.
+//   The tape. Each op is kept as its OperatorHandle, its non-tensor arguments and, per tensor argument, where the
+// replay finds it: the output of an earlier op of the region (by slot), or a tensor from outside the region (an
+// input: the block's input, the attention mask, a parameter), held by the tape as checkpoint holds its inputs. The
+// region's own values are not held (that is the memory saved). In backward, the first tensor the graph unpacks
+// replays the tape under the first run's RNG and autocast states and each op's grad mode: the outside tensors
+// detached, with their requires_grad (parameters and keyed tensors as they are: FSDP and TP find their parameters
+// by identity, unshard and cast them for the replay as for the forward), and the k-th tensor the replay saves serves
+// the k-th the forward saved, as for fsdp::checkpoint; slots are freed after their last use. A context_fn makes the
+// region selective ([Note: selective checkpoint]): the ops it saves are skipped in the replay.
+//   Writes. An op of the region that writes in place into an outside tensor (an input; a buffer: batch_norm's
+// running statistics, which its schema does not annotate, so they are recognised by name) writes it in the forward
+// only (PyTorch's recomputation updates running statistics a second time): the tape keeps a copy of the value it had (copied just before the write),
+// and the replay writes a fresh copy of that. An outside tensor modified after the region used it (its version
+// moved) is refused in backward, naming the op; a write into a parameter inside a region is refused in forward.
+//   What is recorded too: every op of the thread while the region is open, including those of the user's code after
+// the model (the loss) when no other module's parameter comes first; they are replayed with it (a little compute).
+// Library code runs without interception (NoInterception) or suspended (SuspendImplicitRegions), so FSDP's
+// collectives are not on the tape. Limits: only non-reentrant regions (the reentrant form needs a call to re-run);
+// a module without parameters cannot be seen; nested matches are refused (each parameter opens one region).
+namespace fsdp::detail {
+namespace {
+
+struct Owner {
+  std::string name;
+  CheckpointOptions options;
+};
+
+struct ParamEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // see [Note: identity by address], fsdp_interception.cpp
+  std::shared_ptr<const Owner> owner;
+};
+
+struct Registry {
+  std::shared_mutex mu;
+  std::unordered_map<const c10::TensorImpl*, ParamEntry> params;
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // never destroyed: read by rank threads until the process exits
+  return *r;
+}
+
+std::atomic<bool> any_registered{false};
+std::atomic<int64_t> n_regions{0}, n_replays{0}, n_ops{0};
+
+std::shared_ptr<const Owner> owner_of(const torch::Tensor& t) {
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  auto it = r.params.find(t.unsafeGetTensorImpl());
+  if (it == r.params.end() || it->second.impl.expired()) return nullptr;
+  return it->second.owner;
+}
+
+std::string op_name(const c10::OperatorHandle& op) {
+  const auto& n = op.operator_name();
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+
+// A tensor argument of a recorded op: where the replay finds it.
+struct Ref {
+  size_t arg = 0;
+  int64_t element = -1;  // in a list, else -1
+  bool outside = false;  // an outside tensor (index into Tape::outside), else a slot
+  size_t index = 0;
+};
+
+struct TapeOp {
+  c10::OperatorHandle op;
+  bool grad_mode = true;
+  std::vector<c10::IValue> args;  // tensors blanked (None), lists copied
+  std::vector<Ref> refs;
+  size_t first_slot = 0;          // its tensor outputs fill slots first_slot, first_slot + 1, ...
+  size_t n_outputs = 0;
+};
+
+struct Outside {
+  torch::Tensor value;
+  int64_t version = 0;
+  bool as_is = false;      // a parameter or keyed tensor: passed itself (FSDP and TP know it by identity)
+  torch::Tensor before;    // written by the region: the value before its first write
+  size_t first_use = 0;    // the op that first used it
+};
+
+struct Tape {
+  std::shared_ptr<const Owner> owner;
+  std::mutex mu;            // recording (the forward's thread) against a replay (a backward's thread)
+  bool sealed = false;      // replayed: nothing more is recorded
+  std::vector<TapeOp> ops;
+  std::vector<Outside> outside;
+  size_t n_slots = 0;
+};
+
+// The region open on a thread: the tape being recorded and the maps from the thread's tensors to its refs.
+struct OpenRegion {
+  std::shared_ptr<Tape> tape;
+  std::shared_ptr<NonReentrantFrame> frame;
+  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, size_t>> slots;
+  std::unordered_map<const c10::TensorImpl*, size_t> outside;  // (the tape holds them: addresses stay theirs)
+  std::unique_ptr<SelectiveRegion::Scope> selective;
+  bool included_before = false;
+};
+
+thread_local OpenRegion* t_open = nullptr;  // (a raw pointer: nothing to destroy at thread exit)
+thread_local int t_depth = 0;               // > 0: inside a recorded op
+thread_local int t_replaying = 0;
+thread_local int t_suspended = 0;
+
+struct Counter {
+  explicit Counter(int& c) : c_(c) { ++c_; }
+  ~Counter() { --c_; }
+  int& c_;
+};
+
+template <typename F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor(), int64_t{-1});
+  } else if (v.isList()) {
+    const auto list = v.toList();
+    for (size_t e = 0; e < list.size(); ++e) {
+      const c10::IValue item = list.get(e);
+      if (item.isTensor()) f(item.toTensor(), static_cast<int64_t>(e));
+    }
+  }
+}
+
+void set_arg(std::vector<c10::IValue>& args, size_t arg, int64_t element, c10::IValue value) {
+  if (element < 0) {
+    args[arg] = std::move(value);
+  } else {
+    auto list = args[arg].toList();
+    list.set(element, std::move(value));
+  }
+}
+
+// A copy of `t` with its strides (the replay's kernels, and their roundings, are those of the forward).
+torch::Tensor copy_of(const torch::Tensor& t) {
+  auto c = at::empty_like(t, at::MemoryFormat::Preserve);
+  c.copy_(t);
+  return c;
+}
+
+void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+std::vector<torch::Tensor> replay(Tape& tape);
+
+void open_region(std::shared_ptr<const Owner> owner, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const size_t nargs = op.schema().arguments().size();
+  std::vector<torch::Tensor> devices_of;
+  for (size_t a = stack.size() - nargs; a < stack.size(); ++a) {
+    each_tensor(stack[a], [&](const torch::Tensor& t, int64_t) {
+      if (t.defined()) devices_of.push_back(t);
+    });
+  }
+  auto region = std::make_unique<OpenRegion>();
+  region->tape = std::make_shared<Tape>();
+  region->tape->owner = owner;
+  region->frame = make_non_reentrant_frame(devices_of, owner->options);
+  region->frame->fn = [tape = region->tape](const std::vector<torch::Tensor>&) { return replay(*tape); };
+  std::weak_ptr<NonReentrantFrame> weak = region->frame;  // the hooks own the frame; the factory must not
+  set_region_saved_hooks([weak] { return std::make_unique<FirstRunHooks>(weak.lock()); });
+  region->included_before = c10::impl::tls_is_dispatch_key_included(kInterceptKey);
+  c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
+  // (The key is included already: the selective scope's guard changes nothing, and the close puts it back.)
+  if (region->frame->selective) {
+    region->selective = std::make_unique<SelectiveRegion::Scope>(region->frame->selective.get(), SelectiveRegion::Fill{});
+  }
+  t_open = region.release();
+  n_regions.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Why the op closes the open region or opens one: the checkpointed module whose parameter it takes (null: none),
+// and whether it takes another module's parameter.
+struct OpOwner {
+  std::shared_ptr<const Owner> owner;
+  bool foreign = false;
+};
+
+OpOwner classify(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  OpOwner out;
+  const size_t nargs = op.schema().arguments().size();
+  for (size_t a = stack.size() - nargs; a < stack.size(); ++a) {
+    each_tensor(stack[a], [&](const torch::Tensor& t, int64_t) {
+      if (!t.defined() || !t.key_set().has(kInterceptKey)) return;
+      if (auto o = owner_of(t)) {
+        if (out.owner && out.owner != o) out.foreign = true;  // two checkpointed modules' parameters in one op
+        out.owner = std::move(o);
+      } else if (t.is_leaf() && t.requires_grad()) {
+        out.foreign = true;  // a parameter of a module that is not checkpointed (FSDP's, TP's)
+      }
+    });
+  }
+  return out;
+}
+
+bool opens_regions(const c10::OperatorHandle& op) {
+  if (is_metadata_op(op)) return false;
+  const auto& name = op.schema().name();
+  return name != "aten::detach" && name != "aten::alias";
+}
+
+void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (t_depth > 0 || t_replaying > 0 || !any_registered.load(std::memory_order_relaxed)) {
+    return selective_handle(composite, op, ks, stack);
+  }
+  if (t_open) {
+    bool sealed;
+    {
+      std::lock_guard<std::mutex> lock(t_open->tape->mu);
+      sealed = t_open->tape->sealed;  // a backward on another thread replayed it already
+    }
+    if (sealed) close_implicit_region();
+  }
+  if (t_suspended == 0) {
+    const OpOwner o = classify(op, *stack);
+    if (t_open && (o.foreign || (o.owner && o.owner != t_open->tape->owner))) close_implicit_region();
+    if (!t_open && o.owner && !o.foreign && torch::GradMode::is_enabled() && opens_regions(op)) {
+      open_region(o.owner, op, *stack);
+    }
+  }
+  if (!t_open) return selective_handle(composite, op, ks, stack);
+  try {
+    record(composite, op, ks, stack);
+  } catch (...) {
+    close_implicit_region();  // the forward is abandoned; the thread's ops go their usual way again
+    throw;
+  }
+}
+
+void checkpoint_layer_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  handle(false, op, ks, stack);
+}
+void checkpoint_layer_composite(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  handle(true, op, ks, stack);
+}
+
+// Whether argument `a` of the op is written by it: annotated (Tensor(a!)), or a normalisation's running statistics in
+// training mode, which batch_norm, native_batch_norm, instance_norm, ... update without the annotation (their
+// versions do not move either).
+bool writes_arg(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args, size_t a) {
+  const auto& arg = schema.arguments()[a];
+  if (arg.alias_info() && arg.alias_info()->isWrite()) return true;
+  if (arg.name() != "running_mean" && arg.name() != "running_var") return false;
+  for (size_t i = 0; i < schema.arguments().size() && i < args.size(); ++i) {
+    const auto& name = schema.arguments()[i].name();
+    if ((name == "training" || name == "use_input_stats") && args[i].isBool()) return args[i].toBool();
+  }
+  return false;
+}
+
+void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  OpenRegion& r = *t_open;
+  Tape& tape = *r.tape;
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  const size_t base = stack->size() - nargs;
+  TapeOp rec{op};
+  rec.grad_mode = torch::GradMode::is_enabled();
+  rec.args.assign(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  {
+    std::lock_guard<std::mutex> lock(tape.mu);
+    const size_t op_index = tape.ops.size();
+    for (size_t a = 0; a < nargs; ++a) {
+      c10::IValue& arg = rec.args[a];
+      if (arg.isList()) arg = c10::IValue(arg.toList().copy());  // (the blanks must not reach the caller's list)
+      const bool written = writes_arg(schema, rec.args, a);
+      std::vector<std::pair<torch::Tensor, int64_t>> tensors;
+      each_tensor(arg, [&](const torch::Tensor& t, int64_t element) { tensors.emplace_back(t, element); });
+      for (auto& [t, element] : tensors) {
+        if (!t.defined()) continue;
+        Ref ref{a, element, false, 0};
+        auto sit = r.slots.find(t.unsafeGetTensorImpl());
+        if (sit != r.slots.end() && !sit->second.first.expired()) {
+          ref.index = sit->second.second;
+        } else {
+          ref.outside = true;
+          auto oit = r.outside.find(t.unsafeGetTensorImpl());
+          if (oit == r.outside.end()) {
+            Outside o;
+            o.value = t;
+            o.as_is = t.key_set().has(kInterceptKey) || (t.is_leaf() && t.requires_grad());
+            o.first_use = op_index;
+            o.version = static_cast<int64_t>(t._version());
+            oit = r.outside.emplace(t.unsafeGetTensorImpl(), tape.outside.size()).first;
+            tape.outside.push_back(std::move(o));
+          }
+          ref.index = oit->second;
+          Outside& o = tape.outside[ref.index];
+          if (written) {
+            TORCH_CHECK(!o.as_is, "apply_activation_checkpointing: op ", op_name(op), " writes in place into a ",
+                        "parameter (shape ", t.sizes(), ") inside the checkpointed region of ", tape.owner->name,
+                        "; the recomputation would write it again. Fix: write parameters outside the forward, or do ",
+                        "not checkpoint this module");
+            if (!o.before.defined()) {
+              // The value the region's earlier reads saw (the copy's ops are not the region's, nor a selective
+              // region's).
+              Counter depth(t_depth);
+              SuspendSelective suspend;
+              o.before = copy_of(t);
+            }
+          }
+        }
+        set_arg(rec.args, a, element, element < 0 ? c10::IValue() : c10::IValue(torch::Tensor()));
+        rec.refs.push_back(ref);
+      }
+    }
+  }
+  {
+    Counter depth(t_depth);
+    selective_handle(composite, op, ks, stack);
+  }
+  std::lock_guard<std::mutex> lock(tape.mu);
+  if (tape.sealed) return;  // replayed meanwhile by another thread: this op is not the region's (the next one closes it)
+  rec.first_slot = tape.n_slots;
+  const size_t nret = schema.returns().size();
+  for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
+    each_tensor((*stack)[i], [&](const torch::Tensor& t, int64_t) {
+      const size_t slot = tape.n_slots++;
+      ++rec.n_outputs;
+      if (t.defined()) {
+        r.slots.insert_or_assign(t.unsafeGetTensorImpl(),
+                                 std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), slot));
+      }
+    });
+  }
+  tape.ops.push_back(std::move(rec));
+  n_ops.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::vector<torch::Tensor> replay(Tape& tape) {
+  std::lock_guard<std::mutex> lock(tape.mu);
+  tape.sealed = true;
+  Counter replaying(t_replaying);
+  n_replays.fetch_add(1, std::memory_order_relaxed);
+  std::vector<torch::Tensor> outside(tape.outside.size());
+  std::optional<SuspendSelective> suspend(std::in_place);  // (the outside tensors' copies and detaches are not the
+                                                          // region's ops)
+  for (size_t i = 0; i < tape.outside.size(); ++i) {
+    const Outside& o = tape.outside[i];
+    if (o.before.defined()) {
+      outside[i] = copy_of(o.before);  // the replay writes its own copy
+      if (o.value.requires_grad()) outside[i].requires_grad_(true);
+      continue;
+    }
+    TORCH_CHECK(o.as_is || static_cast<int64_t>(o.value._version()) == o.version, "apply_activation_checkpointing: a ",
+                "tensor of shape ", o.value.sizes(), " that op #", o.first_use, " (",
+                o.first_use < tape.ops.size() ? op_name(tape.ops[o.first_use].op) : std::string("?"), ") of the checkpointed region of ", tape.owner->name, " read was modified in place afterwards (its ",
+                "version moved from ", o.version, " to ", o.value._version(), "), so the recomputation would compute ",
+                "from the new value. Fix: make that change out of place (y = x + 1, not x += 1), or do not checkpoint ",
+                "this module");
+    outside[i] = o.as_is ? o.value : o.value.detach().requires_grad_(o.value.requires_grad());
+  }
+  // Each slot is released after its last use (the replay holds what a forward would, not the whole region).
+  std::vector<size_t> last_use(tape.n_slots, 0);
+  for (size_t k = 0; k < tape.ops.size(); ++k) {
+    for (const auto& ref : tape.ops[k].refs) {
+      if (!ref.outside) last_use[ref.index] = k;
+    }
+  }
+  suspend.reset();
+  std::vector<torch::Tensor> slots(tape.n_slots);
+  for (size_t k = 0; k < tape.ops.size(); ++k) {
+    const TapeOp& rec = tape.ops[k];
+    torch::jit::Stack stack;
+    stack.reserve(rec.args.size());
+    for (const auto& a : rec.args) stack.push_back(a.isList() ? c10::IValue(a.toList().copy()) : a);
+    for (const auto& ref : rec.refs) {
+      const torch::Tensor& t = ref.outside ? outside[ref.index] : slots[ref.index];
+      set_arg(stack, ref.arg, ref.element, c10::IValue(t));
+    }
+    {
+      torch::AutoGradMode grad_mode(rec.grad_mode);
+      rec.op.callBoxed(&stack);
+    }
+    size_t produced = 0;
+    for (const auto& v : stack) {
+      each_tensor(v, [&](const torch::Tensor& t, int64_t) {
+        if (produced < rec.n_outputs) slots[rec.first_slot + produced] = t;
+        ++produced;
+      });
+    }
+    TORCH_CHECK(produced == rec.n_outputs, "apply_activation_checkpointing: the recomputation of op #", k, " (",
+                op_name(rec.op), ") of the checkpointed region of ", tape.owner->name, " returned ", produced,
+                " tensors, the forward ", rec.n_outputs, ". The region's ops depend on state that changed between ",
+                "forward and backward; make them depend on the inputs only");
+    for (const auto& ref : rec.refs) {
+      if (!ref.outside && last_use[ref.index] == k) slots[ref.index] = torch::Tensor();
+    }
+    for (size_t s = rec.first_slot; s < rec.first_slot + rec.n_outputs; ++s) {
+      if (last_use[s] <= k) slots[s] = torch::Tensor();  // never used by a later op of the region
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+void install_checkpoint_layer() {
+  install_intercept_layer(InterceptLayer::Checkpoint, &checkpoint_layer_fallback, &checkpoint_layer_composite);
+}
+
+void checkpoint_implicitly(const std::string& name, const std::vector<torch::Tensor>& params,
+                           const CheckpointOptions& options) {
+  TORCH_CHECK(!params.empty(), "apply_activation_checkpointing: ", name, " has no parameters of its own (outside ",
+              "modules with an fsdp::FSDPModule holder), so its ops cannot be told from the model's: an unchanged ",
+              "module is checkpointed from the ops on its parameters. Fix: select a module with parameters (its ",
+              "parent), or checkpoint its call in the forward with fsdp::checkpoint");
+  TORCH_CHECK(!options.use_reentrant(), "apply_activation_checkpointing: use_reentrant(true) for ", name, ", which has ",
+              "no fsdp::FSDPModule holder: the reentrant form re-runs a call, and the model's own code makes this ",
+              "module's calls. Fix: the non-reentrant form (the default, and what PyTorch recommends), or declare the ",
+              "module as fsdp::FSDPModule<Holder>");
+  TORCH_CHECK(options.determinism_check() == "default" || options.determinism_check() == "none",
+              "apply_activation_checkpointing: determinism_check must be \"default\" or \"none\", got \"",
+              options.determinism_check(), "\"");
+  install_checkpoint_layer();
+  auto owner = std::make_shared<Owner>();
+  owner->name = name;
+  owner->options = options;
+  auto& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  for (auto it = r.params.begin(); it != r.params.end();) {
+    it = it->second.impl.expired() ? r.params.erase(it) : std::next(it);
+  }
+  // The same module again (same name): its new options replace the old.
+  for (const auto& p : params) {
+    auto it = r.params.find(p.unsafeGetTensorImpl());
+    if (it == r.params.end()) continue;
+    const auto& other = it->second.owner;
+    if (other->name == name) continue;
+    TORCH_CHECK(false, "apply_activation_checkpointing: a parameter of ", name, " (shape ", p.sizes(), ") is also ",
+                "a parameter of ", other->name, ", which is checkpointed already; an op on it could not tell which ",
+                "module's region it begins (nested or tied modules). Fix: checkpoint only one of them (the outer one)");
+  }
+  for (const auto& p : params) {
+    if (!p.key_set().has(kInterceptKey)) {
+      NoInterception no_interception;
+      torch::NoGradGuard no_grad;
+      if (p.is_meta()) {
+        // A deferred parameter (fsdp::deferred_init): set_data refuses a meta tensor; materialize_module keeps the
+        // key of the metadata (as tensor_parallel.cpp's replace_data).
+        p.unsafeGetTensorImpl()->shallow_copy_from(intercepted(p.detach()).getIntrusivePtr());
+      } else {
+        const_cast<torch::Tensor&>(p).set_data(intercepted(p.data()));  // the same storage, with the key
+      }
+    }
+    r.params.insert_or_assign(p.unsafeGetTensorImpl(),
+                              ParamEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), owner});
+  }
+  any_registered.store(true, std::memory_order_release);
+}
+
+bool is_implicitly_checkpointed(const torch::Tensor& param) {
+  return any_registered.load(std::memory_order_acquire) && param.defined() && owner_of(param) != nullptr;
+}
+
+void close_implicit_region() {
+  OpenRegion* r = t_open;
+  if (!r) return;
+  t_open = nullptr;
+  r->selective.reset();
+  set_region_saved_hooks(nullptr);
+  c10::impl::tls_set_dispatch_key_included(kInterceptKey, r->included_before);
+  delete r;
+}
+
+SuspendImplicitRegions::SuspendImplicitRegions() {
+  close_implicit_region();
+  ++t_suspended;
+}
+SuspendImplicitRegions::~SuspendImplicitRegions() { --t_suspended; }
+
+ImplicitCheckpointStats implicit_checkpoint_stats() {
+  return {n_regions.load(), n_replays.load(), n_ops.load()};
+}
+
+}  // namespace fsdp::detail
