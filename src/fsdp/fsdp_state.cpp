@@ -347,9 +347,10 @@ bool FSDPState::all_regions_recomputed() const {
 std::vector<torch::Tensor> FSDPState::pre_forward(std::vector<torch::Tensor> inputs) {
   // FSDP's own ops (unshard, casts, hooks) are not those of an enclosing selective checkpoint region, and differ
   // between its first run and its recomputation ([Note: selective checkpoint]).
-  detail::SuspendSelective suspend_selective;
-  // A holder's forward ends the thread's implicit checkpoint region ([Note: implicit checkpoint regions]).
+  // A holder's forward ends the thread's implicit checkpoint region ([Note: implicit checkpoint regions]); first, so
+  // that the selective run it frees is not the one SuspendSelective puts back.
   detail::SuspendImplicitRegions suspend_implicit;
+  detail::SuspendSelective suspend_selective;
   // A forward recomputed during this module's backward (activation checkpointing around it, inside its
   // hooks): the pre-backward already unsharded the parameters, and nothing must be resharded or
   // re-registered. A call recomputed by a region of its own (each call checkpointed separately) is a
@@ -459,8 +460,8 @@ std::vector<torch::Tensor> FSDPState::cast_outputs(std::vector<torch::Tensor> ou
 }
 
 std::vector<torch::Tensor> FSDPState::post_forward(std::vector<torch::Tensor> outputs) {
-  detail::SuspendSelective suspend_selective;  // (as pre_forward)
-  detail::SuspendImplicitRegions suspend_implicit;
+  detail::SuspendImplicitRegions suspend_implicit;  // (as pre_forward)
+  detail::SuspendSelective suspend_selective;
   // A recomputation (see pre_forward): only the casts of the forward.
   if (training_state == TrainingState::PRE_BACKWARD) return cast_outputs(std::move(outputs));
   // Implicit states still running inside this module's forward end with it.

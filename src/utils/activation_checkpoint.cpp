@@ -205,8 +205,10 @@ std::vector<torch::Tensor> checkpoint_tensors(CheckpointFn fn, const std::vector
               "checkpoint: determinism_check must be \"default\" or \"none\", got \"", options.determinism_check(), "\"");
   TORCH_CHECK(!options.use_reentrant() || !options.context_fn(), "checkpoint: context_fn (selective checkpointing) ",
               "needs the non-reentrant form; got use_reentrant(true). Fix: CheckpointOptions().use_reentrant(false)");
-  // An implicit region open on this thread ends where an explicit one begins ([Note: implicit checkpoint regions]).
-  detail::close_implicit_region();
+  // An implicit region open on this thread ends where an explicit one begins, and none opens inside it (its first run
+  // and its reentrant forward; its recomputations run inside a backward, where none opens either): [Note: implicit
+  // checkpoint regions].
+  detail::SuspendImplicitRegions suspend_implicit;
   if (!torch::GradMode::is_enabled()) return fn(inputs);  // nothing to save for
   if (!options.use_reentrant()) return checkpoint_non_reentrant(std::move(fn), inputs, options);
   // A dummy input that requires grad keeps the recomputation in the graph even when no real input

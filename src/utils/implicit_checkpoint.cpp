@@ -12,6 +12,7 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "utils/intercept.h"
 #include "utils/non_reentrant_frame.h"
@@ -30,9 +31,12 @@
 // and runs it as it would run anyway: its first run is the ordinary forward, with the saved-tensor hooks of a
 // non-reentrant checkpoint ([Note: non-reentrant checkpoint]) around it. The region ends at the first op that uses
 // another module's parameter (a parameter of another checkpointed module, which opens that one's region; or
-// another leaf that requires grad and carries the key: a parameter of an FSDP or TP module), when a backward begins
-// (libfsdp's autograd engine, saved_tensor_hooks.cpp), where an explicit checkpoint region begins, or at a holder's
-// pre- or post-forward. So a region spans from the module's first parameter use to the next module's: the block's
+// another leaf that requires grad and carries the key: a parameter of an FSDP or TP module), at the next use of the
+// parameter that opened it (the module's next call opens a region of its own: a module called twice, forwards
+// without backward), when a backward begins (libfsdp's autograd engine, saved_tensor_hooks.cpp), where an explicit
+// checkpoint region begins (none opens inside one, nor inside a backward), at a holder's pre- or post-forward, when
+// the autocast state changes (the replay runs under one) and when a saved-tensor hook scope is entered or left (the
+// forward's tensors would go to other hooks than the replay's). So a region spans from the module's first parameter use to the next module's: the block's
 // ops before its first weight (none in a pre-norm block) are the previous region's, and the ops between its last
 // weight and the next module's (residual adds, dropout) are its own. The boundaries move work between regions; the
 // values are those of the forward either way, since a region replays exactly what it recorded.
@@ -43,7 +47,9 @@
 // replays the tape under the first run's RNG and autocast states and each op's grad mode: the outside tensors
 // detached, with their requires_grad (parameters and keyed tensors as they are: FSDP and TP find their parameters
 // by identity, unshard and cast them for the replay as for the forward), and the k-th tensor the replay saves serves
-// the k-th the forward saved, as for fsdp::checkpoint; slots are freed after their last use. A context_fn makes the
+// the k-th the forward saved, as for fsdp::checkpoint; slots are freed after their last use. What the dispatcher
+// does not see: requires_grad set on a value (requires_grad_()) is noted and set again on the replayed value; a
+// tensor saved outside the region's ops (a custom autograd::Function's node) is refused in forward, naming the module. A context_fn makes the
 // region selective ([Note: selective checkpoint]): the ops it saves are skipped in the replay.
 //   Writes. An op of the region that writes in place into an outside tensor (an input; a buffer: batch_norm's
 // running statistics, which its schema does not annotate, so they are recognised by name) writes it in the forward
@@ -109,12 +115,14 @@ struct TapeOp {
   std::vector<Ref> refs;
   size_t first_slot = 0;          // its tensor outputs fill slots first_slot, first_slot + 1, ...
   size_t n_outputs = 0;
+  std::vector<bool> requires_grad;  // per output, after the forward's op (and what the region did to it since)
 };
 
 struct Outside {
-  torch::Tensor value;
+  torch::Tensor value;     // detached (no cycle through a grad_fn of the region), unless as_is
+  bool requires_grad = false;
   int64_t version = 0;
-  bool as_is = false;      // a parameter or keyed tensor: passed itself (FSDP and TP know it by identity)
+  bool as_is = false;      // a keyed tensor (a parameter): passed itself (FSDP and TP know it by identity)
   torch::Tensor before;    // written by the region: the value before its first write
   size_t first_use = 0;    // the op that first used it
 };
@@ -134,6 +142,9 @@ struct OpenRegion {
   std::shared_ptr<NonReentrantFrame> frame;
   std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, size_t>> slots;
   std::unordered_map<const c10::TensorImpl*, size_t> outside;  // (the tape holds them: addresses stay theirs)
+  std::vector<std::pair<size_t, size_t>> slot_owner;            // per slot: (op, output) that made it
+  const c10::TensorImpl* opened_by = nullptr;                   // the parameter whose use opened the region
+  AutocastState autocast;                                       // the autocast state the region runs under
   std::unique_ptr<SelectiveRegion::Scope> selective;
   bool included_before = false;
 };
@@ -147,6 +158,13 @@ struct Counter {
   explicit Counter(int& c) : c_(c) { ++c_; }
   ~Counter() { --c_; }
   int& c_;
+};
+
+// Library ops run inside a region (copies, detaches): neither this region's nor a selective region's ops.
+struct LibraryOps {
+  LibraryOps() : depth(t_depth) {}
+  Counter depth;
+  SuspendSelective suspend;
 };
 
 template <typename F>
@@ -182,7 +200,8 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
 
 std::vector<torch::Tensor> replay(Tape& tape);
 
-void open_region(std::shared_ptr<const Owner> owner, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+void open_region(std::shared_ptr<const Owner> owner, const c10::TensorImpl* opened_by, const c10::OperatorHandle& op,
+                 const torch::jit::Stack& stack) {
   const size_t nargs = op.schema().arguments().size();
   std::vector<torch::Tensor> devices_of;
   for (size_t a = stack.size() - nargs; a < stack.size(); ++a) {
@@ -195,8 +214,19 @@ void open_region(std::shared_ptr<const Owner> owner, const c10::OperatorHandle& 
   region->tape->owner = owner;
   region->frame = make_non_reentrant_frame(devices_of, owner->options);
   region->frame->fn = [tape = region->tape](const std::vector<torch::Tensor>&) { return replay(*tape); };
+  region->opened_by = opened_by;
+  region->autocast = region->frame->autocast;
   std::weak_ptr<NonReentrantFrame> weak = region->frame;  // the hooks own the frame; the factory must not
-  set_region_saved_hooks([weak] { return std::make_unique<FirstRunHooks>(weak.lock()); });
+  set_region_saved_hooks([weak, name = owner->name]() -> std::unique_ptr<torch::autograd::SavedVariableHooks> {
+    // Every tensor the region saves is saved by one of its recorded ops, which the replay runs again. One saved
+    // outside them (a custom torch::autograd::Function's save_for_backward: its forward runs ops, its node is
+    // made outside the dispatcher) would not be saved by the replay.
+    TORCH_CHECK(t_depth > 0, "apply_activation_checkpointing: a tensor is saved for backward outside the ops of the ",
+                "checkpointed region of ", name, " (a custom torch::autograd::Function's save_for_backward?); the ",
+                "region's recomputation replays ops, not the Function's node. Fix: checkpoint the call with ",
+                "fsdp::checkpoint in the forward, or do not checkpoint this module");
+    return std::make_unique<FirstRunHooks>(weak.lock());
+  });
   region->included_before = c10::impl::tls_is_dispatch_key_included(kInterceptKey);
   c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
   // (The key is included already: the selective scope's guard changes nothing, and the close puts it back.)
@@ -212,10 +242,13 @@ void open_region(std::shared_ptr<const Owner> owner, const c10::OperatorHandle& 
 struct OpOwner {
   std::shared_ptr<const Owner> owner;
   bool foreign = false;
+  const c10::TensorImpl* first_param = nullptr;  // the first of the owner's parameters the op takes
+  bool reuses_opener = false;                    // it takes the parameter that opened the open region
 };
 
 OpOwner classify(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   OpOwner out;
+  const c10::TensorImpl* opener = t_open ? t_open->opened_by : nullptr;
   const size_t nargs = op.schema().arguments().size();
   for (size_t a = stack.size() - nargs; a < stack.size(); ++a) {
     each_tensor(stack[a], [&](const torch::Tensor& t, int64_t) {
@@ -223,6 +256,8 @@ OpOwner classify(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
       if (auto o = owner_of(t)) {
         if (out.owner && out.owner != o) out.foreign = true;  // two checkpointed modules' parameters in one op
         out.owner = std::move(o);
+        if (!out.first_param) out.first_param = t.unsafeGetTensorImpl();
+        if (t.unsafeGetTensorImpl() == opener) out.reuses_opener = true;
       } else if (t.is_leaf() && t.requires_grad()) {
         out.foreign = true;  // a parameter of a module that is not checkpointed (FSDP's, TP's)
       }
@@ -247,14 +282,19 @@ void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
       std::lock_guard<std::mutex> lock(t_open->tape->mu);
       sealed = t_open->tape->sealed;  // a backward on another thread replayed it already
     }
-    if (sealed) close_implicit_region();
+    // A region runs under one autocast state (the replay's); a change ends it.
+    if (sealed || !(AutocastState::current() == t_open->autocast)) close_implicit_region();
   }
   if (t_suspended == 0) {
     const OpOwner o = classify(op, *stack);
-    if (t_open && (o.foreign || (o.owner && o.owner != t_open->tape->owner))) close_implicit_region();
-    if (!t_open && o.owner && !o.foreign && torch::GradMode::is_enabled() && opens_regions(op)) {
-      open_region(o.owner, op, *stack);
+    const bool opens = o.owner && !o.foreign && torch::GradMode::is_enabled() && opens_regions(op) &&
+                       torch::autograd::get_current_graph_task_id() == -1;  // (none inside a backward)
+    // Another module's parameter ends the region; so does a new use of the parameter that opened it (the module's
+    // next call: a forward without backward, or a module called twice, starts a region of its own).
+    if (t_open && (o.foreign || (o.owner && o.owner != t_open->tape->owner) || (o.reuses_opener && opens))) {
+      close_implicit_region();
     }
+    if (!t_open && opens) open_region(o.owner, o.first_param, op, *stack);
   }
   if (!t_open) return selective_handle(composite, op, ks, stack);
   try {
@@ -310,13 +350,20 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
         auto sit = r.slots.find(t.unsafeGetTensorImpl());
         if (sit != r.slots.end() && !sit->second.first.expired()) {
           ref.index = sit->second.second;
+          // (requires_grad_() since its op: the replay sets the same on the slot)
+          auto [op_k, out_k] = r.slot_owner[ref.index];
+          if (t.requires_grad() && !tape.ops[op_k].requires_grad[out_k]) tape.ops[op_k].requires_grad[out_k] = true;
         } else {
           ref.outside = true;
           auto oit = r.outside.find(t.unsafeGetTensorImpl());
           if (oit == r.outside.end()) {
             Outside o;
-            o.value = t;
-            o.as_is = t.key_set().has(kInterceptKey) || (t.is_leaf() && t.requires_grad());
+            o.as_is = t.key_set().has(kInterceptKey);
+            o.requires_grad = t.requires_grad();
+            {
+              LibraryOps library;
+              o.value = o.as_is ? t : t.detach();  // (shares the version counter)
+            }
             o.first_use = op_index;
             o.version = static_cast<int64_t>(t._version());
             oit = r.outside.emplace(t.unsafeGetTensorImpl(), tape.outside.size()).first;
@@ -332,8 +379,7 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
             if (!o.before.defined()) {
               // The value the region's earlier reads saw (the copy's ops are not the region's, nor a selective
               // region's).
-              Counter depth(t_depth);
-              SuspendSelective suspend;
+              LibraryOps library;
               o.before = copy_of(t);
             }
           }
@@ -355,6 +401,8 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
     each_tensor((*stack)[i], [&](const torch::Tensor& t, int64_t) {
       const size_t slot = tape.n_slots++;
       ++rec.n_outputs;
+      rec.requires_grad.push_back(t.defined() && t.requires_grad());
+      r.slot_owner.emplace_back(tape.ops.size(), rec.n_outputs - 1);
       if (t.defined()) {
         r.slots.insert_or_assign(t.unsafeGetTensorImpl(),
                                  std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), slot));
@@ -377,7 +425,7 @@ std::vector<torch::Tensor> replay(Tape& tape) {
     const Outside& o = tape.outside[i];
     if (o.before.defined()) {
       outside[i] = copy_of(o.before);  // the replay writes its own copy
-      if (o.value.requires_grad()) outside[i].requires_grad_(true);
+      if (o.requires_grad) outside[i].requires_grad_(true);
       continue;
     }
     TORCH_CHECK(o.as_is || static_cast<int64_t>(o.value._version()) == o.version, "apply_activation_checkpointing: a ",
@@ -386,7 +434,7 @@ std::vector<torch::Tensor> replay(Tape& tape) {
                 "version moved from ", o.version, " to ", o.value._version(), "), so the recomputation would compute ",
                 "from the new value. Fix: make that change out of place (y = x + 1, not x += 1), or do not checkpoint ",
                 "this module");
-    outside[i] = o.as_is ? o.value : o.value.detach().requires_grad_(o.value.requires_grad());
+    outside[i] = o.as_is ? o.value : o.value.detach().requires_grad_(o.requires_grad);
   }
   // Each slot is released after its last use (the replay holds what a forward would, not the whole region).
   std::vector<size_t> last_use(tape.n_slots, 0);
@@ -413,7 +461,21 @@ std::vector<torch::Tensor> replay(Tape& tape) {
     size_t produced = 0;
     for (const auto& v : stack) {
       each_tensor(v, [&](const torch::Tensor& t, int64_t) {
-        if (produced < rec.n_outputs) slots[rec.first_slot + produced] = t;
+        if (produced < rec.n_outputs) {
+          torch::Tensor out = t;
+          // An output whose requires_grad the forward changed outside the dispatcher (requires_grad_(), a custom
+          // autograd::Function's output) gets the forward's, so that the ops after it save what they saved then.
+          const bool want = rec.requires_grad[produced];
+          if (out.defined() && out.requires_grad() != want) {
+            SuspendSelective suspend;  // (not the region's op)
+            if (!want) {
+              out = out.detach();
+            } else if (out.is_leaf()) {
+              out.requires_grad_(true);
+            }
+          }
+          slots[rec.first_slot + produced] = out;
+        }
         ++produced;
       });
     }

@@ -42,6 +42,9 @@ struct AutocastState {
     return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
             at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA)};
   }
+  bool operator==(const AutocastState& o) const {
+    return cpu == o.cpu && cuda == o.cuda && (!cpu || cpu_dtype == o.cpu_dtype) && (!cuda || cuda_dtype == o.cuda_dtype);
+  }
   void apply() const {
     at::autocast::set_autocast_enabled(at::kCPU, cpu);
     at::autocast::set_autocast_enabled(at::kCUDA, cuda);
@@ -130,6 +133,7 @@ struct NonReentrantFrame {
 struct FirstRunHooks : torch::autograd::SavedVariableHooks {
   explicit FirstRunHooks(std::shared_ptr<NonReentrantFrame> f) : frame(std::move(f)) {}
   void call_pack_hook(const at::Tensor& t) override {
+    std::lock_guard<std::mutex> lock(frame->mu);  // (a backward on another thread may be recomputing)
     index = frame->saved.size();
     frame->saved.push_back({t.sizes().vec(), t.scalar_type(), t.device()});
     if (frame->selective) frame->selective->on_pack(index, t);

@@ -65,10 +65,14 @@ void push_saved_hooks(SavedHooksFactory factory, const char* api) {
               "ran a backward before libfsdp was loaded, or another library replaced the engine), so saved-tensor ",
               "hooks cannot run. Fix: link libfsdp into the program (not dlopen after autograd ran), or use ",
               "fsdp::CheckpointOptions().use_reentrant(true)");
+  close_implicit_region();  // (the region's saved tensors would go to these hooks in forward, not in the replay)
   t_factories.push_back(std::move(factory));
 }
 
-void pop_saved_hooks() { t_factories.pop_back(); }
+void pop_saved_hooks() {
+  close_implicit_region();
+  t_factories.pop_back();
+}
 
 void set_region_saved_hooks(SavedHooksFactory factory) {
   if (factory) {

@@ -4,7 +4,9 @@
 // ([Note: implicit checkpoint regions]). Each is compared bit for bit with the same model without checkpointing
 // (losses and every parameter's gradient, with dropout: the RNG is restored for the replay), the regions are really
 // replayed (the counters), less memory is held after forward, a selective policy applies, a buffer written in the
-// region (BatchNorm's running statistics) is written once, and bad uses are refused naming the module. On 2 and 3
+// region (BatchNorm's running statistics) is written once, regions end where they must (an explicit region, the
+// module's next call, an autocast toggle, a saved-tensor hook scope), requires_grad set outside the dispatcher is
+// replayed, and bad uses are refused naming the module. On 2 and 3
 // ranks, under fully_shard (implicit groups; applied before or after sharding; bf16 mixed precision; a root holder
 // whose group holds the unchanged blocks), the traces equal those without checkpointing bit for bit.
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "error_message.h"
@@ -362,6 +365,134 @@ TEST(ApplyActivationCheckpointing, ShardedBlocksEndingWithoutAParameterMatchBitF
   }
 }
 
+// ---- Where regions end: explicit regions, new calls, autocast, saved-tensor hook scopes ------------------------------
+
+TEST(ApplyActivationCheckpointing, ExplicitCheckpointAroundAnImplicitlyCheckpointedModule) {
+  // fsdp::checkpoint around a block that apply_activation_checkpointing marked: the explicit region takes it (no
+  // implicit region opens inside it, in forward or in its recomputation), and none is left open for the optimizer.
+  auto plain = make_stack(2, 0.0);
+  auto ref = stack_step(plain);
+  auto net = make_stack(2, 0.0);
+  apply_activation_checkpointing(*net, is_a<AttnBlockImpl>());
+  torch::manual_seed(5);
+  auto idx = torch::randint(0, 97, {8, 64});
+  auto tgt = torch::randint(0, 97, {8, 64});
+  auto got = step(*net, [&] {
+    auto x = net->wte(idx);
+    for (const auto& m : *net->blocks) {
+      auto* blk = m->as<AttnBlock>();
+      x = fsdp::checkpoint([blk](torch::Tensor t) { return blk->forward(t); }, x);
+    }
+    return torch::cross_entropy_loss(net->head(net->lnf(x)).view({-1, 97}), tgt.view({-1}));
+  });
+  expect_same(got, ref, "explicit around implicit");
+  EXPECT_EQ(got.forward_stats.regions, 0);
+  EXPECT_EQ(got.backward_stats.regions, 0) << "none opens in a recomputation";
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  EXPECT_NO_THROW(opt.step());
+}
+
+TEST(ApplyActivationCheckpointing, EachCallOpensItsOwnRegionAlsoWithoutBackward) {
+  // A module's next call (the parameter that opened its region used again) starts a new region: forwards without a
+  // backward do not pile up in one, and a module called twice per forward is two regions.
+  torch::manual_seed(13);
+  torch::nn::Linear lin(6, 6), ref_lin(6, 6);
+  {
+    torch::NoGradGuard no_grad;
+    ref_lin->weight.copy_(lin->weight);
+    ref_lin->bias.copy_(lin->bias);
+  }
+  checkpoint_wrapper(lin);
+  auto x = torch::randn({4, 6});
+  const auto s0 = detail::implicit_checkpoint_stats();
+  for (int i = 0; i < 3; ++i) lin(x).sum();  // (evaluation with grad enabled: no backward)
+  EXPECT_EQ(detail::implicit_checkpoint_stats().regions - s0.regions, 3);
+  auto got = step(*lin, [&] { return lin(torch::tanh(lin(x))).pow(2).sum(); });
+  auto ref = step(*ref_lin, [&] { return ref_lin(torch::tanh(ref_lin(x))).pow(2).sum(); });
+  expect_same(got, ref, "a module called twice");
+  EXPECT_EQ(got.forward_stats.regions, 2);
+  EXPECT_EQ(got.backward_stats.replays, 2);
+}
+
+TEST(ApplyActivationCheckpointing, AutocastToggleAndSavedTensorHookScopesEndRegions) {
+  // The blocks under CPU autocast (bf16), the head and loss outside it; the second block inside a save_on_cpu scope.
+  // A region runs under one autocast state and one set of hooks: each change ends it, so the replay computes what
+  // the forward computed.
+  auto run = [](StackNet& net) {
+    torch::manual_seed(5);
+    auto idx = torch::randint(0, 97, {4, 32});
+    auto tgt = torch::randint(0, 97, {4, 32});
+    return step(*net, [&] {
+      auto x = net->wte(idx);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      x = net->blocks[0]->as<AttnBlock>()->forward(x);
+      {
+        fsdp::save_on_cpu offload(/*pin_memory=*/false);
+        x = net->blocks[1]->as<AttnBlock>()->forward(x);
+      }
+      x = net->blocks[2]->as<AttnBlock>()->forward(x);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+      return torch::cross_entropy_loss(net->head(net->lnf(x.to(torch::kFloat))).view({-1, 97}), tgt.view({-1}));
+    });
+  };
+  auto plain = make_stack(3, 0.1);
+  auto ref = run(plain);
+  auto net = make_stack(3, 0.1);
+  apply_activation_checkpointing(*net, is_a<AttnBlockImpl>());
+  auto got = run(net);
+  expect_same(got, ref, "autocast and save_on_cpu");
+  EXPECT_GE(got.backward_stats.replays, 3);
+}
+
+// A block whose forward sets requires_grad outside the dispatcher (requires_grad_() on a fresh tensor): the replay
+// gives the slot the forward's requires_grad, so that the ops after it save the same tensors.
+struct GatedImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  GatedImpl() { lin = register_module("lin", torch::nn::Linear(6, 6)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto gate = torch::full({6}, 0.5);
+    gate.requires_grad_(true);
+    return torch::sigmoid(lin(x)) * gate;
+  }
+};
+TORCH_MODULE(Gated);
+
+// A custom autograd::Function inside a region: its node saves tensors outside the dispatcher, which a replay of ops
+// cannot give back; refused in forward, naming the module.
+struct SquareFn : torch::autograd::Function<SquareFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x) {
+    ctx->save_for_backward({x});
+    return x * x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    return {2 * ctx->get_saved_variables()[0] * g[0]};
+  }
+};
+
+TEST(ApplyActivationCheckpointing, RequiresGradSetInTheRegionAndCustomFunctions) {
+  torch::manual_seed(14);
+  auto x = torch::randn({5, 6});
+  Gated ref_m, m;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < m->parameters().size(); ++i) m->parameters()[i].copy_(ref_m->parameters()[i]);
+  }
+  auto ref = step(*ref_m, [&] { return ref_m(x).sum(); });
+  checkpoint_wrapper(m);
+  auto got = step(*m, [&] { return m(x).sum(); });
+  expect_same(got, ref, "requires_grad_ in the region");
+  EXPECT_EQ(got.backward_stats.replays, 1);
+
+  torch::nn::Linear lin(6, 6);
+  checkpoint_wrapper(lin);
+  auto msg = error_message([&] { SquareFn::apply(lin(x)); });
+  EXPECT_NE(msg.find("saved for backward outside the ops of the checkpointed region of torch::nn::LinearImpl"),
+            std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace fsdp::testing::implicit_regions
 
@@ -376,6 +507,8 @@ struct RegionSetup {
   When when = When::After;
   MixedPrecisionPolicy mp;
   bool root_holder = false;  // FSDPModule<PlainNet> with one group (its blocks unchanged inside it)
+  CheckpointOptions options;
+  int calls_per_block = 1;
 };
 
 // PlainNet (blocks in a ModuleList iterated by its forward), sharded as sharded_plain does (or with a root holder),
@@ -383,9 +516,11 @@ struct RegionSetup {
 Trace run_plain(ProcessGroupPtr pg, const RegionSetup& s, bool checkpointed, const std::vector<Batch>& batches) {
   PlainNet net;
   load_full(*net, initial_weights());
+  net->calls_per_block = s.calls_per_block;
   auto ac = [&] {
     if (!checkpointed) return;
-    EXPECT_EQ(apply_activation_checkpointing(*net, [](torch::nn::Module& m) { return dynamic_cast<BlockImpl*>(&m) != nullptr; }),
+    EXPECT_EQ(apply_activation_checkpointing(
+                  *net, [](torch::nn::Module& m) { return dynamic_cast<BlockImpl*>(&m) != nullptr; }, s.options),
               static_cast<int64_t>(net->blocks->size()));
   };
   auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {pg->size()})).mp_policy(s.mp);
@@ -443,6 +578,20 @@ TEST_P(UnchangedRegions, UnchangedBlocksInsideARootHolderGroupMatchBitForBit) {
   RegionSetup s;
   s.root_holder = true;
   expect_checkpointed_equals_plain(GetParam(), s, "root holder");
+}
+
+TEST_P(UnchangedRegions, SelectiveInsideARootHolderGroupMatchesBitForBit) {
+  RegionSetup s;
+  s.root_holder = true;
+  s.options.context_fn([] { return create_selective_checkpoint_contexts(default_selective_save_list()); });
+  expect_checkpointed_equals_plain(GetParam(), s, "selective, root holder");
+}
+
+TEST_P(UnchangedRegions, BlocksCalledTwicePerForwardMatchBitForBit) {
+  RegionSetup s;
+  s.calls_per_block = 2;
+  s.mp = MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32);
+  expect_checkpointed_equals_plain(GetParam(), s, "blocks called twice, bf16");
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, UnchangedRegions, ::testing::Values(2, 3));
