@@ -101,7 +101,12 @@ def test_bf16_accumulation_no_reshard_bitwise_with_libtorch_arithmetic(tmp_path)
                         "--keep-unsharded-between-microbatches"]),
     # Selective activation checkpointing, torchtitan's op policy, on both sides (PyTorch's through its dispatch modes).
     ("selective_ac", ["--activation-checkpointing", "selective-op"]),
-], ids=["replicate", "shard_dim1", "mixed_dtypes", "keep_unsharded", "selective_ac"])
+    # The unchanged model (no checkpointing code in its forward): its blocks checkpointed from their parameters' ops
+    # (recorded regions replayed in backward) against PyTorch's checkpoint_wrapper, full and selective.
+    ("plain_full_ac", ["--model-impl", "plain", "--activation-checkpointing", "full"]),
+    ("plain_selective_ac", ["--model-impl", "plain", "--activation-checkpointing", "selective-op"]),
+], ids=["replicate", "shard_dim1", "mixed_dtypes", "keep_unsharded", "selective_ac", "plain_full_ac",
+        "plain_selective_ac"])
 def test_bitwise_with_pytorch(tmp_path, feature, flags):
     # The same weights and batches, 2 ranks, fp32: within 1e-5 with torch.optim.AdamW, and bit for bit with
     # LibTorch's arithmetic.
