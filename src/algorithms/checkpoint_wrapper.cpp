@@ -47,12 +47,9 @@ void checkpoint_wrapper(const std::shared_ptr<torch::nn::Module>& module, const 
 
 void offload_wrapper(const std::shared_ptr<torch::nn::Module>& module) {
   TORCH_CHECK(module, "offload_wrapper: got a null module");
-  TORCH_CHECK(has_holder_call(*module), "offload_wrapper: ", module->name(), " has no live fsdp::FSDPModule holder ",
-              "through which the model calls it (its forward is called by the model's own code), so nothing in ",
-              "libfsdp calls its forward. ",
-              "Fix: run its call in the model's forward under `fsdp::save_on_cpu offload(/*pin_memory=*/true);`, or ",
-              "declare the module as fsdp::FSDPModule<Holder> before wrapping it");
-  detail::mark_offloaded(module);
+  if (has_holder_call(*module)) return detail::mark_offloaded(module);
+  detail::checkpoint_implicitly(module->name(), region_params(*module), CheckpointOptions(),
+                                detail::ImplicitRegionKind::Offload);
 }
 
 int64_t apply_activation_checkpointing(torch::nn::Module& model, const std::function<bool(torch::nn::Module&)>& check_fn,

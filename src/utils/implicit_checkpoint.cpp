@@ -61,11 +61,14 @@
 // Library code runs without interception (NoInterception) or suspended (SuspendImplicitRegions), so FSDP's
 // collectives are not on the tape. Limits: only non-reentrant regions (the reentrant form needs a call to re-run);
 // a module without parameters cannot be seen; nested matches are refused (each parameter opens one region).
+//   offload_wrapper on an unchanged module uses the same regions without a tape: while one is open, the tensors
+// autograd saves go through save_on_cpu's hooks (pinned host memory on CUDA).
 namespace fsdp::detail {
 namespace {
 
 struct Owner {
   std::string name;
+  ImplicitRegionKind kind = ImplicitRegionKind::Checkpoint;
   CheckpointOptions options;
 };
 
@@ -138,7 +141,8 @@ struct Tape {
 
 // The region open on a thread: the tape being recorded and the maps from the thread's tensors to its refs.
 struct OpenRegion {
-  std::shared_ptr<Tape> tape;
+  std::shared_ptr<const Owner> owner;
+  std::shared_ptr<Tape> tape;  // (null in an offload region: nothing is recorded)
   std::shared_ptr<NonReentrantFrame> frame;
   std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, size_t>> slots;
   std::unordered_map<const c10::TensorImpl*, size_t> outside;  // (the tape holds them: addresses stay theirs)
@@ -153,6 +157,7 @@ thread_local OpenRegion* t_open = nullptr;  // (a raw pointer: nothing to destro
 thread_local int t_depth = 0;               // > 0: inside a recorded op
 thread_local int t_replaying = 0;
 thread_local int t_suspended = 0;
+thread_local bool t_close_pending = false;  // the region refused a saved tensor: closed at the thread's next op
 
 struct Counter {
   explicit Counter(int& c) : c_(c) { ++c_; }
@@ -210,17 +215,29 @@ void open_region(std::shared_ptr<const Owner> owner, const c10::TensorImpl* open
     });
   }
   auto region = std::make_unique<OpenRegion>();
+  region->owner = owner;
+  region->opened_by = opened_by;
+  if (owner->kind == ImplicitRegionKind::Offload) {
+    // offload_wrapper: the region's saved tensors go to host memory; its ops run as they are, unrecorded (the thread's
+    // included keys stay as they are).
+    region->included_before = c10::impl::tls_is_dispatch_key_included(kInterceptKey);
+    set_region_saved_hooks(save_on_cpu_hooks(/*pin_memory=*/true));
+    t_open = region.release();
+    n_regions.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   region->tape = std::make_shared<Tape>();
   region->tape->owner = owner;
   region->frame = make_non_reentrant_frame(devices_of, owner->options);
   region->frame->fn = [tape = region->tape](const std::vector<torch::Tensor>&) { return replay(*tape); };
-  region->opened_by = opened_by;
   region->autocast = region->frame->autocast;
   std::weak_ptr<NonReentrantFrame> weak = region->frame;  // the hooks own the frame; the factory must not
   set_region_saved_hooks([weak, name = owner->name]() -> std::unique_ptr<torch::autograd::SavedVariableHooks> {
     // Every tensor the region saves is saved by one of its recorded ops, which the replay runs again. One saved
     // outside them (a custom torch::autograd::Function's save_for_backward: its forward runs ops, its node is
     // made outside the dispatcher) would not be saved by the replay.
+    // (Refused: the region ends at the thread's next op; not here, inside the hooks' own factory.)
+    if (t_depth == 0) t_close_pending = true;
     TORCH_CHECK(t_depth > 0, "apply_activation_checkpointing: a tensor is saved for backward outside the ops of the ",
                 "checkpointed region of ", name, " (a custom torch::autograd::Function's save_for_backward?); the ",
                 "region's recomputation replays ops, not the Function's node. Fix: checkpoint the call with ",
@@ -276,7 +293,8 @@ void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
   if (t_depth > 0 || t_replaying > 0 || !any_registered.load(std::memory_order_relaxed)) {
     return selective_handle(composite, op, ks, stack);
   }
-  if (t_open) {
+  if (t_close_pending) close_implicit_region();
+  if (t_open && t_open->tape) {
     bool sealed;
     {
       std::lock_guard<std::mutex> lock(t_open->tape->mu);
@@ -291,12 +309,12 @@ void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
                        torch::autograd::get_current_graph_task_id() == -1;  // (none inside a backward)
     // Another module's parameter ends the region; so does a new use of the parameter that opened it (the module's
     // next call: a forward without backward, or a module called twice, starts a region of its own).
-    if (t_open && (o.foreign || (o.owner && o.owner != t_open->tape->owner) || (o.reuses_opener && opens))) {
+    if (t_open && (o.foreign || (o.owner && o.owner != t_open->owner) || (o.reuses_opener && opens))) {
       close_implicit_region();
     }
     if (!t_open && opens) open_region(o.owner, o.first_param, op, *stack);
   }
-  if (!t_open) return selective_handle(composite, op, ks, stack);
+  if (!t_open || !t_open->tape) return selective_handle(composite, op, ks, stack);
   try {
     record(composite, op, ks, stack);
   } catch (...) {
@@ -500,12 +518,13 @@ void install_checkpoint_layer() {
 }
 
 void checkpoint_implicitly(const std::string& name, const std::vector<torch::Tensor>& params,
-                           const CheckpointOptions& options) {
-  TORCH_CHECK(!params.empty(), "apply_activation_checkpointing: ", name, " has no parameters of its own (outside ",
+                           const CheckpointOptions& options, ImplicitRegionKind kind) {
+  const char* api = kind == ImplicitRegionKind::Offload ? "offload_wrapper" : "apply_activation_checkpointing";
+  TORCH_CHECK(!params.empty(), api, ": ", name, " has no parameters of its own (outside ",
               "modules with an fsdp::FSDPModule holder), so its ops cannot be told from the model's: an unchanged ",
               "module is checkpointed from the ops on its parameters. Fix: select a module with parameters (its ",
               "parent), or checkpoint its call in the forward with fsdp::checkpoint");
-  TORCH_CHECK(!options.use_reentrant(), "apply_activation_checkpointing: use_reentrant(true) for ", name, ", which has ",
+  TORCH_CHECK(kind == ImplicitRegionKind::Offload || !options.use_reentrant(), api, ": use_reentrant(true) for ", name, ", which has ",
               "no fsdp::FSDPModule holder: the reentrant form re-runs a call, and the model's own code makes this ",
               "module's calls. Fix: the non-reentrant form (the default, and what PyTorch recommends), or declare the ",
               "module as fsdp::FSDPModule<Holder>");
@@ -515,6 +534,7 @@ void checkpoint_implicitly(const std::string& name, const std::vector<torch::Ten
   install_checkpoint_layer();
   auto owner = std::make_shared<Owner>();
   owner->name = name;
+  owner->kind = kind;
   owner->options = options;
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
@@ -526,10 +546,14 @@ void checkpoint_implicitly(const std::string& name, const std::vector<torch::Ten
     auto it = r.params.find(p.unsafeGetTensorImpl());
     if (it == r.params.end()) continue;
     const auto& other = it->second.owner;
+    const char* what = other->kind == ImplicitRegionKind::Offload ? "offloaded (offload_wrapper)" : "checkpointed";
+    TORCH_CHECK(other->name != name || other->kind == kind, api, ": ", name, " is ", what, " already; an unchanged ",
+                "module's regions are either checkpointed or offloaded (a checkpointed region saves little but its ",
+                "inputs, so offloading it too gains little). Fix: apply one of the two");
     if (other->name == name) continue;
-    TORCH_CHECK(false, "apply_activation_checkpointing: a parameter of ", name, " (shape ", p.sizes(), ") is also ",
-                "a parameter of ", other->name, ", which is checkpointed already; an op on it could not tell which ",
-                "module's region it begins (nested or tied modules). Fix: checkpoint only one of them (the outer one)");
+    TORCH_CHECK(false, api, ": a parameter of ", name, " (shape ", p.sizes(), ") is also a parameter of ", other->name,
+                ", which is ", what, " already; an op on it could not tell which module's region it begins (nested ",
+                "or tied modules). Fix: apply it to only one of them (the outer one)");
   }
   for (const auto& p : params) {
     if (!p.key_set().has(kInterceptKey)) {
@@ -554,6 +578,7 @@ bool is_implicitly_checkpointed(const torch::Tensor& param) {
 }
 
 void close_implicit_region() {
+  t_close_pending = false;
   OpenRegion* r = t_open;
   if (!r) return;
   t_open = nullptr;

@@ -16,13 +16,18 @@
 
 namespace fsdp::detail {
 
-/// Makes the ops on `params` (the parameters of one module, `name` for messages) open a checkpoint region run with
-/// `options` (non-reentrant; a context_fn makes it selective). The parameters get the interception key (those that
+/// What an implicit region does with the tensors autograd saves in it: recomputes them (checkpoint_wrapper), or keeps
+/// them in host memory (offload_wrapper: save_on_cpu's hooks, nothing recorded).
+enum class ImplicitRegionKind { Checkpoint, Offload };
+
+/// Makes the ops on `params` (the parameters of one module, `name` for messages) open a region of `kind`: a
+/// checkpoint region run with `options` (non-reentrant; a context_fn makes it selective), or an offload region. The parameters get the interception key (those that
 /// lack it: FSDP's shards and TP's parameters have it). Applying to the same parameters again replaces the options.
 /// Throws c10::Error for an empty `params`, for use_reentrant(true) (a region without a call has nothing to re-enter;
-/// the message names the fix), or when a parameter is already another checkpointed module's (naming both).
+/// the message names the fix), when a parameter is already another module's (naming both), or when the module has
+/// regions of the other kind.
 void checkpoint_implicitly(const std::string& name, const std::vector<torch::Tensor>& params,
-                           const CheckpointOptions& options);
+                           const CheckpointOptions& options, ImplicitRegionKind kind = ImplicitRegionKind::Checkpoint);
 
 /// Whether `param` opens implicit checkpoint regions (FSDP then keys its unsharded data too, so that its ops are seen).
 bool is_implicitly_checkpointed(const torch::Tensor& param);

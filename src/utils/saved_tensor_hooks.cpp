@@ -112,20 +112,35 @@ saved_tensors_hooks::saved_tensors_hooks(Pack pack, Unpack unpack) {
 
 saved_tensors_hooks::~saved_tensors_hooks() { detail::pop_saved_hooks(); }
 
+namespace {
+saved_tensors_hooks::Pack save_on_cpu_pack(bool pin_memory) {
+  return [pin = pin_memory && torch::cuda::is_available()](const torch::Tensor& t) -> c10::IValue {
+    // A copy in host memory (pinned: asynchronous copies back), with the tensor's strides (a transposed weight stays
+    // transposed, so the backward's kernels, and their roundings, are those without the hooks); the device to
+    // return to.
+    auto packed = at::empty_like(t, t.options().device(torch::kCPU).pinned_memory(pin && !t.is_sparse()),
+                                 at::MemoryFormat::Preserve);
+    packed.copy_(t);
+    return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed)});
+  };
+}
+
+saved_tensors_hooks::Unpack save_on_cpu_unpack(bool pin_memory) {
+  return [pin = pin_memory && torch::cuda::is_available()](const c10::IValue& v) {
+    const auto& items = v.toTupleRef().elements();
+    return items[1].toTensor().to(items[0].toDevice(), /*non_blocking=*/pin);
+  };
+}
+}  // namespace
+
+namespace detail {
+SavedHooksFactory save_on_cpu_hooks(bool pin_memory) {
+  auto fns = std::make_shared<Fns>(Fns{save_on_cpu_pack(pin_memory), save_on_cpu_unpack(pin_memory)});
+  return [fns] { return std::make_unique<UserHooks>(fns); };
+}
+}  // namespace detail
+
 save_on_cpu::save_on_cpu(bool pin_memory)
-    : saved_tensors_hooks(
-          [pin = pin_memory && torch::cuda::is_available()](const torch::Tensor& t) -> c10::IValue {
-            // A copy in host memory (pinned: asynchronous copies back), with the tensor's strides (a transposed
-            // weight stays transposed, so the backward's kernels, and their roundings, are those without the
-            // hooks); the device to return to.
-            auto packed = at::empty_like(t, t.options().device(torch::kCPU).pinned_memory(pin && !t.is_sparse()),
-                                         at::MemoryFormat::Preserve);
-            packed.copy_(t);
-            return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed)});
-          },
-          [pin = pin_memory && torch::cuda::is_available()](const c10::IValue& v) {
-            const auto& items = v.toTupleRef().elements();
-            return items[1].toTensor().to(items[0].toDevice(), /*non_blocking=*/pin);
-          }) {}
+    : saved_tensors_hooks(save_on_cpu_pack(pin_memory), save_on_cpu_unpack(pin_memory)) {}
 
 }  // namespace fsdp

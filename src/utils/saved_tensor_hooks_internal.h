@@ -18,6 +18,10 @@ using SavedHooksFactory = std::function<std::unique_ptr<torch::autograd::SavedVa
 void push_saved_hooks(SavedHooksFactory factory, const char* api);
 void pop_saved_hooks();
 
+/// save_on_cpu's hooks as a factory (each saved tensor copied to host memory, pinned when `pin_memory` and CUDA is
+/// available; back to its device when unpacked).
+SavedHooksFactory save_on_cpu_hooks(bool pin_memory);
+
 /// The hooks of the implicit checkpoint region open on this thread (implicit_checkpoint.cpp; empty: none). They
 /// sit where the stack stood when they were set: a saved_tensors_hooks scope entered later is innermost, as in
 /// PyTorch. Throws c10::Error as push_saved_hooks.

@@ -195,11 +195,13 @@ struct MlpBlockImpl : torch::nn::SequentialImpl {
 };
 TORCH_MODULE(MlpBlock);
 
-torch::nn::Sequential make_sequential() {
+torch::nn::Sequential make_sequential(double p = 0.3) {
+  static std::mutex mu;  // (rank threads share the global generator)
+  std::lock_guard<std::mutex> lock(mu);
   torch::manual_seed(4);
   torch::nn::Sequential model;
   for (int i = 0; i < 3; ++i) {
-    model->push_back(MlpBlock(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Dropout(0.3),
+    model->push_back(MlpBlock(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Dropout(p),
                               torch::nn::Linear(32, 16)));
   }
   model->push_back(torch::nn::Linear(16, 5));
@@ -229,10 +231,12 @@ TEST(ApplyActivationCheckpointing, SequentialElementsMatchBitForBit) {
 
 // ---- torch::nn::TransformerEncoder: its forward calls its layers ---------------------------------------------------
 
-torch::nn::TransformerEncoder make_encoder() {
+torch::nn::TransformerEncoder make_encoder(double p = 0.1) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   torch::manual_seed(8);
   auto layer = torch::nn::TransformerEncoderLayer(
-      torch::nn::TransformerEncoderLayerOptions(32, 4).dim_feedforward(64).dropout(0.1));
+      torch::nn::TransformerEncoderLayerOptions(32, 4).dim_feedforward(64).dropout(p));
   return torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(layer, 3));
 }
 
@@ -249,6 +253,16 @@ TEST(ApplyActivationCheckpointing, TransformerEncoderLayersMatchBitForBit) {
   EXPECT_EQ(got.forward_stats.regions, 3);
   EXPECT_EQ(got.backward_stats.replays, 3);
   EXPECT_LT(got.held, ref.held);
+  // README's three lines: per-layer selective checkpointing.
+  auto encoder = make_encoder();
+  auto sac = fsdp::CheckpointOptions().context_fn([] { return fsdp::create_selective_checkpoint_contexts(fsdp::default_selective_save_list()); });
+  auto is_layer = [](torch::nn::Module& m) { return dynamic_cast<torch::nn::TransformerEncoderLayerImpl*>(&m) != nullptr; };
+  fsdp::apply_activation_checkpointing(*encoder, is_layer, sac);
+  auto selective = step(*encoder, [&] { return encoder->forward(src, mask).pow(2).mean(); });
+  expect_same(selective, ref, "TransformerEncoder, selective");
+  EXPECT_EQ(selective.backward_stats.replays, 3);
+  EXPECT_LT(selective.held, ref.held);
+  EXPECT_GT(selective.held, got.held);
 }
 
 // ---- Writes inside a region -----------------------------------------------------------------------------------------
@@ -275,6 +289,119 @@ TEST(ApplyActivationCheckpointing, BufferWrittenInTheRegionIsWrittenOnce) {
   EXPECT_TRUE(torch::equal(bn->running_mean, bn_ref->running_mean));
   EXPECT_TRUE(torch::equal(bn->running_var, bn_ref->running_var));
   EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), 1);
+}
+
+// ---- The three containers under fully_shard, on 2 ranks -----------------------------------------------------------
+
+enum class Container { Sequential, ModuleList, TransformerEncoder };
+
+// One container's model (dropout 0: the rank threads share the global generator, so their masks would interleave),
+// its blocks and root sharded as implicit groups, the blocks checkpointed (full or selective) or not; two steps of
+// SGD on each rank's own batch; the local gradient shards and the loss of the last step.
+Result train_container(Container c, int mode, const ProcessGroupPtr& pg) {
+  auto mesh = init_device_mesh(torch::kCPU, {pg->size()});
+  const auto opts = FullyShardOptions().mesh(mesh);
+  const auto sac = CheckpointOptions().context_fn(
+      [] { return create_selective_checkpoint_contexts(default_selective_save_list()); });
+  std::shared_ptr<torch::nn::Module> root;
+  std::function<torch::Tensor()> loss_of;
+  const int64_t r = pg->rank();
+  auto apply = [&](const std::function<bool(torch::nn::Module&)>& check) {
+    if (mode > 0) EXPECT_EQ(apply_activation_checkpointing(*root, check, mode == 1 ? CheckpointOptions() : sac), 3);
+  };
+  if (c == Container::Sequential) {
+    auto seq = make_sequential(0.0);
+    for (size_t i = 0; i < 3; ++i) fully_shard(seq[i], opts);
+    root = seq.ptr();
+    fully_shard(root, opts);
+    apply(is_a<MlpBlockImpl>());
+    auto x = torch::linspace(-1, 1, 8 * 16).view({8, 16}) + 0.1 * r;
+    loss_of = [seq, x]() mutable { return seq->forward(x).pow(2).mean(); };
+  } else if (c == Container::ModuleList) {
+    auto net = make_stack(3, 0.0);
+    for (const auto& b : *net->blocks) fully_shard(b, opts);
+    root = net.ptr();
+    fully_shard(root, opts);
+    apply(is_a<AttnBlockImpl>());
+    auto idx = (torch::arange(4 * 16).view({4, 16}) * (3 + r)).remainder(97);
+    auto tgt = (idx * 7 + 1).remainder(97);
+    loss_of = [net, idx, tgt]() mutable {
+      return torch::cross_entropy_loss(net->forward(idx).view({-1, 97}), tgt.view({-1}));
+    };
+  } else {
+    auto enc = make_encoder(0.0);
+    for (const auto& layer : *enc->layers) fully_shard(layer, opts);
+    root = enc.ptr();
+    fully_shard(root, opts);
+    apply(is_a<torch::nn::TransformerEncoderLayerImpl>());
+    auto src = torch::linspace(-2, 2, 12 * 2 * 32).view({12, 2, 32}) * (1 + 0.1 * r);
+    loss_of = [enc, src]() mutable { return enc->forward(src).pow(2).mean(); };
+  }
+  torch::optim::SGD opt(root->parameters(), 0.1);
+  Result last;
+  for (int s = 0; s < 2; ++s) {
+    opt.zero_grad();
+    last = step(*root, loss_of);
+    opt.step();
+  }
+  return last;
+}
+
+class ContainersOnTwoRanks : public ::testing::TestWithParam<Container> {};
+
+TEST_P(ContainersOnTwoRanks, FullAndSelectiveMatchNoCheckpointBitForBit) {
+  std::vector<std::vector<Result>> got(3, std::vector<Result>(2));
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    for (int mode = 0; mode < 3; ++mode) got[mode][pg->rank()] = train_container(GetParam(), mode, pg);
+  });
+  for (int mode = 1; mode < 3; ++mode) {
+    for (int r = 0; r < 2; ++r) {
+      const std::string what = std::string(mode == 1 ? "full" : "selective") + ", rank " + std::to_string(r);
+      expect_same(got[mode][r], got[0][r], what);
+      // (The counters are the process's: the other rank's regions may fall in this one's forward.)
+      EXPECT_GE(got[mode][r].forward_stats.regions, 3) << what;
+    }
+  }
+}
+
+std::string container_name(const ::testing::TestParamInfo<Container>& info) {
+  switch (info.param) {
+    case Container::Sequential: return "Sequential";
+    case Container::ModuleList: return "ModuleList";
+    case Container::TransformerEncoder: return "TransformerEncoder";
+  }
+  return "unknown";
+}
+
+INSTANTIATE_TEST_SUITE_P(Containers, ContainersOnTwoRanks,
+                         ::testing::Values(Container::Sequential, Container::ModuleList, Container::TransformerEncoder),
+                         container_name);
+
+// ---- offload_wrapper on unchanged modules ----------------------------------------------------------------------------
+
+TEST(ApplyActivationCheckpointing, OffloadWrapperOnUnchangedBlocksSendsTheirSavedTensorsThroughSaveOnCpu) {
+  // An outer counting hook sees only the tensors saved outside the blocks' regions; the gradients are those without.
+  auto run = [](StackNet& net, int64_t& outer) {
+    torch::manual_seed(5);
+    auto idx = torch::randint(0, 97, {4, 32});
+    auto tgt = torch::randint(0, 97, {4, 32});
+    return step(*net, [&] {
+      saved_tensors_hooks count([&outer](const torch::Tensor& t) -> c10::IValue { ++outer; return t; },
+                                [](const c10::IValue& v) { return v.toTensor(); });
+      return torch::cross_entropy_loss(net->forward(idx).view({-1, 97}), tgt.view({-1}));
+    });
+  };
+  int64_t outer_plain = 0, outer_offload = 0;
+  auto plain = make_stack(3, 0.1);
+  auto ref = run(plain, outer_plain);
+  auto net = make_stack(3, 0.1);
+  for (const auto& b : *net->blocks) offload_wrapper(b);
+  auto got = run(net, outer_offload);
+  expect_same(got, ref, "offload_wrapper");
+  EXPECT_EQ(got.forward_stats.regions, 3);
+  EXPECT_EQ(got.backward_stats.replays, 0) << "nothing recomputed";
+  EXPECT_GT(outer_offload, 0) << "the embedding's and the head's tensors still reach the outer hooks";
+  EXPECT_LT(outer_offload * 4, outer_plain) << outer_offload << " of " << outer_plain;
 }
 
 // ---- Refusals ---------------------------------------------------------------------------------------------------------
@@ -491,6 +618,12 @@ TEST(ApplyActivationCheckpointing, RequiresGradSetInTheRegionAndCustomFunctions)
   auto msg = error_message([&] { SquareFn::apply(lin(x)); });
   EXPECT_NE(msg.find("saved for backward outside the ops of the checkpointed region of torch::nn::LinearImpl"),
             std::string::npos) << msg;
+  // The refused region ended: the thread's next ops are ordinary (not recorded, not saved through its hooks).
+  const auto s0 = detail::implicit_checkpoint_stats();
+  auto z = torch::randn({3, 3}, torch::requires_grad());
+  (z * z).sum().backward();
+  EXPECT_EQ(detail::implicit_checkpoint_stats().ops - s0.ops, 0);
+  EXPECT_TRUE(torch::equal(z.grad(), 2 * z));
 }
 
 }  // namespace

@@ -36,11 +36,14 @@ void checkpoint_wrapper(const torch::nn::ModuleHolder<T>& holder, const Checkpoi
   checkpoint_wrapper(std::static_pointer_cast<torch::nn::Module>(holder.ptr()), options);
 }
 
-/// Activation offload of `module`'s forward: whenever it runs through fsdp::FSDPModule, the tensors autograd saves
-/// during the call go to pinned host memory (fsdp::save_on_cpu(pin_memory=true); on the CPU, another allocation)
-/// and come back in backward. With checkpoint_wrapper as well, a non-reentrant region keeps its inputs itself and
-/// saves nothing else through the hooks, so little is offloaded (as PyTorch's offload_wrapper around checkpoint_wrapper).
-/// Throws c10::Error for a null module or one without a live FSDPModule holder (as checkpoint_wrapper).
+/// Activation offload of `module`'s forward: the tensors autograd saves during its calls go to pinned host memory
+/// (fsdp::save_on_cpu(pin_memory=true); on the CPU, another allocation) and come back in backward. Through an
+/// fsdp::FSDPModule holder, the holder's call runs under save_on_cpu; on an unchanged module, the regions of
+/// checkpoint_wrapper (from its first parameter use to the next module's) run under it, nothing recorded. With
+/// checkpoint_wrapper as well (holders only), a non-reentrant region keeps its inputs itself and saves nothing else
+/// through the hooks, so little is offloaded (as PyTorch's offload_wrapper around checkpoint_wrapper).
+/// Throws c10::Error for a null module, an unchanged one without parameters of its own, one whose parameter is another
+/// wrapped module's, or an unchanged one that checkpoint_wrapper was applied to (either, not both).
 /// Mirrors torch.distributed.algorithms._checkpoint.checkpoint_wrapper.offload_wrapper(module).
 /// Example: `for (auto& block : model->blocks) fsdp::offload_wrapper(block);`
 void offload_wrapper(const std::shared_ptr<torch::nn::Module>& module);
