@@ -314,7 +314,12 @@ void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
     }
     if (!t_open && opens) open_region(o.owner, o.first_param, op, *stack);
   }
-  if (!t_open || !t_open->tape) return selective_handle(composite, op, ks, stack);
+  if (!t_open || !t_open->tape) {
+    // (The op's own decomposition is nested in it, whether a layer below runs it unintercepted or not: only
+    // top-level ops open and close regions.)
+    Counter depth(t_depth);
+    return selective_handle(composite, op, ks, stack);
+  }
   try {
     record(composite, op, ks, stack);
   } catch (...) {

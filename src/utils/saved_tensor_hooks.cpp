@@ -2,7 +2,15 @@
 // autograd engine.
 #include "fsdp/utils/saved_tensor_hooks.h"
 
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
@@ -112,7 +120,38 @@ saved_tensors_hooks::saved_tensors_hooks(Pack pack, Unpack unpack) {
 
 saved_tensors_hooks::~saved_tensors_hooks() { detail::pop_saved_hooks(); }
 
+namespace detail {
+c10::Stream offload_stream(c10::Device device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, c10::Stream> streams;  // (device type, index) -> its side stream
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    it = streams.emplace(key, impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false)).first;
+  }
+  return it->second;
+}
+}  // namespace detail
+
 namespace {
+
+// The end of a saved tensor's device-to-host copy on the offload stream.
+struct CopyDone : torch::CustomClassHolder {
+  explicit CopyDone(c10::DeviceType type) : event(type) {}
+  c10::Event event;
+};
+
+// [Note: save_on_cpu on a side stream]
+// On a GPU with pin_memory, a saved tensor's copy to host memory runs on a side stream (detail::offload_stream), so
+// that the forward's kernels do not wait for it: the side stream first waits for the compute stream (an event: the
+// tensor is written), copies into pinned memory asynchronously, and the tensor's memory is recorded as in use on the
+// side stream (the caching allocator does not hand it out again before the copy ran, though the forward drops the
+// tensor at once). In backward the compute stream waits for the copy's event before copying back (asynchronously:
+// pinned memory; the host allocator keeps the host block until that copy ran). No host synchronisation either way.
+// On the CPU (and without pinning) the copy is a plain copy, as PyTorch's save_on_cpu. Device-generic (c10 streams and
+// events through the device guard registry), so it compiles against a CPU-only LibTorch.
 saved_tensors_hooks::Pack save_on_cpu_pack(bool pin_memory) {
   return [pin = pin_memory && torch::cuda::is_available()](const torch::Tensor& t) -> c10::IValue {
     // A copy in host memory (pinned: asynchronous copies back), with the tensor's strides (a transposed weight stays
@@ -120,15 +159,37 @@ saved_tensors_hooks::Pack save_on_cpu_pack(bool pin_memory) {
     // return to.
     auto packed = at::empty_like(t, t.options().device(torch::kCPU).pinned_memory(pin && !t.is_sparse()),
                                  at::MemoryFormat::Preserve);
-    packed.copy_(t);
-    return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed)});
+    if (!pin || t.is_sparse() || t.device().is_cpu()) {
+      packed.copy_(t);
+      return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed)});
+    }
+    c10::impl::VirtualGuardImpl impl(t.device().type());
+    const c10::Stream compute = impl.getStream(t.device());
+    const c10::Stream side = detail::offload_stream(t.device());
+    c10::Event written(t.device().type());
+    written.record(compute);
+    written.block(side);
+    {
+      c10::StreamGuard on_side(side);
+      packed.copy_(t, /*non_blocking=*/true);
+    }
+    impl.recordDataPtrOnStream(t.storage().data_ptr(), side);
+    auto done = c10::make_intrusive<CopyDone>(t.device().type());
+    done->event.record(side);
+    return c10::ivalue::Tuple::create({c10::IValue(t.device()), c10::IValue(packed), c10::IValue::make_capsule(done)});
   };
 }
 
 saved_tensors_hooks::Unpack save_on_cpu_unpack(bool pin_memory) {
   return [pin = pin_memory && torch::cuda::is_available()](const c10::IValue& v) {
     const auto& items = v.toTupleRef().elements();
-    return items[1].toTensor().to(items[0].toDevice(), /*non_blocking=*/pin);
+    const c10::Device device = items[0].toDevice();
+    if (items.size() > 2) {
+      auto done = c10::static_intrusive_pointer_cast<CopyDone>(items[2].toCapsule());
+      c10::impl::VirtualGuardImpl impl(device.type());
+      done->event.block(impl.getStream(device));  // the copy back waits for the copy out
+    }
+    return items[1].toTensor().to(device, /*non_blocking=*/pin);
   };
 }
 }  // namespace

@@ -6,6 +6,9 @@
 #include <functional>
 #include <memory>
 
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
 namespace fsdp::detail {
@@ -17,6 +20,10 @@ using SavedHooksFactory = std::function<std::unique_ptr<torch::autograd::SavedVa
 /// Throws c10::Error (naming `api`) when libfsdp's engine is not LibTorch's default engine.
 void push_saved_hooks(SavedHooksFactory factory, const char* api);
 void pop_saved_hooks();
+
+/// The side stream on which save_on_cpu copies saved tensors of `device` (a GPU) to host memory ([Note: save_on_cpu on
+/// a side stream], saved_tensor_hooks.cpp); one per device, from the device's stream pool.
+c10::Stream offload_stream(c10::Device device);
 
 /// save_on_cpu's hooks as a factory (each saved tensor copied to host memory, pinned when `pin_memory` and CUDA is
 /// available; back to its device when unpacked).

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -32,6 +33,7 @@
 
 #include "fsdp/fsdp.h"
 #include "fsdp/fsdp_streams.h"
+#include "utils/saved_tensor_hooks_internal.h"
 #include "fsdp_test_model.h"
 #include "multi_rank.h"
 
@@ -492,6 +494,39 @@ TEST(CudaStreams, DelayedReduceScatterStreamReadsIntactGradients) {
   for (const auto& p : net->named_parameters()) {
     EXPECT_LE(max_abs_diff(p.value().detach().cpu(), ref.final_params.at(p.key()).cpu()), 1e-5) << p.key();
   }
+}
+
+// save_on_cpu (pin_memory) on a GPU copies each saved tensor to host memory on a side stream ([Note: save_on_cpu on
+// a side stream]). The side stream is made to start late (busy) and the forward allocates after it: without the
+// event wait and the allocator's record of the side stream's use, the copies would read memory already reused. The
+// gradients equal those without the hooks, bit for bit.
+TEST(CudaSaveOnCpu, SideStreamCopiesGiveTheGradientsWithoutHooks) {
+  REQUIRE_CUDA();
+  torch::manual_seed(3);
+  torch::nn::Sequential mlp(torch::nn::Linear(256, 1024), torch::nn::GELU(), torch::nn::Linear(1024, 256));
+  mlp->to(kGpu);
+  auto x = torch::randn({64, 256}, torch::TensorOptions().device(kGpu));
+  auto run = [&](bool offload) {
+    for (auto& p : mlp->parameters()) p.mutable_grad() = torch::Tensor();
+    torch::Tensor loss;
+    {
+      std::optional<save_on_cpu> hooks;
+      if (offload) {
+        hooks.emplace(/*pin_memory=*/true);
+        busy(detail::offload_stream(kGpu), 40);
+      }
+      loss = mlp->forward(x).pow(2).sum();
+      for (int i = 0; i < 8; ++i) torch::full({64, 1024}, 7.0, torch::TensorOptions().device(kGpu));
+    }
+    loss.backward();
+    std::vector<torch::Tensor> grads;
+    for (auto& p : mlp->parameters()) grads.push_back(p.grad().cpu());
+    return grads;
+  };
+  auto ref = run(false);
+  auto got = run(true);
+  ASSERT_EQ(ref.size(), got.size());
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(torch::equal(ref[i], got[i])) << "gradient " << i;
 }
 
 TEST(CudaOffload, PinnedHostShardsGradientsAndOptimizerStateParity) {

@@ -25,6 +25,7 @@ SLURM_CONF.
 import contextlib
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -63,6 +64,22 @@ def _tail(path, lines=25):
         return "(no log)"
 
 
+def _first_job_id():
+    """A first job id whose derived rendezvous ports (20000 + 10 * (id % 1000) + step, src/c10d/slurm_env.h) are free
+    now: two test runs at once on one host (each with its own cluster) would otherwise both start at job 1 and
+    collide on port 20010."""
+    ids = list(range(1, 990))
+    random.SystemRandom().shuffle(ids)
+    for job in ids:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("0.0.0.0", 20000 + 10 * job))
+            return job
+        except OSError:
+            continue
+    return 1
+
+
 class SlurmCluster:
     """One slurmctld + one slurmd on localhost, configured in `root`. See the module's docstring."""
 
@@ -83,6 +100,7 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 # Written by tests/python/slurm_cluster.py: a one-node test cluster, removed when the test ends.
 ClusterName=fsdptest
+FirstJobId={_first_job_id()}
 SlurmctldHost=localhost
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}

@@ -34,8 +34,10 @@ class saved_tensors_hooks {
 /// Activation offload: while alive, the tensors autograd saves are copied to host memory in forward
 /// (pinned when `pin_memory` and CUDA is available) and back to their device in backward, so that
 /// accelerator memory holds no activations between forward and backward. Tensors already on the CPU are
-/// copied to another CPU allocation (nothing is saved; the hooks run as on a GPU). The copies are
-/// synchronous on the current stream. Mirrors torch.autograd.graph.save_on_cpu(pin_memory).
+/// copied to another CPU allocation (nothing is saved; the hooks run as on a GPU). On a GPU with pin_memory the copy
+/// out runs on a side stream, ordered by events (the forward does not wait for it; the copy back waits for it), else
+/// the copies are synchronous on the current stream ([Note: save_on_cpu on a side stream]). Mirrors
+/// torch.autograd.graph.save_on_cpu(pin_memory) (whose copies are on the current stream).
 /// Example: `{ fsdp::save_on_cpu offload(/*pin_memory=*/true); loss = model(x).sum(); } loss.backward();`
 class save_on_cpu : public saved_tensors_hooks {
  public:
