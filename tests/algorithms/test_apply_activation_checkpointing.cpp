@@ -49,10 +49,20 @@ detail::ImplicitCheckpointStats minus(const detail::ImplicitCheckpointStats& a, 
   return {a.regions - b.regions, a.replays - b.replays, a.ops - b.ops};
 }
 
+// The global generator's lock: rank threads share it, so a model's construction from a seed must not meet another
+// thread's reseeding (the multi-rank tests here draw nothing else: dropout 0, inputs from arange/linspace).
+std::mutex& generator_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 // One forward and backward of `loss_of` with the generator seeded (dropout): the loss and every gradient.
 Result step(torch::nn::Module& model, const std::function<torch::Tensor()>& loss_of) {
   for (auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
-  torch::manual_seed(7);
+  {
+    std::lock_guard<std::mutex> lock(generator_mutex());
+    torch::manual_seed(7);
+  }
   Result r;
   const auto s0 = detail::implicit_checkpoint_stats();
   const int64_t before = heap_bytes();
@@ -128,8 +138,7 @@ struct StackNetImpl : torch::nn::Module {
 TORCH_MODULE(StackNet);
 
 StackNet make_stack(int64_t n_blocks = 4, double p = 0.2) {
-  static std::mutex mu;  // (rank threads share the global generator)
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(generator_mutex());
   torch::manual_seed(3);
   return StackNet(97, 64, n_blocks, p);
 }
@@ -196,8 +205,7 @@ struct MlpBlockImpl : torch::nn::SequentialImpl {
 TORCH_MODULE(MlpBlock);
 
 torch::nn::Sequential make_sequential(double p = 0.3) {
-  static std::mutex mu;  // (rank threads share the global generator)
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(generator_mutex());
   torch::manual_seed(4);
   torch::nn::Sequential model;
   for (int i = 0; i < 3; ++i) {
@@ -232,8 +240,7 @@ TEST(ApplyActivationCheckpointing, SequentialElementsMatchBitForBit) {
 // ---- torch::nn::TransformerEncoder: its forward calls its layers ---------------------------------------------------
 
 torch::nn::TransformerEncoder make_encoder(double p = 0.1) {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(generator_mutex());
   torch::manual_seed(8);
   auto layer = torch::nn::TransformerEncoderLayer(
       torch::nn::TransformerEncoderLayerOptions(32, 4).dim_feedforward(64).dropout(p));
