@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "utils/intercept.h"
+#include "utils/op_tape.h"
 #include "utils/non_reentrant_frame.h"
 #include "utils/saved_tensor_hooks_internal.h"
 #include "utils/selective_checkpoint_internal.h"
@@ -98,47 +99,6 @@ std::shared_ptr<const Owner> owner_of(const torch::Tensor& t) {
   return it->second.owner;
 }
 
-std::string op_name(const c10::OperatorHandle& op) {
-  const auto& n = op.operator_name();
-  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
-}
-
-// A tensor argument of a recorded op: where the replay finds it.
-struct Ref {
-  size_t arg = 0;
-  int64_t element = -1;  // in a list, else -1
-  bool outside = false;  // an outside tensor (index into Tape::outside), else a slot
-  size_t index = 0;
-};
-
-struct TapeOp {
-  c10::OperatorHandle op;
-  bool grad_mode = true;
-  std::vector<c10::IValue> args;  // tensors blanked (None), lists copied
-  std::vector<Ref> refs;
-  size_t first_slot = 0;          // its tensor outputs fill slots first_slot, first_slot + 1, ...
-  size_t n_outputs = 0;
-  std::vector<bool> requires_grad;  // per output, after the forward's op (and what the region did to it since)
-};
-
-struct Outside {
-  torch::Tensor value;     // detached (no cycle through a grad_fn of the region), unless as_is
-  bool requires_grad = false;
-  int64_t version = 0;
-  bool as_is = false;      // a keyed tensor (a parameter): passed itself (FSDP and TP know it by identity)
-  torch::Tensor before;    // written by the region: the value before its first write
-  size_t first_use = 0;    // the op that first used it
-};
-
-struct Tape {
-  std::shared_ptr<const Owner> owner;
-  std::mutex mu;            // recording (the forward's thread) against a replay (a backward's thread)
-  bool sealed = false;      // replayed: nothing more is recorded
-  std::vector<TapeOp> ops;
-  std::vector<Outside> outside;
-  size_t n_slots = 0;
-};
-
 // The region open on a thread: the tape being recorded and the maps from the thread's tensors to its refs.
 struct OpenRegion {
   std::shared_ptr<const Owner> owner;
@@ -155,7 +115,6 @@ struct OpenRegion {
 
 thread_local OpenRegion* t_open = nullptr;  // (a raw pointer: nothing to destroy at thread exit)
 thread_local int t_depth = 0;               // > 0: inside a recorded op
-thread_local int t_replaying = 0;
 thread_local int t_suspended = 0;
 thread_local bool t_close_pending = false;  // the region refused a saved tensor: closed at the thread's next op
 
@@ -172,38 +131,8 @@ struct LibraryOps {
   SuspendSelective suspend;
 };
 
-template <typename F>
-void each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor(), int64_t{-1});
-  } else if (v.isList()) {
-    const auto list = v.toList();
-    for (size_t e = 0; e < list.size(); ++e) {
-      const c10::IValue item = list.get(e);
-      if (item.isTensor()) f(item.toTensor(), static_cast<int64_t>(e));
-    }
-  }
-}
-
-void set_arg(std::vector<c10::IValue>& args, size_t arg, int64_t element, c10::IValue value) {
-  if (element < 0) {
-    args[arg] = std::move(value);
-  } else {
-    auto list = args[arg].toList();
-    list.set(element, std::move(value));
-  }
-}
-
-// A copy of `t` with its strides (the replay's kernels, and their roundings, are those of the forward).
-torch::Tensor copy_of(const torch::Tensor& t) {
-  auto c = at::empty_like(t, at::MemoryFormat::Preserve);
-  c.copy_(t);
-  return c;
-}
-
 void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
-std::vector<torch::Tensor> replay(Tape& tape);
 
 void open_region(std::shared_ptr<const Owner> owner, const c10::TensorImpl* opened_by, const c10::OperatorHandle& op,
                  const torch::jit::Stack& stack) {
@@ -227,9 +156,13 @@ void open_region(std::shared_ptr<const Owner> owner, const c10::TensorImpl* open
     return;
   }
   region->tape = std::make_shared<Tape>();
-  region->tape->owner = owner;
+  region->tape->name = owner->name;
   region->frame = make_non_reentrant_frame(devices_of, owner->options);
-  region->frame->fn = [tape = region->tape](const std::vector<torch::Tensor>&) { return replay(*tape); };
+  region->frame->fn = [tape = region->tape](const std::vector<torch::Tensor>&) {
+    n_replays.fetch_add(1, std::memory_order_relaxed);
+    replay(*tape);
+    return std::vector<torch::Tensor>();
+  };
   region->autocast = region->frame->autocast;
   std::weak_ptr<NonReentrantFrame> weak = region->frame;  // the hooks own the frame; the factory must not
   set_region_saved_hooks([weak, name = owner->name]() -> std::unique_ptr<torch::autograd::SavedVariableHooks> {
@@ -290,7 +223,7 @@ bool opens_regions(const c10::OperatorHandle& op) {
 }
 
 void handle(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (t_depth > 0 || t_replaying > 0 || !any_registered.load(std::memory_order_relaxed)) {
+  if (t_depth > 0 || in_tape_replay() || !any_registered.load(std::memory_order_relaxed)) {
     return selective_handle(composite, op, ks, stack);
   }
   if (t_close_pending) close_implicit_region();
@@ -369,7 +302,7 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
       each_tensor(arg, [&](const torch::Tensor& t, int64_t element) { tensors.emplace_back(t, element); });
       for (auto& [t, element] : tensors) {
         if (!t.defined()) continue;
-        Ref ref{a, element, false, 0};
+        TapeRef ref{a, element, false, 0};
         auto sit = r.slots.find(t.unsafeGetTensorImpl());
         if (sit != r.slots.end() && !sit->second.first.expired()) {
           ref.index = sit->second.second;
@@ -380,7 +313,7 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
           ref.outside = true;
           auto oit = r.outside.find(t.unsafeGetTensorImpl());
           if (oit == r.outside.end()) {
-            Outside o;
+            TapeOutside o;
             o.as_is = t.key_set().has(kInterceptKey);
             o.requires_grad = t.requires_grad();
             {
@@ -393,10 +326,10 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
             tape.outside.push_back(std::move(o));
           }
           ref.index = oit->second;
-          Outside& o = tape.outside[ref.index];
+          TapeOutside& o = tape.outside[ref.index];
           if (written) {
             TORCH_CHECK(!o.as_is, "apply_activation_checkpointing: op ", op_name(op), " writes in place into a ",
-                        "parameter (shape ", t.sizes(), ") inside the checkpointed region of ", tape.owner->name,
+                        "parameter (shape ", t.sizes(), ") inside the checkpointed region of ", tape.name,
                         "; the recomputation would write it again. Fix: write parameters outside the forward, or do ",
                         "not checkpoint this module");
             if (!o.before.defined()) {
@@ -434,86 +367,6 @@ void record(bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   tape.ops.push_back(std::move(rec));
   n_ops.fetch_add(1, std::memory_order_relaxed);
-}
-
-std::vector<torch::Tensor> replay(Tape& tape) {
-  std::lock_guard<std::mutex> lock(tape.mu);
-  tape.sealed = true;
-  Counter replaying(t_replaying);
-  n_replays.fetch_add(1, std::memory_order_relaxed);
-  std::vector<torch::Tensor> outside(tape.outside.size());
-  std::optional<SuspendSelective> suspend(std::in_place);  // (the outside tensors' copies and detaches are not the
-                                                          // region's ops)
-  for (size_t i = 0; i < tape.outside.size(); ++i) {
-    const Outside& o = tape.outside[i];
-    if (o.before.defined()) {
-      outside[i] = copy_of(o.before);  // the replay writes its own copy
-      if (o.requires_grad) outside[i].requires_grad_(true);
-      continue;
-    }
-    TORCH_CHECK(o.as_is || static_cast<int64_t>(o.value._version()) == o.version, "apply_activation_checkpointing: a ",
-                "tensor of shape ", o.value.sizes(), " that op #", o.first_use, " (",
-                o.first_use < tape.ops.size() ? op_name(tape.ops[o.first_use].op) : std::string("?"), ") of the checkpointed region of ", tape.owner->name, " read was modified in place afterwards (its ",
-                "version moved from ", o.version, " to ", o.value._version(), "), so the recomputation would compute ",
-                "from the new value. Fix: make that change out of place (y = x + 1, not x += 1), or do not checkpoint ",
-                "this module");
-    outside[i] = o.as_is ? o.value : o.value.detach().requires_grad_(o.requires_grad);
-  }
-  // Each slot is released after its last use (the replay holds what a forward would, not the whole region).
-  std::vector<size_t> last_use(tape.n_slots, 0);
-  for (size_t k = 0; k < tape.ops.size(); ++k) {
-    for (const auto& ref : tape.ops[k].refs) {
-      if (!ref.outside) last_use[ref.index] = k;
-    }
-  }
-  suspend.reset();
-  std::vector<torch::Tensor> slots(tape.n_slots);
-  for (size_t k = 0; k < tape.ops.size(); ++k) {
-    const TapeOp& rec = tape.ops[k];
-    torch::jit::Stack stack;
-    stack.reserve(rec.args.size());
-    for (const auto& a : rec.args) stack.push_back(a.isList() ? c10::IValue(a.toList().copy()) : a);
-    for (const auto& ref : rec.refs) {
-      const torch::Tensor& t = ref.outside ? outside[ref.index] : slots[ref.index];
-      set_arg(stack, ref.arg, ref.element, c10::IValue(t));
-    }
-    {
-      torch::AutoGradMode grad_mode(rec.grad_mode);
-      rec.op.callBoxed(&stack);
-    }
-    size_t produced = 0;
-    for (const auto& v : stack) {
-      each_tensor(v, [&](const torch::Tensor& t, int64_t) {
-        if (produced < rec.n_outputs) {
-          torch::Tensor out = t;
-          // An output whose requires_grad the forward changed outside the dispatcher (requires_grad_(), a custom
-          // autograd::Function's output) gets the forward's, so that the ops after it save what they saved then.
-          const bool want = rec.requires_grad[produced];
-          if (out.defined() && out.requires_grad() != want) {
-            SuspendSelective suspend;  // (not the region's op)
-            if (!want) {
-              out = out.detach();
-            } else if (out.is_leaf()) {
-              out.requires_grad_(true);
-            }
-          }
-          slots[rec.first_slot + produced] = out;
-        }
-        ++produced;
-      });
-    }
-    TORCH_CHECK(produced == rec.n_outputs, "apply_activation_checkpointing: the recomputation of op #", k, " (",
-                op_name(rec.op), ") of the checkpointed region of ", tape.owner->name, " returned ", produced,
-                " tensors, the forward ", rec.n_outputs, ". The region's ops depend on state that changed between ",
-                "forward and backward; make them depend on the inputs only");
-    for (const auto& ref : rec.refs) {
-      if (!ref.outside && last_use[ref.index] == k) slots[ref.index] = torch::Tensor();
-    }
-    for (size_t s = rec.first_slot; s < rec.first_slot + rec.n_outputs; ++s) {
-      if (last_use[s] <= k) slots[s] = torch::Tensor();  // never used by a later op of the region
-    }
-  }
-  return {};
 }
 
 }  // namespace

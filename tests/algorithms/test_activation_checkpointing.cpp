@@ -5,7 +5,6 @@
 // reference and the holder model's checkpoint_wrapper; a group called twice is reduced once per backward however its
 // calls are checkpointed, bit-equal to no checkpointing.
 #include <gtest/gtest.h>
-#include <malloc.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -14,6 +13,7 @@
 #include <mutex>
 
 #include "error_message.h"
+#include "heap_in_use.h"
 #include "fsdp/utils/activation_checkpoint.h"
 #include "seed11_net.h"
 #include "unchanged_harness.h"
@@ -80,11 +80,6 @@ TEST(ActivationCheckpointing, DropoutMatchesThroughRngRestore) {
   for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(torch::equal(ps[i].grad(), pg_ref[i]));
 }
 
-// Bytes the allocator holds (malloc'd + mmapped): what a forward keeps alive for backward.
-int64_t heap_in_use() {
-  auto mi = mallinfo2();
-  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
-}
 
 TEST(ActivationCheckpointing, ActivationMemoryIsLower) {
   // A deeper, wider stack of blocks on one rank: activations dominate. Full checkpointing keeps the blocks' inputs;

@@ -10,7 +10,6 @@
 // ranks, under fully_shard (implicit groups; applied before or after sharding; bf16 mixed precision; a root holder
 // whose group holds the unchanged blocks), the traces equal those without checkpointing bit for bit.
 #include <gtest/gtest.h>
-#include <malloc.h>
 
 #include <cmath>
 #include <cstdio>
@@ -25,6 +24,7 @@
 
 #include "error_message.h"
 #include "expect_tensors_equal.h"
+#include "heap_in_use.h"
 #include "fsdp/fsdp.h"
 #include "multi_rank.h"
 #include "unchanged_harness.h"
@@ -33,10 +33,6 @@
 namespace fsdp::testing::implicit_regions {
 namespace {
 
-int64_t heap_bytes() {
-  auto mi = mallinfo2();
-  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
-}
 
 struct Result {
   torch::Tensor loss;
@@ -65,9 +61,9 @@ Result step(torch::nn::Module& model, const std::function<torch::Tensor()>& loss
   }
   Result r;
   const auto s0 = detail::implicit_checkpoint_stats();
-  const int64_t before = heap_bytes();
+  const int64_t before = heap_in_use();
   auto loss = loss_of();
-  r.held = heap_bytes() - before;
+  r.held = heap_in_use() - before;
   const auto s1 = detail::implicit_checkpoint_stats();
   loss.backward();
   r.backward_stats = minus(detail::implicit_checkpoint_stats(), s1);
