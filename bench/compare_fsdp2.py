@@ -204,9 +204,10 @@ def _run(cmd, what, timeout, retry=False):
                            errors="replace", timeout=timeout)
         if p.returncode == 0:
             return p
-        # A run that finished its steps (train_gpt printed "done:", its metrics are complete) and then died
+        # A run that finished its steps (train_gpt printed "done:", gpt_twin "gpt_twin: done": its metrics are
+        # complete) and then died
         # at exit is kept, and reported (EXIT_CRASHES): the timing is valid, the crash is a finding.
-        if what == "train_gpt" and "done:" in p.stdout:
+        if (what == "train_gpt" and "done:" in p.stdout) or (what == "gpt_twin" and "gpt_twin: done" in p.stdout):
             EXIT_CRASHES.append((what, p.returncode))
             log(f"  warning: {what} finished its steps but exited with rc={p.returncode}")
             return p

@@ -502,6 +502,9 @@ def main():
             out.flush()
     if out:
         out.close()
+        # Every step's record is written: a crash in PyTorch's teardown after this (Gloo's occasional "terminate
+        # called without an active exception") does not change the run (compare_fsdp2._run keeps it, reported).
+        print("gpt_twin: done", flush=True)
     if dist.is_initialized():
         # Every rank done with every collective before the group goes away (an early destroy on one rank
         # can abort the other's teardown).
