@@ -305,7 +305,7 @@ std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, in
   sd.insert_or_assign(kFirstEvalKey, fsdp::Value(first_eval));
   const std::string path = (std::filesystem::path(o.ckpt_dir) / ("step-" + std::to_string(step))).string();
   // overwrite: a resumed run may repeat a step of a checkpoint newer than the one `latest` named.
-  fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true));
+  fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true).update_latest(true));
   return path;
 }
 

@@ -26,6 +26,7 @@
 // torch.distributed.checkpoint
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/checkpoint/stateful.h"
 // torch.distributed.algorithms, torch.nn.utils
 #include "fsdp/algorithms/checkpoint_wrapper.h"
 #include "fsdp/algorithms/clip_grad.h"

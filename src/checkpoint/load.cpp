@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 
 #include <algorithm>
@@ -35,6 +36,8 @@
 #include "checkpoint/coordinator.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/stateful_entries.h"
+#include "checkpoint/torch_dcp.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "util.h"
 #include "checkpoint/validate_agree_apply.h"
@@ -67,15 +70,15 @@ std::atomic<int64_t> stage_bytes{kStageBytes};  // tests lower it (detail::set_l
 /// copy (views of verified file bytes) and Value, changing nothing.
 class LoadPlan {
  public:
-  LoadPlan(const std::string& dir, const LoadOptions& options, int rank, int world, const char* api)
-      : info_(read_info_of_rank(dir, api, rank)), files_(info_.dir, api), options_(options), rank_(rank),
+  LoadPlan(const std::string& dir, const LoadOptions& options, int rank, int world, const char* api,
+           const std::map<std::string, std::pair<std::string, bool>>* stateful_keys = nullptr)
+      : stateful_keys_(stateful_keys), info_(read_info_of_rank(dir, api, rank)), files_(info_.dir, api), options_(options), rank_(rank),
         world_(world), api_(api), stream_(!info_.metadata.is_object()) {
     for (const auto& f : info_.files) result_.bytes_read += f.header_bytes;
-    if (!stream_) {
-      std::error_code ec;
-      auto n = fs::file_size(fs::path(info_.dir) / kMetadataFileName, ec);
-      if (!ec) result_.bytes_read += static_cast<int64_t>(n);
-    }
+    std::error_code ec;
+    auto n = fs::file_size(fs::path(info_.dir) / (info_.format == detail::kTorchFormatName ? detail::kTorchMetadataFileName
+                                                                                           : kMetadataFileName), ec);
+    if (!ec) result_.bytes_read += static_cast<int64_t>(n);
   }
 
   /// Stages every entry of `sd`, then checks the keys (strict). Throws on the first problem.
@@ -83,14 +86,20 @@ class LoadPlan {
     std::set<std::string> seen;
     for (const auto& [key, v] : sd) {
       seen.insert(key);
-      if (std::holds_alternative<Value>(v)) stage_value(key);
-      else stage_tensor(key, v);
+      if (std::holds_alternative<Value>(v)) {
+        sd_value_ = &v;
+        stage_value(key);
+      } else {
+        stage_tensor(key, v);
+      }
     }
     for (const auto& [k, _] : info_.tensors)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     for (const auto& [k, _] : info_.values)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     for (const auto& [k, _] : info_.per_rank_values)
+      if (!seen.count(k)) result_.unexpected_keys.push_back(k);
+    for (const auto& [k, _] : info_.unreadable_values)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     if (options_.strict()) check_strict();
     read_pending();
@@ -117,6 +126,9 @@ class LoadPlan {
   }
 
   const LoadResult& result() const { return result_; }
+  /// Stateful objects whose per-rank Values came as every saving rank's (another world size).
+  const std::set<std::string>& resharded() const { return resharded_; }
+  int saved_world_size() const { return info_.world_size; }
 
  private:
   struct Copy {
@@ -182,14 +194,34 @@ class LoadPlan {
     if (auto it = info_.values.find(key); it != info_.values.end()) {
       values_.emplace_back(key, it->second);
     } else if (auto pr = info_.per_rank_values.find(key); pr != info_.per_rank_values.end()) {
+      if (info_.world_size != world_ && stateful_keys_ && stateful_keys_->count(key)) {
+        // Per-rank state of a Stateful that reshards itself: every saving rank's value, for the object.
+        const auto& [object, reshards] = stateful_keys_->at(key);
+        TORCH_CHECK(reshards, api, ": '", key, "' is per-rank state of the Stateful '", object, "', saved by ", info_.world_size, " ranks in ", info_.dir,
+                    ", but this job has ", world_, " (rank ", rank_, ") and the object does not reshard ",
+                    "(reshardable() is false). Fix: load on ", info_.world_size, " ranks, or implement ",
+                    "Stateful::reshardable and load_state_dict_resharded");
+        values_.emplace_back(key, nlohmann::json(pr->second));
+        resharded_.insert(object);
+        return;
+      }
       TORCH_CHECK(info_.world_size == world_ && static_cast<int>(pr->second.size()) == world_, api, ": '", key,
                   "' is per-rank state saved by ", info_.world_size, " ranks in ", info_.dir, ", but this job has ",
                   world_, " (rank ", rank_, "): per-rank state cannot be resharded to another world size. Fix: load on ",
                   info_.world_size, " ranks, or remove '", key, "' from the state dict (and restore it another way)");
       values_.emplace_back(key, pr->second[static_cast<size_t>(rank_)]);
-    } else if (info_.tensors.count(key)) {
-      TORCH_CHECK(false, api, ": '", key, "' is a Value in the state dict but a tensor in ", info_.dir, " (rank ", rank_,
-                  ")");
+    } else if (auto u = info_.unreadable_values.find(key); u != info_.unreadable_values.end()) {
+      TORCH_CHECK(false, api, ": '", key, "' in ", info_.dir, " is ", u->second, ", which has no C++ form (a Value holds ",
+                  "None, bool, int, float, str and lists, tuples and str-keyed dicts of them) (rank ", rank_,
+                  "). Fix: remove '", key, "' from the state dict and restore it another way, or save it in PyTorch as ",
+                  "one of those types");
+    } else if (auto t = info_.tensors.find(key); t != info_.tensors.end()) {
+      // PyTorch keeps some counters as one-element tensors (Adam's `step` is a float32 scalar) where
+      // libfsdp's state dict holds a number: such a tensor loads into the Value as that number.
+      TORCH_CHECK(fsdp::detail::numel_of(t->second.sizes) == 1, api, ": '", key,
+                  "' is a Value in the state dict but a tensor of shape ", shape_str(t->second.sizes), " in ", info_.dir,
+                  " (rank ", rank_, ")");
+      values_.emplace_back(key, number_of(read_tensor(info_, key), std::get<Value>(*sd_value_).json));
     } else {
       result_.missing_keys.push_back(key);
     }
@@ -211,7 +243,8 @@ class LoadPlan {
     }
     auto it = info_.tensors.find(key);
     if (it == info_.tensors.end()) {
-      TORCH_CHECK(!info_.values.count(key) && !info_.per_rank_values.count(key), api, ": '", key, "' is a ",
+      TORCH_CHECK(!info_.values.count(key) && !info_.per_rank_values.count(key) && !info_.unreadable_values.count(key),
+                  api, ": '", key, "' is a ",
                   kind_name(v), " in the state dict but a Value in ", info_.dir, " (rank ", rank_, ")");
       result_.missing_keys.push_back(key);
       return;
@@ -292,6 +325,22 @@ class LoadPlan {
                 "optimizer state), or pass LoadOptions().strict(false) to ignore them");
   }
 
+  /// The number a one-element tensor holds, as JSON: an integer for integer dtypes, and for a float
+  /// with an integral value when the Value it replaces holds an integer (a step counter stays one).
+  static nlohmann::json number_of(const torch::Tensor& t, const nlohmann::json& current) {
+    auto s = t.reshape({}).cpu();
+    if (s.scalar_type() == torch::kBool) return s.item<bool>();
+    if (c10::isIntegralType(s.scalar_type(), /*includeBool=*/false)) return s.item<int64_t>();
+    TORCH_CHECK(!c10::isComplexType(s.scalar_type()), "dcp::load: a complex tensor cannot load into a Value");
+    const double d = s.to(torch::kFloat64).item<double>();
+    if (current.is_number_integer() && std::nearbyint(d) == d && std::abs(d) < 9.0e15) return static_cast<int64_t>(d);
+    return d;
+  }
+
+  const StateDictValue* sd_value_ = nullptr;  // the entry stage_value() is staging
+  // Keys of Stateful objects' per-rank Values -> the object's key, and whether it reshards.
+  const std::map<std::string, std::pair<std::string, bool>>* stateful_keys_;
+  std::set<std::string> resharded_;
   CheckpointInfo info_;
   FileCache files_;
   const LoadOptions& options_;
@@ -315,11 +364,47 @@ LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions
   auto group = detail::resolve_group(state_dict, options.group());
   detail::Coordinator coord(group, api);
   std::optional<LoadPlan> plan;
+  // Stateful objects: their entries are loaded with the others (in `work`), then handed back.
+  std::vector<StateDict> subs;
+  std::map<std::string, std::pair<std::string, bool>> stateful_keys;
+  StateDict work;
+  std::string error;
+  try {
+    work = detail::with_stateful_entries(state_dict, api, &subs);
+  } catch (const std::exception& e) {
+    error = fsdp::detail::message_of(e);
+  }
+  for (size_t i = 0; i < subs.size(); ++i) {
+    const auto& [key, obj] = state_dict.stateful()[i];
+    for (const auto& [k, v] : subs[i]) {
+      if (const auto* val = std::get_if<Value>(&v); val && val->per_rank) {
+        stateful_keys[key + "." + k] = {key, obj->reshardable()};
+      }
+    }
+  }
   auto validate = [&] {  // see [Note: validate, agree, apply]
-    plan.emplace(dir, options, coord.rank(), coord.world(), api);
-    plan->stage(state_dict);
+    TORCH_CHECK(error.empty(), error);
+    plan.emplace(dir, options, coord.rank(), coord.world(), api, &stateful_keys);
+    plan->stage(state_dict.stateful().empty() ? state_dict : work);
   };
-  fsdp::detail::validate_agree_apply(api, validate, coord.agreement(), [&] { plan->apply(state_dict); });
+  fsdp::detail::validate_agree_apply(api, validate, coord.agreement(),
+                                     [&] { plan->apply(state_dict.stateful().empty() ? state_dict : work); });
+  if (state_dict.stateful().empty()) return plan->result();
+  // The caller's own entries: tensors were loaded in place; Values come back from `work`.
+  for (auto& [k, v] : state_dict) {
+    if (std::holds_alternative<Value>(v)) v = work.at(k);
+  }
+  for (size_t i = 0; i < subs.size(); ++i) {
+    const auto& [key, obj] = state_dict.stateful()[i];
+    StateDict loaded = work.with_prefix(key + ".");
+    StateDict sub;  // in the object's own order
+    for (const auto& [k, _] : subs[i]) sub.insert_or_assign(k, loaded.at(k));
+    if (plan->resharded().count(key)) {
+      obj->load_state_dict_resharded(sub, plan->saved_world_size(), coord.world(), coord.rank());
+    } else {
+      obj->load_state_dict(sub);
+    }
+  }
   return plan->result();
 }
 

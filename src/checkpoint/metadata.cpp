@@ -11,6 +11,7 @@
 #include <set>
 
 #include "checkpoint/safetensors.h"
+#include "checkpoint/torch_dcp.h"
 #include "util.h"
 
 namespace fsdp::dcp {
@@ -148,7 +149,7 @@ std::vector<std::string> list_safetensors(const fs::path& dir, const char* api,
   }
   std::sort(names.begin(), names.end());
   TORCH_CHECK(!names.empty(), api, ": ", dir.string(), " holds no checkpoint: looked for ", kMetadataFileName,
-              " (a libfsdp checkpoint), ", kIndexFileName, " with the files it names (a split Hugging Face ",
+              " (a libfsdp checkpoint), ", kTorchMetadataFileName, " (PyTorch's dcp.save), ", kIndexFileName, " with the files it names (a split Hugging Face ",
               "checkpoint, as consolidate() writes), model.safetensors, or any other *.safetensors file (e.g. PyTorch's ",
               "HuggingFaceStorageWriter shards), and found none. Fix: pass the folder that holds the checkpoint's files");
   return names;
@@ -242,6 +243,10 @@ CheckpointInfo read_info(const std::string& dir_arg, const char* api, std::vecto
   info.dir = resolve_dir(dir_arg, api);
   const fs::path dir = info.dir;
   const fs::path meta_path = dir / kMetadataFileName;
+  if (!fs::exists(meta_path) && fs::exists(dir / kTorchMetadataFileName)) {
+    read_torch_dcp(info, [&](const std::string& msg) { problems.report(msg); }, api);
+    return info;
+  }
   std::map<std::string, std::string> index;  // weight_map of a split Hugging Face checkpoint
   const auto names = fs::exists(meta_path) ? read_metadata(info, meta_path, api) : list_safetensors(dir, api, index);
   if (!info.metadata.is_object()) info.format = "safetensors";

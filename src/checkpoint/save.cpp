@@ -28,6 +28,8 @@
 
 #include "checkpoint/coordinator.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/stateful_entries.h"
+#include "checkpoint/torch_dcp.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "util.h"
 
@@ -71,6 +73,7 @@ struct Item {
 };
 
 struct Plan {
+  StorageFormat format = StorageFormat::Safetensors;
   std::vector<Item> items;
   nlohmann::json values = nlohmann::json::object();    // replicated Values (rank 0's are saved)
   nlohmann::json per_rank = nlohmann::json::object();  // this rank's per-rank Values
@@ -85,8 +88,14 @@ std::string strip_slashes(std::string s) {
   return s;
 }
 
-Plan build_plan(const StateDict& sd, int rank, const char* api) {
+/// The dtype's name in the format's metadata ("F32" or "float32"); throws for a dtype it cannot store.
+std::string dtype_label(StorageFormat f, torch::ScalarType dtype, const char* api, const std::string& key) {
+  return f == StorageFormat::Distcp ? detail::torch_dtype_name(dtype, api, key) : detail::dtype_name(dtype, api, key);
+}
+
+Plan build_plan(const StateDict& sd, int rank, StorageFormat format, const char* api) {
   Plan plan;
+  plan.format = format;
   for (const auto& [key, v] : sd) {
     TORCH_CHECK(!key.empty() && key != "__metadata__", api, ": invalid key '", key, "'");
     if (const auto* val = std::get_if<Value>(&v)) {
@@ -128,7 +137,7 @@ Plan build_plan(const StateDict& sd, int rank, const char* api) {
       it.write = rank == 0;  // replicated: rank 0's copy is saved
       if (it.write) it.data = t;
     }
-    detail::dtype_name(it.dtype, api, key);  // throws for dtypes safetensors cannot store
+    dtype_label(format, it.dtype, api, key);  // throws for dtypes the format cannot store
     plan.items.push_back(std::move(it));
   }
   return plan;
@@ -166,7 +175,8 @@ void stage(Plan& plan, bool copy) {
 nlohmann::json describe(const Plan& plan) {
   nlohmann::json keys = nlohmann::json::array();
   for (const auto& it : plan.items) {
-    keys.push_back({it.key, it.sharded ? "DTensor" : "Tensor", detail::dtype_name(it.dtype, "dcp::save", it.key), it.global});
+    keys.push_back({it.key, it.sharded ? "DTensor" : "Tensor", dtype_label(plan.format, it.dtype, "dcp::save", it.key),
+                    it.global});
   }
   for (const auto& k : plan.value_keys) keys.push_back({k, "Value"});
   nlohmann::json chunks = nlohmann::json::array();
@@ -175,12 +185,33 @@ nlohmann::json describe(const Plan& plan) {
   return {{"keys", keys}, {"chunks", chunks}, {"per_rank", plan.per_rank}};
 }
 
+/// PyTorch's format: this rank's chunks as torch.save archives in __{rank}_0.distcp; the record lists
+/// where each archive lies ([key, offsets, sizes, offset, length]).
+nlohmann::json write_distcp(const std::vector<const Item*>& items, const std::string& tmp, int rank, bool do_fsync,
+                            const char* api) {
+  const std::string name = detail::distcp_file_name(rank);
+  const std::string path = tmp + "/" + name;
+  auto f = detail::File::create(path, api);
+  nlohmann::json archives = nlohmann::json::array();
+  int64_t at = 0;
+  for (const auto* it : items) {
+    const int64_t n = detail::append_torch_save(f, it->data, std::string(api) + ": writing '" + it->key + "' to " + path);
+    archives.push_back({it->key, it->offsets, it->sizes, at, n});
+    at += n;
+    detail::fault_point({"write", path, at});
+  }
+  if (do_fsync) f.fsync();
+  f.close();
+  return {{"name", name}, {"rank", rank}, {"bytes", at}, {"archives", archives}};
+}
+
 /// Writes this rank's file into `tmp`; returns its record (null when this rank writes nothing).
 nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, bool do_fsync, const char* api) {
   std::vector<const Item*> items;
   for (const auto& it : plan.items)
     if (it.write) items.push_back(&it);
   if (items.empty()) return nullptr;
+  if (plan.format == StorageFormat::Distcp) return write_distcp(items, tmp, rank, do_fsync, api);
   std::vector<detail::WriteEntry> entries;
   for (const auto* it : items) entries.push_back({it->key, it->dtype, it->sizes, it->offsets});
   const std::string path = tmp + "/" + detail::shard_file_name(rank);
@@ -250,7 +281,12 @@ void prune(const fs::path& parent, const fs::path& dir, int keep) {
   std::vector<std::pair<int64_t, fs::path>> found;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(parent, ec)) {
-    if (!e.is_directory() || !fs::exists(e.path() / kMetadataFileName)) continue;
+    if (!e.is_directory()) continue;
+    if (!fs::exists(e.path() / kMetadataFileName)) {
+      // PyTorch's format, when libfsdp wrote it (its save_id says so); never another program's.
+      if (auto t = detail::libfsdp_torch_dcp_time(e.path().string())) found.emplace_back(*t, e.path());
+      continue;
+    }
     try {
       auto j = nlohmann::json::parse(detail::read_small_file((e.path() / kMetadataFileName).string(), "dcp::save"));
       if (j.value("format", "") != detail::kFormatName) continue;
@@ -304,6 +340,69 @@ nlohmann::ordered_json metadata_of(const Plan& plan, const std::vector<nlohmann:
   return meta;
 }
 
+/// Rank 0, PyTorch's format: the Values into __0_1.distcp (per-rank ones as {"libfsdp_per_rank": [...]}),
+/// then `.metadata` describing every rank's archives (see [Note: PyTorch's DCP format]).
+void write_torch_metadata(const Plan& plan, const std::vector<nlohmann::json>& reports, const fs::path& tmp,
+                          bool do_fsync, const char* api) {
+  std::map<std::string, const Item*> items;
+  for (const auto& it : plan.items) items[it.key] = &it;
+  std::map<std::string, detail::TorchEntry> entries;
+  for (const auto& rep : reports) {
+    if (rep["file"].is_null()) continue;
+    const std::string file = rep["file"]["name"];
+    for (const auto& a : rep["file"]["archives"]) {
+      entries[a[0].get<std::string>()].chunks.push_back(
+          {a[1].get<std::vector<int64_t>>(), a[2].get<std::vector<int64_t>>(), file, a[3].get<int64_t>(),
+           a[4].get<int64_t>()});
+    }
+  }
+  // The Values, in one file of rank 0.
+  std::map<std::string, detail::TorchEntry::Chunk> values;
+  {
+    std::vector<std::pair<std::string, nlohmann::json>> objs;
+    for (const auto& [k, v] : plan.values.items()) objs.emplace_back(k, v);
+    for (const auto& [key, v] : reports[0]["per_rank"].items()) {
+      nlohmann::json all = nlohmann::json::array();
+      for (const auto& rep : reports) all.push_back(rep["per_rank"].value(key, nlohmann::json()));
+      objs.emplace_back(key, nlohmann::json{{"libfsdp_per_rank", all}});
+    }
+    if (!objs.empty()) {
+      const std::string name = detail::distcp_file_name(0, 1);
+      auto f = detail::File::create((tmp / name).string(), api);
+      int64_t at = 0;
+      for (const auto& [k, v] : objs) {
+        const int64_t n = detail::append_torch_save(f, v, std::string(api) + ": writing '" + k + "' to " + name);
+        values[k] = {{}, {}, name, at, n};
+        at += n;
+      }
+      if (do_fsync) f.fsync();
+    }
+  }
+  std::vector<detail::TorchEntry> list;
+  for (const auto& k : reports[0]["keys"]) {
+    const std::string key = k[0];
+    detail::TorchEntry e;
+    e.key = key;
+    if (k[1] == "Value") {
+      auto v = values.find(key);
+      TORCH_INTERNAL_ASSERT(v != values.end(), "no archive for Value ", key);
+      e.tensor = false;
+      e.chunks.push_back(v->second);
+    } else {
+      e.dtype = items.at(key)->dtype;
+      e.sizes = k[3].get<std::vector<int64_t>>();
+      e.chunks = std::move(entries[key].chunks);
+    }
+    list.push_back(std::move(e));
+  }
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const std::string text = detail::torch_metadata_pickle(list, detail::libfsdp_save_id(now));
+  auto f = detail::File::create((tmp / detail::kTorchMetadataFileName).string(), api);
+  f.write_all(text.data(), text.size(), "the checkpoint metadata");
+  if (do_fsync) f.fsync();
+}
+
 /// Rank 0: renames the complete `tmp` to `dir` (swapping it with an existing `dir` atomically where the
 /// filesystem can, then deleting the old one).
 void rename_into_place(const fs::path& tmp, const fs::path& dir, const char* api) {
@@ -330,7 +429,9 @@ void commit(const Plan& plan, const std::vector<nlohmann::json>& reports, const 
             int world, const SaveOptions& o, const char* api) {
   const fs::path parent = dir.parent_path().empty() ? fs::path(".") : dir.parent_path();
   detail::fault_point({"before_metadata", tmp.string(), 0});
-  {
+  if (plan.format == StorageFormat::Distcp) {
+    write_torch_metadata(plan, reports, tmp, o.fsync(), api);
+  } else {
     const std::string text = metadata_of(plan, reports, world).dump(1);
     auto f = detail::File::create((tmp / kMetadataFileName).string(), api);
     f.write_all(text.data(), text.size(), "the checkpoint metadata");
@@ -441,11 +542,11 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
 
 /// What this rank saves, staged (`copy`: always copied, for async_save). On an error, lets the other
 /// ranks fail too instead of waiting for this one, then throws.
-Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, const char* api) {
+Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, StorageFormat format, const char* api) {
   Plan plan;
   std::string error;
   try {
-    plan = build_plan(state_dict, coord.rank(), api);
+    plan = build_plan(detail::with_stateful_entries(state_dict, api), coord.rank(), format, api);
     stage(plan, copy);
   } catch (const std::exception& e) {
     error = message_of(e);
@@ -475,7 +576,7 @@ void save(const StateDict& state_dict, const std::string& dir, const SaveOptions
   TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
   auto group = resolve_group(state_dict, options.group());
   Coordinator coord(group, api);
-  Plan plan = plan_or_fail(state_dict, coord, /*copy=*/false, api);
+  Plan plan = plan_or_fail(state_dict, coord, /*copy=*/false, options.storage_format(), api);
   run_save(plan, coord, dir, options, api);
 }
 
@@ -485,7 +586,7 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
   auto group = resolve_group(state_dict, options.group());
   auto coord = std::make_shared<Coordinator>(group, api, /*clone_store=*/true);
   // Staged (copied): training may change the model from now on.
-  auto plan = std::make_shared<Plan>(plan_or_fail(state_dict, *coord, /*copy=*/true, api));
+  auto plan = std::make_shared<Plan>(plan_or_fail(state_dict, *coord, /*copy=*/true, options.storage_format(), api));
   auto result = std::make_shared<std::promise<void>>();
   auto finished = std::make_shared<std::promise<void>>();
   std::shared_future<void> previous;

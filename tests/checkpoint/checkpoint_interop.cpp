@@ -1,11 +1,17 @@
 // The C++ side of tests/python/test_checkpoint_interop.py, run under fsdprun (or torchrun --no-python):
 //
-//   checkpoint_interop save  --dir D --ref R [--steps K]      train the test model K steps (AdamW), save
-//                                                             model + optimizer into D; rank 0 writes the
-//                                                             full tensors into the safetensors file R
-//   checkpoint_interop load  --dir D --out O [--prefix P]     load D (any world size; P + FQN keys, model
-//                                                             only) into a differently initialised model;
-//                                                             rank 0 writes its full tensors into O
+//   checkpoint_interop save  --dir D --ref R [--steps K] [--format distcp] [--mesh 2,2]
+//                                                             train the test model K steps (AdamW), save
+//                                                             model + optimizer into D (ours, or PyTorch's
+//                                                             .distcp format; FSDP, or HSDP on a 2-D mesh);
+//                                                             rank 0 writes the full tensors into the
+//                                                             safetensors file R (Values: R.values.json)
+//   checkpoint_interop load  --dir D --out O [--prefix P] [--optim 1] [--mesh 2,2]
+//                                                             load D (any world size and format; P + FQN
+//                                                             keys, model only, or with --optim model and
+//                                                             optimizer) into a differently initialised
+//                                                             model; rank 0 writes its full tensors into O
+//                                                             (with --optim, its Values into O.values.json)
 //   checkpoint_interop crash-save --parent P --ref R --kill-rank r --kill-stage S
 //                                                             save P/step-1 (reference R), then die by
 //                                                             SIGKILL on rank r at stage S of P/step-2
@@ -16,6 +22,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <fstream>
 #include <iostream>
 
 #include "checkpoint/safetensors.h"
@@ -39,14 +46,24 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string dir, ref, out, prefix = "model.", parent, stage = "write";
   int steps = 2, kill_rank = 1;
+  std::string format = "safetensors", mesh_arg;
   auto* save = app.add_subcommand("save", "train and save");
   save->add_option("--dir", dir)->required();
   save->add_option("--ref", ref)->required();
   save->add_option("--steps", steps);
+  save->add_option("--format", format, "safetensors (ours) or distcp (PyTorch's FileSystemWriter)");
+  save->add_option("--mesh", mesh_arg, "e.g. 2,2: HSDP (replicate, shard)");
   auto* load = app.add_subcommand("load", "load and dump full tensors");
   load->add_option("--dir", dir)->required();
   load->add_option("--out", out)->required();
   load->add_option("--prefix", prefix);
+  load->add_option("--mesh", mesh_arg, "e.g. 2,2: HSDP (replicate, shard)");
+  bool with_optim = false, strict = false;
+  std::string resave, value_key;
+  load->add_option("--optim", with_optim, "also load the optimizer state (then O holds it under optim.)");
+  load->add_option("--strict", strict, "with --optim: strict load (PyTorch's extra param-group options fail it)");
+  load->add_option("--resave", resave, "with --optim: then save the state into this folder in PyTorch's format");
+  load->add_option("--value", value_key, "with --optim: also load this key as a Value");
   auto* crash = app.add_subcommand("crash-save", "save, then die mid-save");
   crash->add_option("--parent", parent)->required();
   crash->add_option("--ref", ref)->required();
@@ -65,13 +82,24 @@ int main(int argc, char** argv) {
     }
     auto pg = init_process_group();
     const int rank = pg->rank();
+    std::vector<int64_t> mesh;
+    for (size_t p = 0; !mesh_arg.empty() && p != std::string::npos;) {
+      auto q = mesh_arg.find(',', p);
+      mesh.push_back(std::stoll(mesh_arg.substr(p, q == std::string::npos ? q : q - p)));
+      p = q == std::string::npos ? q : q + 1;
+    }
+    const auto opts = dcp::SaveOptions().update_latest(true).storage_format(
+        format == "distcp" ? dcp::StorageFormat::Distcp : dcp::StorageFormat::Safetensors);
     if (*save || *crash) {
-      Trainer t(pg, 7);
+      Trainer t(pg, 7, OptimKind::ADAMW, mesh);
       for (int i = 0; i < steps; ++i) t.step(batches()[i]);
       const std::string target = *save ? dir : parent + "/step-1";
-      dcp::save(get_state_dict(t.net, *t.opt), target);
+      dcp::save(get_state_dict(t.net, *t.opt), target, opts);
       auto full = full_state(t);
-      if (rank == 0) write_full(ref, full.tensors);
+      if (rank == 0) {
+        write_full(ref, full.tensors);
+        std::ofstream(ref + ".values.json") << nlohmann::json(full.values).dump(1);
+      }
       if (*crash) {
         char own[32];
         std::snprintf(own, sizeof(own), "shard-%05d-", rank + 1);
@@ -84,12 +112,35 @@ int main(int argc, char** argv) {
           }
         });
         t.step(batches()[steps]);
-        dcp::save(get_state_dict(t.net, *t.opt), parent + "/step-2");
+        dcp::save(get_state_dict(t.net, *t.opt), parent + "/step-2", opts);
         std::cerr << "rank " << rank << ": the save that should have crashed completed" << std::endl;
         return 3;
       }
     } else {
-      Trainer t(pg, 8);
+      Trainer t(pg, 8, OptimKind::ADAMW, mesh);
+      if (with_optim) {
+        // Model and optimizer (the flattened layout, as get_state_dict keys it): every key must load.
+        auto sd = get_state_dict(t.net, *t.opt);
+        if (!value_key.empty()) sd.insert_or_assign(value_key, Value(nullptr));
+        // A PyTorch checkpoint's param groups also hold options LibTorch's AdamW lacks (foreach, fused,
+        // maximize, ...): not strict, but every key of the state dict must be loaded.
+        auto r = dcp::load(sd, dir, dcp::LoadOptions().strict(strict));
+        TORCH_CHECK(r.missing_keys.empty(), "checkpoint_interop: ", r.missing_keys.size(), " key(s) not in ", dir, ": ",
+                    r.missing_keys[0]);
+        if (!value_key.empty()) sd.erase(value_key);
+        set_state_dict(t.net, *t.opt, sd);
+        if (!resave.empty()) {
+          dcp::save(get_state_dict(t.net, *t.opt), resave,
+                    dcp::SaveOptions().storage_format(dcp::StorageFormat::Distcp));
+        }
+        auto full = full_state(t);
+        if (rank == 0) {
+          write_full(out, full.tensors);
+          std::ofstream(out + ".values.json") << nlohmann::json(full.values).dump(1);
+        }
+        barrier(*pg);
+        return 0;
+      }
       StateDict sd;
       sd.update(get_model_state_dict(t.net), prefix);
       // Model only: a checkpoint with optimizer state holds more keys than this dict (strict off), but

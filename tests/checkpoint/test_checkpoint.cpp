@@ -36,7 +36,7 @@ FullState train_and_save(int world, int steps, const std::string& dir, std::vect
   run_ranks(world, [&](ProcessGroupPtr pg) {
     Trainer t(pg, 7, OptimKind::ADAMW, mesh_shape);
     for (int i = 0; i < steps; ++i) t.step(batches()[i]);
-    dcp::save(get_state_dict(t.net, *t.opt), dir);
+    dcp::save(get_state_dict(t.net, *t.opt), dir, dcp::SaveOptions().update_latest(true));
     auto s = full_state(t);
     std::lock_guard<std::mutex> lock(mu);
     if (pg->rank() == 0) saved = s;
@@ -166,7 +166,7 @@ TEST(Checkpoint, AsyncSavesCompleteInOrderAndMoveLatest) {
     for (int i = 0; i < 3; ++i) {
       t.step(batches()[i]);
       futs.push_back(dcp::async_save(get_state_dict(t.net, *t.opt), base + "/step-" + std::to_string(i),
-                                     dcp::SaveOptions().keep_last(2)));
+                                     dcp::SaveOptions().keep_last(2).update_latest(true)));
     }
     for (auto& f : futs) f.get();
   });
@@ -242,7 +242,7 @@ TEST_P(FailAt, PreviousCheckpointSurvives) {
     Trainer t(pg);
     t.step(batches()[0]);
     t.step(batches()[1]);
-    dcp::save(get_state_dict(t.net, *t.opt), base + "/step-2");
+    dcp::save(get_state_dict(t.net, *t.opt), base + "/step-2", dcp::SaveOptions().update_latest(true));
   });
   dcp::detail::set_fault_hook(nullptr);
   const bool committed = stage == "before_latest";  // the folder is complete; only `latest` did not move
@@ -409,7 +409,7 @@ TEST(BadInput, FullDiskDuringSave) {
     run_ranks(2, [&](ProcessGroupPtr pg) {
       Trainer t(pg);
       t.step(batches()[0]);
-      dcp::save(get_state_dict(t.net, *t.opt), base + "/step-1");
+      dcp::save(get_state_dict(t.net, *t.opt), base + "/step-1", dcp::SaveOptions().update_latest(true));
       auto s = full_state(t);
       if (pg->rank() == 0) saved = s;
     });
@@ -438,7 +438,7 @@ TEST(BadInput, FullDiskDuringSave) {
       t.step(batches()[0]);
       StateDict sd = get_state_dict(t.net, *t.opt);
       sd.insert_or_assign("model.big", torch::ones({512, 256}));  // 512 KiB: more than the tmpfs holds
-      dcp::save(sd, base + "/step-2");
+      dcp::save(sd, base + "/step-2", dcp::SaveOptions().update_latest(true));
     });
     dcp::detail::set_fault_hook(nullptr);
   }

@@ -7,6 +7,10 @@
 3. kill -9 of a rank in the middle of a save (real processes under fsdprun): the previous checkpoint still
    verifies and loads, `latest` still names it.
 4. fsdp::dcp::save_file / load_file and the `safetensors` package read each other's single files.
+5. PyTorch's default DCP format (FileSystemWriter: .distcp archives and a pickled .metadata), both ways: PyTorch's
+   dcp.load reads what libfsdp's dcp::save(storage_format(Distcp)) writes into FSDP2, HSDP and FSDP + TP layouts,
+   and round trips PyTorch -> libfsdp -> PyTorch across layouts and world sizes give back every tensor bit for bit
+   (model, AdamW moments) and the step counters; a Python object libfsdp cannot represent is refused by name.
 
 The C++ side is build/bin/checkpoint_interop (tests/checkpoint/checkpoint_interop.cpp) launched by build/bin/fsdprun.
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build). Every subprocess has a timeout.
@@ -109,6 +113,131 @@ def python_job(world, mode, ckpt, ref="", out=""):
 
 
 # ------------------------------------------------------------------------------------------------
+# PyTorch's default format: the twin trained and saved with dcp.save(sd, checkpoint_id=DIR) in three layouts.
+def build_layout(layout, world, seed):
+    """Net under FSDP2 ("fsdp": 1-D mesh), HSDP ("hsdp": (replicate 2, shard world/2)) or FSDP + TP ("tp":
+    (dp world/2, tp 2), fc1 colwise and fc2 rowwise: fc1's 5 rows split 3 + 2), and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Net()
+    if layout == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            # fc1's output stays a DTensor: its uneven split (3 + 2) reaches fc2 with its true global shape.
+            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel()})
+        shard_mesh = mesh["dp"]
+    elif layout == "hsdp":
+        shard_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        shard_mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_steps(model, opt, steps, seed=99):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, 11, (4, 3), generator=g)
+        model(idx).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_and_values(sd):
+    """Full tensors (collective: every rank, in key order) and the JSON-able values of a flat state dict."""
+    from torch.distributed.tensor import DTensor
+    tensors, values = {}, {}
+    for k, v in sd.items():
+        if isinstance(v, DTensor):
+            tensors[k] = v.full_tensor()
+        elif torch.is_tensor(v):
+            tensors[k] = v.detach().clone()
+        else:
+            values[k] = list(v) if isinstance(v, tuple) else v
+    return tensors, values
+
+
+def write_reference(path, sd):
+    import json
+    tensors, values = full_and_values(sd)
+    if dist.get_rank() == 0:
+        save_file(tensors, path)
+        with open(path + ".values.json", "w") as f:
+            json.dump(values, f)
+
+
+def distcp_worker(rank, world, port, mode, layout, ckpt, out, extra):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+        def state(model, opt):
+            sd = {"model." + k: v for k, v in get_model_state_dict(model).items()}
+            sd.update({"optim." + k: v for k, v in get_optimizer_state_dict(model, opt, options=flat).items()})
+            return sd
+
+        if mode == "save":
+            model, opt = build_layout(layout, world, seed=1000 + world)
+            train_steps(model, opt, 2)
+            sd = state(model, opt)
+            if extra == "pyobj":
+                sd["trainer.shape"] = torch.Size([2, 3])  # a Python object without a C++ form
+            dcp.save(sd, checkpoint_id=ckpt)
+            sd.pop("trainer.shape", None)
+            write_reference(out, sd)
+        else:
+            model, opt = build_layout(layout, world, seed=2000 + world)
+            train_steps(model, opt, 1, seed=5)  # other weights and state, all to be replaced
+            sd = state(model, opt)
+            # libfsdp's AdamW has no foreach/fused/maximize/...: PyTorch keeps its own for those keys.
+            dcp.load(sd, checkpoint_id=ckpt, planner=DefaultLoadPlanner(allow_partial_load=True))
+            set_model_state_dict(model, {k[6:]: v for k, v in sd.items() if k.startswith("model.")})
+            set_optimizer_state_dict(model, opt, {k[6:]: v for k, v in sd.items() if k.startswith("optim.")},
+                                     options=flat)
+            write_reference(out, state(model, opt))  # what PyTorch's model and optimizer now hold
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def distcp_job(world, mode, layout, ckpt, out, extra=""):
+    mp.start_processes(distcp_worker, args=(world, free_port(), mode, layout, str(ckpt), str(out), extra),
+                       nprocs=world, join=True, start_method="spawn")
+
+
+def load_reference(path):
+    import json
+    return load_file(str(path)), json.loads((path.parent / (path.name + ".values.json")).read_text())
+
+
+def assert_cpp_state_matches(cpp_path, torch_path):
+    """Every tensor libfsdp holds (model, AdamW moments) equals PyTorch's bit for bit; steps and hyper-parameters
+    agree (PyTorch keeps step as a float tensor, libfsdp as an integer)."""
+    cpp_t, cpp_v = load_reference(cpp_path)
+    py_t, py_v = load_reference(torch_path)
+    assert any(k.endswith(".exp_avg_sq") for k in cpp_t) and "model.head.weight" in cpp_t
+    assert_same(py_t, cpp_t)
+    steps = [k for k in cpp_v if k.endswith(".step")]
+    assert steps
+    for k in steps:
+        assert float(py_t[k]) == cpp_v[k], (k, py_t[k], cpp_v[k])
+    for k, v in cpp_v.items():
+        if k.startswith("optim.param_groups."):
+            assert py_v[k] == v, (k, py_v[k], v)
+
+
+# ------------------------------------------------------------------------------------------------
 # 1. PyTorch reads ours.
 def test_pytorch_loads_libfsdp_checkpoint_on_another_world_size(tmp_path):
     ckpt, ref, out = tmp_path / "ck", tmp_path / "ref.safetensors", tmp_path / "py.safetensors"
@@ -194,6 +323,58 @@ def test_save_file_and_load_file_interop_with_safetensors(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x04" + b"\0" * 7 + b"{no}")
     p = run_program([INTEROP, "copy-file", "--in", tmp_path / "junk.safetensors", "--out", tmp_path / "x"], timeout=60)
     assert p.returncode == 1 and "dcp::load_file: " in p.stderr and "malformed safetensors header" in p.stderr, show(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. PyTorch's default format.
+@pytest.mark.parametrize("layout,world", [("fsdp", 2), ("hsdp", 4), ("tp", 4)])
+def test_pytorch_loads_libfsdp_distcp_checkpoint(tmp_path, layout, world):
+    ckpt, ref, out = tmp_path / "ck", tmp_path / "ref.safetensors", tmp_path / "py.safetensors"
+    p = interop(3, "save", "--dir", ckpt, "--ref", ref, "--steps", 2, "--format", "distcp")
+    assert p.returncode == 0, show(p)
+    assert (ckpt / ".metadata").exists() and (ckpt / "__2_0.distcp").exists(), sorted(ckpt.iterdir())
+    distcp_job(world, "load", layout, ckpt, out)
+    assert_cpp_state_matches(ref, out)
+
+
+@pytest.mark.parametrize("first,world1,cpp_mesh,then,world2", [
+    ("fsdp", 3, "2", "fsdp", 2),
+    ("hsdp", 4, "3", "tp", 4),
+    ("tp", 4, "2,2", "hsdp", 4),
+])
+def test_round_trip_pytorch_libfsdp_pytorch(tmp_path, first, world1, cpp_mesh, then, world2):
+    """PyTorch saves (layout `first`), libfsdp loads (another world size or mesh) and saves in PyTorch's format,
+    PyTorch loads that into layout `then`: every tensor and counter comes back bit for bit."""
+    ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
+    ref, cpp, back = tmp_path / "ref.safetensors", tmp_path / "cpp.safetensors", tmp_path / "back.safetensors"
+    distcp_job(world1, "save", first, ck1, ref)
+    nproc = 1
+    for d in cpp_mesh.split(","):
+        nproc *= int(d)
+    mesh = ["--mesh", cpp_mesh] if "," in cpp_mesh else []
+    p = interop(nproc, "load", "--dir", ck1, "--out", cpp, "--optim", 1, "--resave", ck2, *mesh)
+    assert p.returncode == 0, show(p)
+    assert_cpp_state_matches(cpp, ref)
+    distcp_job(world2, "load", then, ck2, back)
+    assert_cpp_state_matches(cpp, back)
+    py_ref, _ = load_reference(ref)
+    py_back, _ = load_reference(back)
+    assert_same(py_back, py_ref, keys=sorted(load_file(str(cpp))))
+
+
+def test_python_object_value_is_refused_by_name(tmp_path):
+    ck, ref, out = tmp_path / "ck", tmp_path / "ref.safetensors", tmp_path / "cpp.safetensors"
+    distcp_job(2, "save", "fsdp", ck, ref, extra="pyobj")
+    # Strict: PyTorch's param-group options LibTorch lacks (and trainer.shape) are unexpected keys.
+    p = interop(2, "load", "--dir", ck, "--out", out, "--optim", 1, "--strict", 1)
+    assert p.returncode == 1 and "'optim.param_groups.blocks.0.fc1.bias.capturable'" in p.stderr, show(p)
+    # Not strict: loads, trainer.shape skipped.
+    p = interop(2, "load", "--dir", ck, "--out", out, "--optim", 1)
+    assert p.returncode == 0, show(p)
+    p = interop(2, "load", "--dir", ck, "--out", out, "--optim", 1, "--value", "trainer.shape")
+    assert p.returncode == 1, show(p)
+    assert "'trainer.shape' in " in p.stderr and "torch.Size(...)" in p.stderr and "which has no C++ form" in p.stderr, \
+        show(p)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,17 @@
 // consolidated Hugging Face checkpoints (model.safetensors, or an index and its shards) straight into a
 // sharded model, each rank reading only its own rows (see load).
 //
-// Saves are atomic: the folder is written as DIR.tmp-<nonce>, fsynced, renamed to DIR, and only then
-// does the `latest` file next to it (holding DIR's name) move, by an atomic rename. A crash at any
-// point leaves the previous checkpoint and `latest` intact.
+// PyTorch's default format is read and written too: `__{rank}_{n}.distcp` files of torch.save archives
+// and a pickled `.metadata`, what `torch.distributed.checkpoint.save(sd, checkpoint_id=DIR)` (its
+// FileSystemWriter; torchtitan's checkpoints) writes: `load` recognises it, and
+// `SaveOptions().storage_format(StorageFormat::Distcp)` writes it so that PyTorch's `dcp.load` reads it.
 //
-// Mirrors torch.distributed.checkpoint.{save, async_save, load} with the Hugging Face storage layer.
+// Saves are atomic: the folder is written as DIR.tmp-<nonce>, fsynced, renamed to DIR, and only then
+// (with SaveOptions().update_latest(true)) does the `latest` file next to it (holding DIR's name) move,
+// by an atomic rename. A crash at any point leaves the previous checkpoint and `latest` intact.
+//
+// Mirrors torch.distributed.checkpoint.{save, async_save, load} with the Hugging Face storage layer
+// (StorageFormat::Safetensors) or FileSystemWriter / FileSystemReader (StorageFormat::Distcp).
 #pragma once
 
 #include <cstdint>
@@ -46,6 +52,18 @@ constexpr const char* kMetadataFileName = "libfsdp_checkpoint.json";
 /// Name of the pointer file, next to the checkpoint folders, that holds the newest one's name.
 constexpr const char* kLatestFileName = "latest";
 
+/// How dcp::save lays a checkpoint out on disk (dcp::load reads both, and Hugging Face folders).
+/// Example: `fsdp::dcp::SaveOptions().storage_format(fsdp::dcp::StorageFormat::Distcp)`
+enum class StorageFormat {
+  /// Sharded safetensors files plus libfsdp_checkpoint.json (CRC-32C checksums, atomic `latest`):
+  /// what PyTorch's HuggingFaceStorageWriter(save_distributed=True) writes. The default.
+  Safetensors,
+  /// PyTorch's default: `__{rank}_0.distcp` files of torch.save archives and a pickled `.metadata`, as
+  /// torch.distributed.checkpoint.save(sd, checkpoint_id=DIR) writes them with its FileSystemWriter, so
+  /// that `dcp.load(sd, checkpoint_id=DIR)` reads it. No checksums (the format has none).
+  Distcp,
+};
+
 /// Options of save and async_save.
 /// Example: `fsdp::dcp::save(sd, "ckpt/step-100", fsdp::dcp::SaveOptions().keep_last(3))`
 struct SaveOptions {
@@ -55,13 +73,16 @@ struct SaveOptions {
   /// Replace a checkpoint already at DIR (by an atomic exchange of the folders where the filesystem
   /// supports it). Otherwise an existing DIR is an error. (Default: false)
   TORCH_ARG(bool, overwrite) = false;
-  /// Point `latest` in DIR's parent at DIR once it is durable. (Default: true)
-  TORCH_ARG(bool, update_latest) = true;
+  /// Point the file `latest` in DIR's parent at DIR once it is durable. Off by default: a save writes
+  /// nothing outside DIR unless asked (the parent may be a folder shared with others). (Default: false)
+  TORCH_ARG(bool, update_latest) = false;
   /// After `latest` moved, delete the oldest libfsdp checkpoints in DIR's parent so that this many
   /// remain (the new one included); 0 keeps all. (Default: 0)
   TORCH_ARG(int, keep_last) = 0;
   /// fsync files and folders before the renames (durability across power loss). (Default: true)
   TORCH_ARG(bool, fsync) = true;
+  /// The layout on disk. (Default: StorageFormat::Safetensors)
+  TORCH_ARG(StorageFormat, storage_format) = StorageFormat::Safetensors;
 };
 
 /// Options of load.
@@ -76,7 +97,8 @@ struct LoadOptions {
   TORCH_ARG(bool, verify_checksums) = true;
 };
 
-/// Writes `state_dict` into the folder `dir` (created; its parent must exist or is created).
+/// Writes `state_dict` into the folder `dir` (created; its parent must exist or is created), in our
+/// format or, with SaveOptions::storage_format(StorageFormat::Distcp), PyTorch's default one.
 /// Collective over the group: each rank writes the chunks it owns (the local piece of each DTensor,
 /// once per replica group; plain tensors and Values from rank 0; per-rank Values from every rank).
 /// Returns once the checkpoint is complete and durable on every rank. Throws c10::Error naming the
@@ -98,6 +120,16 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
 /// size) is checked on every rank before anything is written, so a failed load leaves the state
 /// dict's tensors (and the model and optimizer they alias) unchanged on every rank. Throws c10::Error
 /// naming the file, the FQN and the rank.
+///
+/// PyTorch's default format (`.metadata` and `.distcp` files, no libfsdp_checkpoint.json): read like ours
+/// (resharded, each rank reading only the byte runs of the archives it needs), without checksums (the
+/// format has none). Non-tensor entries load into Values when they are None/bool/int/float/str or
+/// lists, tuples and str-keyed dicts of them; a one-element tensor (PyTorch's Adam `step`) loads into a
+/// Value as its number. A Python object without a JSON form is refused when the state dict asks for it
+/// (naming the key and its type). Its param groups hold options LibTorch lacks (foreach, fused, ...): load
+/// it with strict(false) and check LoadResult::missing_keys. Throws for a malformed or foreign
+/// `.metadata` (naming the byte offset and the fault), a missing or truncated `.distcp` file, a damaged
+/// archive (naming the key), storage transforms (compression extensions) it does not undo.
 ///
 /// Consolidated checkpoints (no libfsdp_checkpoint.json): `dir` may also hold a checkpoint as Hugging
 /// Face, Python's `safetensors` or consolidate() write it: model.safetensors.index.json and exactly the
@@ -154,8 +186,8 @@ struct FileInfo {
 /// What a checkpoint folder holds, from its metadata file (if any) and its safetensors headers.
 struct CheckpointInfo {
   std::string dir;
-  /// "libfsdp-dcp" (ours), or "safetensors" (no metadata file: PyTorch's HuggingFaceStorageWriter or
-  /// plain Hugging Face files).
+  /// "libfsdp-dcp" (ours), "torch-dcp" (PyTorch's FileSystemWriter: `.metadata` and `.distcp` files),
+  /// or "safetensors" (no metadata file: PyTorch's HuggingFaceStorageWriter or plain Hugging Face files).
   std::string format;
   int version = 0;                     ///< format version (ours), 0 otherwise
   int world_size = 0;                  ///< ranks at save time (0 if unknown)
@@ -165,10 +197,14 @@ struct CheckpointInfo {
   std::map<std::string, TensorInfo> tensors;   ///< by FQN
   std::map<std::string, nlohmann::json> values;                 ///< replicated Values
   std::map<std::string, std::vector<nlohmann::json>> per_rank_values;  ///< per-rank Values, by rank
+  /// "torch-dcp" only: non-tensor entries that are Python objects without a JSON form (key -> what they
+  /// are, e.g. "a value of type torch.Size(...)"); loading such a key is refused, naming it.
+  std::map<std::string, std::string> unreadable_values;
   nlohmann::json metadata;             ///< the metadata file as read (null if none)
 };
 
-/// Reads a checkpoint's description (metadata file and safetensors headers; no tensor data).
+/// Reads a checkpoint's description (metadata file and safetensors headers, or PyTorch's `.metadata`
+/// and the archives' directories; no tensor data, except PyTorch's non-tensor entries, which are small).
 /// Throws c10::Error naming the file for a missing or truncated file or a malformed header.
 CheckpointInfo inspect(const std::string& dir);
 

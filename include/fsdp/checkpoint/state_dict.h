@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -61,6 +62,8 @@ inline Value per_rank_value(nlohmann::json json) { return Value(std::move(json),
 /// One entry: a sharded tensor (DTensor), a tensor every rank holds in full (replicated), or a Value.
 using StateDictValue = std::variant<DTensor, torch::Tensor, Value>;
 
+class Stateful;  // fsdp/checkpoint/stateful.h
+
 /// An ordered map from key (FQN) to StateDictValue. Iteration follows insertion order, which is the
 /// module's parameter order for dicts built by get_*_state_dict (and the order of collectives they
 /// issue, identical on every rank).
@@ -96,9 +99,27 @@ class StateDict {
   /// Appends every entry of `other` with `prefix` prepended to its key.
   void update(const StateDict& other, const std::string& prefix = "");
 
+  /// Adds (or replaces) a Stateful object under `key` (fsdp/checkpoint/stateful.h): dcp::save stores
+  /// what its state_dict() returns under "<key>.", dcp::load hands the loaded entries to its
+  /// load_state_dict(). It is not an entry of the map: iteration, size() and find() do not see it, and
+  /// only dcp::save, async_save and load use it. Mirrors a Stateful value in PyTorch's DCP state dicts.
+  /// Example: `sd.insert_or_assign("loader", std::make_shared<MyLoader>())`
+  void insert_or_assign(const std::string& key, std::shared_ptr<Stateful> object) {
+    for (auto& [k, o] : stateful_) {
+      if (k == key) {
+        o = std::move(object);
+        return;
+      }
+    }
+    stateful_.emplace_back(key, std::move(object));
+  }
+  /// The Stateful objects, in insertion order.
+  const std::vector<std::pair<std::string, std::shared_ptr<Stateful>>>& stateful() const { return stateful_; }
+
  private:
   std::vector<Item> items_;
   std::unordered_map<std::string, size_t> index_;
+  std::vector<std::pair<std::string, std::shared_ptr<Stateful>>> stateful_;
 };
 
 /// "DTensor", "Tensor" or "Value" (for messages).
