@@ -250,6 +250,10 @@ torch::Tensor resolve_tensor(const StateDictValue& entry, const std::string& key
 StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, const Layouts& layouts, const char* api) {
   auto local_of = [&layouts](const std::string& key, const torch::Tensor& full) -> StateDictValue {
     auto it = layouts.find(key);
+    if (it == layouts.end()) {
+      const auto dot = key.rfind('.');
+      if (dot != std::string::npos) it = layouts.find(key.substr(0, dot) + ".*");
+    }
     return cut(full, it == layouts.end() ? std::nullopt : it->second);
   };
   if (!world || world->size() == 1) {
@@ -285,6 +289,21 @@ StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, cons
     out.insert_or_assign(key, local_of(key, buf));
   }
   return out;
+}
+
+void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& local, const std::optional<DTensor>& layout,
+                 const StateDictOptions& o, bool keep) {
+  if (layout && !o.full_state_dict()) {
+    // Sharded: a DTensor aliasing the local piece; with cpu_offload its local is on the CPU (Tensor.to:
+    // a copy from an accelerator, the same tensor when it is on the CPU already, as in PyTorch).
+    auto l = o.cpu_offload() ? local.to(torch::kCPU) : local;
+    sd.insert_or_assign(key, DTensor(l, layout->device_mesh(), layout->placements(), layout->sizes()));
+    return;
+  }
+  // full_tensor: a collective, issued in the same order on every rank whether it keeps the entry or not.
+  torch::Tensor v = layout ? DTensor(local, layout->device_mesh(), layout->placements(), layout->sizes()).full_tensor()
+                           : local;
+  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? v.to(torch::kCPU) : v);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -360,17 +379,14 @@ using namespace detail::sd;  // NOLINT: this file's own internals
 StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOptions& o) {
   ModelContext ctx(model);
   auto mt = model_targets(model, ctx, o);
-  const bool full = o.full_state_dict();
-  const bool keep = !(full && o.cpu_offload()) || ctx.rank == 0;
+  const bool keep = keeps_entries(o, ctx.rank);
   StateDict sd;
   for (const auto& t : mt.targets) {
-    if (t.layout && !full) {
-      sd.insert_or_assign(t.key, *t.layout);
+    if (t.layout && !o.full_state_dict() && !o.cpu_offload()) {
+      sd.insert_or_assign(t.key, *t.layout);  // the parameter's own DTensor
       continue;
     }
-    torch::Tensor v = t.layout ? t.layout->full_tensor() : t.dst;  // full_tensor: collective, same order on every rank
-    if (!keep) continue;
-    sd.insert_or_assign(t.key, full && o.cpu_offload() ? v.cpu() : v);
+    emit_tensor(sd, t.key, t.layout ? t.layout->to_local() : t.dst, t.layout, o, keep);
   }
   return sd;
 }
@@ -390,13 +406,21 @@ LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state
   return prep.result;
 }
 
-StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+StateDict get_state_dict(const torch::nn::Module& model, const std::vector<const torch::optim::Optimizer*>& optimizers,
                          const StateDictOptions& o) {
+  std::vector<torch::optim::Optimizer*> opts;
+  for (const auto* p : optimizers) opts.push_back(const_cast<torch::optim::Optimizer*>(p));  // only read
+  Optims optims(std::move(opts), "get_state_dict");
   ModelContext ctx(model);
   StateDict sd;
   sd.update(get_model_state_dict(model, o), kModelPrefix);
-  sd.update(optimizer_state_dict(model, optimizer, o, ctx), kOptimPrefix);
+  sd.update(optimizer_state_dict(model, optims, o, ctx), kOptimPrefix);
   return sd;
+}
+
+StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                         const StateDictOptions& o) {
+  return get_state_dict(model, std::vector<const torch::optim::Optimizer*>{&optimizer}, o);
 }
 
 namespace {
@@ -410,14 +434,19 @@ void prefix_keys(LoadResult& out, const LoadResult& in, const std::string& prefi
 
 LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const StateDict& state_dict,
                           const StateDictOptions& o) {
+  return set_state_dict(model, std::vector<torch::optim::Optimizer*>{&optimizer}, state_dict, o);
+}
+
+LoadResult set_state_dict(torch::nn::Module& model, const std::vector<torch::optim::Optimizer*>& optimizers,
+                          const StateDict& state_dict, const StateDictOptions& o) {
   const char* api = "set_state_dict";
   ModelContext ctx(model);
   auto mt = model_targets(model, ctx, o);
   Prepared model_prep, optim_prep;
   LoadResult result;
   auto validate = [&] {  // see [Note: validate, agree, apply]
-    const OptKind k = opt_kind(optimizer, api);
-    auto params = opt_params(model, optimizer, ctx, api);
+    Optims optims(optimizers, api);
+    auto params = opt_params(model, optims, ctx, api);
     StateDict local;
     if (o.broadcast_from_rank0()) {
       Layouts layouts;
@@ -427,7 +456,7 @@ LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& opt
     }
     const StateDict& src = o.broadcast_from_rank0() ? local : state_dict;
     model_prep = prepare_model(mt, src.with_prefix(kModelPrefix), api, ctx.rank);
-    optim_prep = prepare_optimizer(params, optimizer, k, src.with_prefix(kOptimPrefix), o, api, ctx.rank);
+    optim_prep = prepare_optimizer(params, optims, src.with_prefix(kOptimPrefix), o, api, ctx.rank);
     prefix_keys(result, model_prep.result, kModelPrefix);
     prefix_keys(result, optim_prep.result, kOptimPrefix);
     const std::string mp = kModelPrefix, op = kOptimPrefix;
