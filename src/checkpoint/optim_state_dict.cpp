@@ -319,8 +319,19 @@ std::vector<std::vector<nlohmann::json>> prepare_hparams(const std::vector<OptPa
   if (o.flatten_optimizer_state_dict()) take_flat_hparams(params, optims, gh, keys, api, rank);
   else take_nested_hparams(params, optims, gh, keys, o.ignore_frozen_params(), api, rank);
   for (size_t i = 0; i < optims.opts.size(); ++i) {
+    const auto& ad = *optims.adapters[i];
     for (size_t g = 0; g < gh.hp[i].size(); ++g) {
       if (gh.source[i][g].empty()) continue;
+      // Set them on a copy of the group's options first: an adapter's set_hparams that throws (a user's,
+      // on a value its check_hparam let through) then fails the validation, not the apply phase.
+      try {
+        auto probe = optims.opts[i]->param_groups()[g].options().clone();
+        ad.set_hparams(*probe, gh.hp[i][g]);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, api, ": the hyper-parameters ", gh.hp[i][g].dump(), " of param group ", g, " of optimizer #", i,
+                    " (", ad.name, ") cannot be set: ", message_of(e), " (rank ", rank, "). Fix: load values of the ",
+                    "types the optimizer takes");
+      }
       keys.prep.apply.push_back([opt = optims.opts[i], ad = optims.adapters[i], g, hp = gh.hp[i][g]] {
         ad->set_hparams(opt->param_groups()[g].options(), hp);
       });

@@ -1,8 +1,12 @@
 // The C++ side of tests/python/test_checkpoint_interop.py, run under fsdprun (or torchrun --no-python):
 //
 //   checkpoint_interop save  --dir D --ref R [--steps K]      train the test model K steps (AdamW), save
-//                                                             model + optimizer into D; rank 0 writes the
-//                                                             full tensors into the safetensors file R
+//        [--optim adamw|adagrad|rmsprop] [--next N]           model + optimizer into D; rank 0 writes the
+//                                                             full tensors into the safetensors file R;
+//                                                             with --next, one more step on batch K, whose
+//                                                             tensors ("batch.idx", "batch.targets") and the
+//                                                             parameters after it ("model.<fqn>") rank 0
+//                                                             writes into N
 //   checkpoint_interop load  --dir D --out O [--prefix P]     load D (any world size; P + FQN keys, model
 //                                                             only) into a differently initialised model;
 //                                                             rank 0 writes its full tensors into O
@@ -37,12 +41,14 @@ std::vector<Batch> batches() { return make_batches(4, kCkptBatch, kCkptSeq, 4321
 int main(int argc, char** argv) {
   CLI::App app{"C++ side of the checkpoint interop and crash tests"};
   app.require_subcommand(1);
-  std::string dir, ref, out, prefix = "model.", parent, stage = "write";
+  std::string dir, ref, out, prefix = "model.", parent, stage = "write", optim = "adamw", next;
   int steps = 2, kill_rank = 1;
   auto* save = app.add_subcommand("save", "train and save");
   save->add_option("--dir", dir)->required();
   save->add_option("--ref", ref)->required();
   save->add_option("--steps", steps);
+  save->add_option("--optim", optim)->check(CLI::IsMember({"adamw", "adagrad", "rmsprop"}));
+  save->add_option("--next", next);
   auto* load = app.add_subcommand("load", "load and dump full tensors");
   load->add_option("--dir", dir)->required();
   load->add_option("--out", out)->required();
@@ -66,12 +72,21 @@ int main(int argc, char** argv) {
     auto pg = init_process_group();
     const int rank = pg->rank();
     if (*save || *crash) {
-      Trainer t(pg, 7);
+      const auto kind = optim == "adagrad" ? OptimKind::ADAGRAD : optim == "rmsprop" ? OptimKind::RMSPROP : OptimKind::ADAMW;
+      Trainer t(pg, 7, kind);
       for (int i = 0; i < steps; ++i) t.step(batches()[i]);
       const std::string target = *save ? dir : parent + "/step-1";
       dcp::save(get_state_dict(t.net, *t.opt), target);
       auto full = full_state(t);
       if (rank == 0) write_full(ref, full.tensors);
+      if (!next.empty()) {
+        const auto& b = batches()[steps];
+        t.step(b);
+        auto params = get_model_state_dict(t.net, StateDictOptions().full_state_dict(true));
+        std::map<std::string, torch::Tensor> m{{"batch.idx", b.idx}, {"batch.targets", b.targets}};
+        for (const auto& [k, v] : params) m["model." + k] = std::get<torch::Tensor>(v);
+        if (rank == 0) write_full(next, m);
+      }
       if (*crash) {
         char own[32];
         std::snprintf(own, sizeof(own), "shard-%05d-", rank + 1);

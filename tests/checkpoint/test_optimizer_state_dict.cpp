@@ -244,6 +244,16 @@ TEST(OptimizerStateDict, NestedLayoutHasPyTorchsDcpKeys) {
   });
 }
 
+TEST(OptimizerStateDict, BadHyperParameterNamesTheKeyAndTheOptimizer) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    Trainer t(pg, 7, OptimKind::RMSPROP);
+    auto sd = get_optimizer_state_dict(t.net, *t.opt);
+    sd.insert_or_assign("param_groups.head.bias.centered", Value(1));
+    EXPECT_THROW_MSG(set_optimizer_state_dict(t.net, *t.opt, sd),
+                     "'param_groups.head.bias.centered' = 1 in the state dict: expected a boolean (torch::optim::RMSprop, rank");
+  });
+}
+
 TEST(OptimizerStateDict, ParameterInTwoOptimizersIsAnErrorNamingIt) {
   run_ranks(1, [](ProcessGroupPtr pg) {
     OptRun r(pg, 7, [](Net& net) {
@@ -349,7 +359,7 @@ OptimizerAdapter velocity_adapter() {
   a.set_hparams = [](optim::OptimizerOptions& o, const nlohmann::json& hp) {
     static_cast<VelocityOptions&>(o).lr(hp["lr"].get<double>()).beta(hp["beta"].get<double>());
   };
-  a.check_hparam = [](const std::string&, const nlohmann::json& v) { return v.is_number() ? "" : "expected a number"; };
+  // No check_hparam: any JSON passes the check, and set_hparams decides (on a copy, during validation).
   a.state_names = [](const nlohmann::json&) { return std::vector<std::string>{"velocity"}; };
   a.state_tensor = [](optim::OptimizerParamState& s, const std::string& n) -> torch::Tensor* {
     return n == "velocity" ? &static_cast<VelocityState&>(s).velocity() : nullptr;
@@ -383,6 +393,16 @@ TEST(OptimizerStateDict, RegisteredUserOptimizerReshardsAndTrainsOn) {
     EXPECT_EQ(std::get<Value>(osd.at("state.head.weight.step")).json, 1);
     EXPECT_TRUE(osd.contains("state.wte.weight.velocity"));
     EXPECT_EQ(std::get<Value>(osd.at("param_groups.head.weight.beta")).json, 0.9);
+    // A value set_hparams cannot take fails the validation, and nothing is loaded.
+    auto bad = osd;
+    for (auto& [k, v] : bad) {
+      if (k.size() > 3 && k.compare(k.size() - 3, 3, ".lr") == 0) v = Value("fast");
+      if (auto* d = std::get_if<DTensor>(&v)) v = DTensor(d->to_local() + 1, d->device_mesh(), d->placements(), d->sizes());
+    }
+    const auto before = get_optimizer_state_dict(r.net, r.cptrs(), StateDictOptions().full_state_dict(true));
+    EXPECT_THROW_MSG(set_optimizer_state_dict(r.net, r.ptrs(), bad), "of param group 0 of optimizer #0 (Velocity) cannot be set");
+    const auto after = get_optimizer_state_dict(r.net, r.cptrs(), StateDictOptions().full_state_dict(true));
+    EXPECT_EQ(diff_states(to_full_state(after), to_full_state(before)), "");
   });
 }
 

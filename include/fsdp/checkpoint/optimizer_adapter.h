@@ -49,7 +49,8 @@ struct OptimizerAdapter {
   /// [beta1, beta2] arrays, null for an unset optional).
   std::function<nlohmann::json(const torch::optim::OptimizerOptions&)> get_hparams;
   /// Sets a param group's options from a JSON object holding every name of hparam_names, each accepted by
-  /// check_hparam. Must not throw.
+  /// check_hparam. It may throw on a value it cannot take: a load runs it on a copy of the options
+  /// (OptimizerOptions::clone) while validating, so the error changes nothing.
   std::function<void(torch::optim::OptimizerOptions&, const nlohmann::json&)> set_hparams;
   /// "" when `value` is a valid value of hyper-parameter `name`, else what is wrong (e.g. "expected a
   /// number"), which the load's error message quotes. Empty function: any JSON value is accepted.
@@ -65,7 +66,7 @@ struct OptimizerAdapter {
   bool has_step = false;
   /// The step count of `state` (has_step only).
   std::function<int64_t(const torch::optim::OptimizerParamState& state)> get_step;
-  /// Sets the step count of `state` (has_step only).
+  /// Sets the step count of `state` (has_step only). Must not throw (it runs in the apply phase).
   std::function<void(torch::optim::OptimizerParamState& state, int64_t step)> set_step;
   /// New state for a parameter that has none yet, with step 0 and every tensor of state_names(hparams)
   /// like `like` (the parameter's local shard): what the optimizer's constructor or first step creates
