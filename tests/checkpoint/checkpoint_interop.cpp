@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
       auto full = full_state(t);
       if (rank == 0) write_full(ref, full.tensors);
       if (!next.empty()) {
-        const auto& b = batches()[steps];
+        const Batch b = batches()[steps];  // batches() returns a fresh vector: copy, not a reference into it
         t.step(b);
         auto params = get_model_state_dict(t.net, StateDictOptions().full_state_dict(true));
         std::map<std::string, torch::Tensor> m{{"batch.idx", b.idx}, {"batch.targets", b.targets}};
