@@ -4,6 +4,7 @@
 // torch.distributed.checkpoint.state_dict.get_optimizer_state_dict / set_optimizer_state_dict, in its
 // flattened layout (flatten_optimizer_state_dict=True, our default) or its nested one as PyTorch's DCP
 // stores it. Loads follow [Note: validate, agree, apply] (validate_agree_apply.h).
+#include <algorithm>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -261,12 +262,26 @@ void take_nested_hparams(const std::vector<OptParam>& params, const Optims& opti
     for (const auto& f : ok ? list->json : nlohmann::json::array()) ok = ok && f.is_string();
     TORCH_CHECK(ok, api, ": '", key, "' must be a Value holding the list of the group's parameter FQNs, got ",
                 list ? list->json.dump() : std::string(kind_name(v)), " (rank ", rank, ")");
+    saved[index];  // a group may list no parameter (all frozen at save)
     for (const auto& f : list->json) {
       const auto fqn = f.get<std::string>();
       auto [it, fresh] = saved_of.emplace(fqn, index);
       TORCH_CHECK(fresh, api, ": '", fqn, "' is listed by both 'param_groups.", it->second, ".params' and '", key,
                   "' in the state dict (rank ", rank, "): a parameter belongs to one param group");
       saved[index].insert(fqn);
+    }
+  }
+  // A saved group whose parameters are all frozen (left out with ignore_frozen_params) matches none of
+  // ours: its keys are skipped, not unexpected.
+  std::unordered_set<std::string> frozen_fqns;
+  for (const auto& op : params) {
+    if (ignore_frozen && !op.param.requires_grad()) frozen_fqns.insert(op.fqn);
+  }
+  for (const auto& [index, fqns] : saved) {
+    if (!std::all_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return frozen_fqns.count(f) > 0; })) continue;
+    const std::string prefix = kGroups + index + ".";
+    for (const auto& [key, v] : keys.sd) {
+      if (key.compare(0, prefix.size(), prefix) == 0) keys.frozen.insert(key);
     }
   }
   for (size_t o = 0; o < optims.opts.size(); ++o) {

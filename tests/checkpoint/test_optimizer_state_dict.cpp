@@ -244,6 +244,55 @@ TEST(OptimizerStateDict, NestedLayoutHasPyTorchsDcpKeys) {
   });
 }
 
+// Through a distributed checkpoint: the nested layout's Values (the groups' FQN lists among them) are saved
+// in the metadata and come back with dcp::load, on another world size. (The optimizers must come in the
+// order of the save here: dcp::load fills the destination dict's keys, which number the groups.)
+TEST(OptimizerStateDict, NestedLayoutThroughDcpReshards) {
+  const auto dir = temp_dir("nested_dcp") + "/ck";
+  const auto nested = StateDictOptions().flatten_optimizer_state_dict(false);
+  std::mutex mu;
+  FullState saved;
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    OptRun r(pg, 7, two_optimizers);
+    for (int i = 0; i < 2; ++i) r.step(opt_batches()[i]);
+    dcp::save(get_state_dict(r.net, r.cptrs(), nested), dir);
+    auto full = full_of(r);
+    if (pg->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      saved = full;
+    }
+  });
+  run_ranks(3, [&](ProcessGroupPtr pg) {
+    OptRun r(pg, 8, two_optimizers);
+    auto sd = get_state_dict(r.net, r.cptrs(), nested);
+    dcp::load(sd, dir);
+    EXPECT_EQ(std::get<Value>(sd.at("optim.param_groups.2.params")).json, nlohmann::json({"head.weight", "head.bias"}));
+    set_state_dict(r.net, r.ptrs(), sd, nested);
+    EXPECT_EQ(diff_states(full_of(r), saved), "") << "rank " << pg->rank();
+  });
+}
+
+// ignore_frozen_params in the nested layout: a group whose parameters are all frozen lists none, and loads
+// without missing or unexpected keys.
+TEST(OptimizerStateDict, NestedLayoutWithAFrozenGroup) {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    OptRun r(pg, 7, two_optimizers);
+    r.net->wte->weight.requires_grad_(false);
+    r.step(opt_batches()[0]);
+    const auto o = StateDictOptions().flatten_optimizer_state_dict(false).ignore_frozen_params(true);
+    auto sd = get_optimizer_state_dict(r.net, r.cptrs(), o);
+    EXPECT_EQ(std::get<Value>(sd.at("param_groups.0.params")).json, nlohmann::json::array());
+    EXPECT_FALSE(sd.contains("state.wte.weight.exp_avg"));
+    OptRun dst(pg, 8, two_optimizers);
+    dst.net->wte->weight.requires_grad_(false);
+    auto result = set_optimizer_state_dict(dst.net, dst.ptrs(), sd, o);
+    EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty());
+    EXPECT_EQ(diff_states(to_full_state(get_optimizer_state_dict(dst.net, dst.cptrs(), StateDictOptions(o).full_state_dict(true))),
+                          to_full_state(get_optimizer_state_dict(r.net, r.cptrs(), StateDictOptions(o).full_state_dict(true)))),
+              "");
+  });
+}
+
 TEST(OptimizerStateDict, BadHyperParameterNamesTheKeyAndTheOptimizer) {
   run_ranks(2, [](ProcessGroupPtr pg) {
     Trainer t(pg, 7, OptimKind::RMSPROP);
