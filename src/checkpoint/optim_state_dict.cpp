@@ -125,7 +125,9 @@ StateDict optimizer_state_dict(const torch::nn::Module& model, const Optims& opt
     for (const auto& name : ad.state_names(hp)) {
       auto* field = state_field(ad, *state, name, api);
       torch::Tensor local = field->defined() ? *field : torch::zeros_like(local_like(op));
-      emit_tensor(sd, kState + op.fqn + "." + name, local, op.layout, o, keep);
+      const std::string key = kState + op.fqn + "." + name;
+      if (op.layout) emit_tensor(sd, key, DTensor(local, op.layout->device_mesh(), op.layout->placements(), op.layout->sizes()), o, keep);
+      else emit_tensor(sd, key, local, o, keep);
     }
     if (ad.has_step && keep) sd.insert_or_assign(kState + op.fqn + ".step", Value(ad.get_step(*state)));
   }

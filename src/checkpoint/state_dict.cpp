@@ -291,19 +291,20 @@ StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, cons
   return out;
 }
 
-void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& local, const std::optional<DTensor>& layout,
-                 const StateDictOptions& o, bool keep) {
-  if (layout && !o.full_state_dict()) {
-    // Sharded: a DTensor aliasing the local piece; with cpu_offload its local is on the CPU (Tensor.to:
-    // a copy from an accelerator, the same tensor when it is on the CPU already, as in PyTorch).
-    auto l = o.cpu_offload() ? local.to(torch::kCPU) : local;
-    sd.insert_or_assign(key, DTensor(l, layout->device_mesh(), layout->placements(), layout->sizes()));
+void emit_tensor(StateDict& sd, const std::string& key, const DTensor& d, const StateDictOptions& o, bool keep) {
+  if (!o.full_state_dict()) {
+    // Sharded: the DTensor itself; with cpu_offload one whose local is on the CPU (Tensor.to: a copy from an
+    // accelerator, the same tensor when it is on the CPU already, as PyTorch's _offload_state_dict_to_cpu).
+    if (!o.cpu_offload()) sd.insert_or_assign(key, d);
+    else sd.insert_or_assign(key, DTensor(d.to_local().to(torch::kCPU), d.device_mesh(), d.placements(), d.sizes()));
     return;
   }
-  // full_tensor: a collective, issued in the same order on every rank whether it keeps the entry or not.
-  torch::Tensor v = layout ? DTensor(local, layout->device_mesh(), layout->placements(), layout->sizes()).full_tensor()
-                           : local;
-  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? v.to(torch::kCPU) : v);
+  torch::Tensor full = d.full_tensor();  // a collective: issued in the same order on every rank, kept or not
+  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? full.to(torch::kCPU) : full);
+}
+
+void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& t, const StateDictOptions& o, bool keep) {
+  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? t.to(torch::kCPU) : t);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -382,11 +383,8 @@ StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOp
   const bool keep = keeps_entries(o, ctx.rank);
   StateDict sd;
   for (const auto& t : mt.targets) {
-    if (t.layout && !o.full_state_dict() && !o.cpu_offload()) {
-      sd.insert_or_assign(t.key, *t.layout);  // the parameter's own DTensor
-      continue;
-    }
-    emit_tensor(sd, t.key, t.layout ? t.layout->to_local() : t.dst, t.layout, o, keep);
+    if (t.layout) emit_tensor(sd, t.key, *t.layout, o, keep);  // the parameter's own DTensor
+    else emit_tensor(sd, t.key, t.dst, o, keep);
   }
   return sd;
 }

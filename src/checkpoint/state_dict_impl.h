@@ -78,12 +78,12 @@ using Layouts = std::unordered_map<std::string, std::optional<DTensor>>;
 /// its destination in `layouts`. Collective over `world`.
 StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, const Layouts& layouts, const char* api);
 
-/// Appends a tensor entry of a get_* state dict: `local` is the value (the local shard when `layout` is
-/// set), kept as a DTensor with `layout`'s placements, or gathered with full_state_dict (a collective:
-/// every rank calls it, in the same order), moved to the CPU with cpu_offload (sharded: DTensors whose
-/// locals are on the CPU, as PyTorch's _offload_state_dict_to_cpu; full: only where `keep`).
-void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& local, const std::optional<DTensor>& layout,
-                 const StateDictOptions& o, bool keep);
+/// Appends a sharded entry of a get_* state dict: `d` itself, or gathered with full_state_dict (a
+/// collective: every rank calls it, in the same order), moved to the CPU with cpu_offload (sharded: a
+/// DTensor whose local is on the CPU, as PyTorch's _offload_state_dict_to_cpu; full: only where `keep`).
+void emit_tensor(StateDict& sd, const std::string& key, const DTensor& d, const StateDictOptions& o, bool keep);
+/// Appends an unsharded entry (moved to the CPU with cpu_offload), where `keep`.
+void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& t, const StateDictOptions& o, bool keep);
 
 /// Whether this rank keeps the entries of a get_* dict (full_state_dict with cpu_offload: rank 0 only).
 inline bool keeps_entries(const StateDictOptions& o, int rank) { return !(o.full_state_dict() && o.cpu_offload()) || rank == 0; }
