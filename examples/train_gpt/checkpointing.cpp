@@ -272,7 +272,11 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
         name.find_first_not_of("0123456789", 5) != std::string::npos) {
       continue;  // not step-N (a step-N.tmp-* folder is a save that did not complete)
     }
-    if (!fs::is_regular_file(e.path() / fsdp::dcp::kMetadataFileName, ec)) continue;
+    // Complete: our metadata file, or PyTorch's (--ckpt-format distcp) .metadata, is written last.
+    if (!fs::is_regular_file(e.path() / fsdp::dcp::kMetadataFileName, ec) &&
+        !fs::is_regular_file(e.path() / ".metadata", ec)) {
+      continue;
+    }
     const int64_t n = std::stoll(name.substr(5));
     if (!best || n > best->first) best = {n, e.path().string()};
   }
@@ -305,7 +309,9 @@ std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, in
   sd.insert_or_assign(kFirstEvalKey, fsdp::Value(first_eval));
   const std::string path = (std::filesystem::path(o.ckpt_dir) / ("step-" + std::to_string(step))).string();
   // overwrite: a resumed run may repeat a step of a checkpoint newer than the one `latest` named.
-  fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true).update_latest(true));
+  fsdp::dcp::save(sd, path, fsdp::dcp::SaveOptions().keep_last(o.keep_last).overwrite(true).update_latest(true).storage_format(
+                              o.ckpt_format == "distcp" ? fsdp::dcp::StorageFormat::Distcp
+                                                        : fsdp::dcp::StorageFormat::Safetensors));
   return path;
 }
 

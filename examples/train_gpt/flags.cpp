@@ -237,6 +237,12 @@ void add_flags(CLI::App& app, Options& o) {
                                           "shards; DIR/latest names the newest)");
   add_integer(g, "--ckpt-every", o.ckpt_every, "Steps between checkpoints (0: only after the last step)", int64_t(0));
   add_integer(g, "--keep-last", o.keep_last, "Keep only the newest N checkpoints (0: all)", int(0));
+  g->add_option("--ckpt-format", o.ckpt_format,
+                "Layout of saved checkpoints: safetensors (libfsdp's, checksummed; PyTorch reads it with "
+                "HuggingFaceStorageReader) or distcp (PyTorch's dcp.save default, read by dcp.load). --resume "
+                "reads either")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"safetensors", "distcp"}));
   g->add_option("--resume", o.resume,
                 "Continue from the newest checkpoint in --ckpt-dir, on any number of ranks (model and optimizer "
                 "resharded, the data position carried over); an error if there is none. --resume auto: continue "

@@ -90,6 +90,7 @@ struct Options {
   std::string ckpt_dir;     // save DIR/step-N here; --resume loads the newest
   int64_t ckpt_every = 0;   // steps between saves; 0: only after the last step (with --ckpt-dir)
   int keep_last = 0;        // keep the newest N step-N folders; 0: all
+  std::string ckpt_format = "safetensors";  // safetensors (ours) | distcp (PyTorch's dcp.save default)
   std::string resume;       // "": new run (a restart resumes, as auto); "always": --resume; "auto": --resume auto
   int64_t stop_at = 0;      // stop after this step, as an interrupted run would; 0: run to --steps
 };

@@ -25,6 +25,7 @@
 #include "fsdp/fsdp/replicate.h"
 // torch.distributed.checkpoint
 #include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/optimizer_adapter.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/checkpoint/stateful.h"
 // torch.distributed.algorithms, torch.nn.utils

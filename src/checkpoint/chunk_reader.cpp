@@ -98,6 +98,8 @@ torch::Tensor chunk_view(const CheckpointInfo& info, const ChunkInfo& c, const s
   const int64_t first = r.first, last = r.last, begin = r.begin, end = r.end, block = r.block;
   const nlohmann::json* crcs = r.crcs;
   auto m = files.get(c.file);
+  TORCH_CHECK(c.file_offset >= 0 && c.nbytes >= 0, api, ": ", m->path, ": '", fqn, "' has a negative byte range (",
+              c.file_offset, ", ", c.nbytes, " bytes): the checkpoint's metadata is damaged");
   TORCH_CHECK(static_cast<int64_t>(m->len) >= c.file_offset + c.nbytes, api, ": ", m->path,
               " is truncated: reading '", fqn, "' needs bytes up to ", c.file_offset + c.nbytes, " but the file has ",
               m->len);

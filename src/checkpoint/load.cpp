@@ -99,7 +99,7 @@ class LoadPlan {
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     for (const auto& [k, _] : info_.per_rank_values)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
-    for (const auto& [k, _] : info_.unreadable_values)
+    for (const auto& [k, _] : info_.unreadable)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     if (options_.strict()) check_strict();
     read_pending();
@@ -189,6 +189,15 @@ class LoadPlan {
     }
   }
 
+  /// The first file holding `t` (for messages), or "(no file)" when all of its files are missing.
+  static std::string first_file(const TensorInfo& t) { return t.chunks.empty() ? "(no file)" : t.chunks[0].file; }
+
+  [[noreturn]] void refuse_unreadable(const std::string& key) const {
+    TORCH_CHECK(false, api_, ": '", key, "' in ", info_.dir, " cannot be loaded: ", info_.unreadable.at(key), " (rank ",
+                rank_, "). Fix: remove '", key, "' from the state dict (with LoadOptions().strict(false) to skip it) ",
+                "and restore it another way");
+  }
+
   void stage_value(const std::string& key) {
     const char* api = api_;
     if (auto it = info_.values.find(key); it != info_.values.end()) {
@@ -210,11 +219,8 @@ class LoadPlan {
                   world_, " (rank ", rank_, "): per-rank state cannot be resharded to another world size. Fix: load on ",
                   info_.world_size, " ranks, or remove '", key, "' from the state dict (and restore it another way)");
       values_.emplace_back(key, pr->second[static_cast<size_t>(rank_)]);
-    } else if (auto u = info_.unreadable_values.find(key); u != info_.unreadable_values.end()) {
-      TORCH_CHECK(false, api, ": '", key, "' in ", info_.dir, " is ", u->second, ", which has no C++ form (a Value holds ",
-                  "None, bool, int, float, str and lists, tuples and str-keyed dicts of them) (rank ", rank_,
-                  "). Fix: remove '", key, "' from the state dict and restore it another way, or save it in PyTorch as ",
-                  "one of those types");
+    } else if (info_.unreadable.count(key)) {
+      refuse_unreadable(key);
     } else if (auto t = info_.tensors.find(key); t != info_.tensors.end()) {
       // PyTorch keeps some counters as one-element tensors (Adam's `step` is a float32 scalar) where
       // libfsdp's state dict holds a number: such a tensor loads into the Value as that number.
@@ -241,9 +247,10 @@ class LoadPlan {
       global = dst.sizes().vec();
       offsets.assign(global.size(), 0);
     }
+    if (info_.unreadable.count(key)) refuse_unreadable(key);
     auto it = info_.tensors.find(key);
     if (it == info_.tensors.end()) {
-      TORCH_CHECK(!info_.values.count(key) && !info_.per_rank_values.count(key) && !info_.unreadable_values.count(key),
+      TORCH_CHECK(!info_.values.count(key) && !info_.per_rank_values.count(key),
                   api, ": '", key, "' is a ",
                   kind_name(v), " in the state dict but a Value in ", info_.dir, " (rank ", rank_, ")");
       result_.missing_keys.push_back(key);
@@ -251,7 +258,7 @@ class LoadPlan {
     }
     const TensorInfo& t = it->second;
     TORCH_CHECK(t.sizes == global, api, ": '", key, "' has shape ", shape_str(t.sizes), " in ", info_.dir, " (e.g. ",
-                t.chunks[0].file, ") but ", shape_str(global), " in the state dict (rank ", rank_,
+                first_file(t), ") but ", shape_str(global), " in the state dict (rank ", rank_,
                 "). Fix: load into a model of the configuration that was saved");
     if (stream_) {
       // Plain safetensors files (a Hugging Face checkpoint in bf16, a model in fp32): floating-point
@@ -259,12 +266,12 @@ class LoadPlan {
       // nearest even when narrowing). Integer and bool data must match: converting them is a bug.
       TORCH_CHECK(t.dtype == dst.scalar_type() ||
                       (c10::isFloatingType(t.dtype) && c10::isFloatingType(dst.scalar_type())),
-                  api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, "/", t.chunks[0].file, " but ",
+                  api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, "/", first_file(t), " but ",
                   dst.scalar_type(), " in the state dict (rank ", rank_, "): only floating-point data converts on ",
                   "load. Fix: give the state dict's tensor dtype ", t.dtype);
     } else {
       TORCH_CHECK(t.dtype == dst.scalar_type(), api, ": '", key, "' has dtype ", t.dtype, " in ", info_.dir, " (e.g. ",
-                  t.chunks[0].file, ") but ", dst.scalar_type(), " in the state dict (rank ", rank_,
+                  first_file(t), ") but ", dst.scalar_type(), " in the state dict (rank ", rank_,
                   "). Fix: build the model with dtype ", t.dtype, " to load it, then convert");
     }
     auto problem = coverage_problem(t, offsets, dst.sizes().vec());

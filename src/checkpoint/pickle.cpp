@@ -316,9 +316,16 @@ class Unpickler {
   std::unordered_map<uint64_t, PyRef> memo_;
 };
 
-nlohmann::json to_json_at(const PyObj& o, std::string* why, int depth) {
+/// Values a to_json may produce: a shared reference (memo) can make a tiny pickle expand exponentially.
+constexpr int64_t kJsonBudget = int64_t(1) << 22;
+
+nlohmann::json to_json_at(const PyObj& o, std::string* why, int depth, int64_t& budget) {
   if (depth > 64) {
     *why = "nested more than 64 levels deep (or a cycle)";
+    return nullptr;
+  }
+  if (--budget < 0) {
+    *why = "more than " + std::to_string(kJsonBudget) + " values once shared references are expanded";
     return nullptr;
   }
   using K = PyObj::Kind;
@@ -331,7 +338,7 @@ nlohmann::json to_json_at(const PyObj& o, std::string* why, int depth) {
     case K::Tuple: case K::List: {
       auto a = nlohmann::json::array();
       for (const auto& it : o.items) {
-        a.push_back(to_json_at(*it, why, depth + 1));
+        a.push_back(to_json_at(*it, why, depth + 1, budget));
         if (!why->empty()) return nullptr;
       }
       return a;
@@ -343,7 +350,7 @@ nlohmann::json to_json_at(const PyObj& o, std::string* why, int depth) {
           *why = "a dict with a key of type " + k->type_name();
           return nullptr;
         }
-        obj[k->s] = to_json_at(*v, why, depth + 1);
+        obj[k->s] = to_json_at(*v, why, depth + 1, budget);
         if (!why->empty()) return nullptr;
       }
       return obj;
@@ -358,7 +365,8 @@ PyRef unpickle(const std::string& data, const std::string& what) { return Unpick
 
 nlohmann::json to_json(const PyObj& o, std::string* why) {
   why->clear();
-  return to_json_at(o, why, 0);
+  int64_t budget = kJsonBudget;
+  return to_json_at(o, why, 0, budget);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -163,5 +163,9 @@ void fault_point(const FaultPoint& point);
 /// Sets the largest staging buffer of dcp::load's streamed reads (see load.cpp; tests make it tiny to
 /// read a box in many slabs). 0 restores the default (64 MiB).
 void set_load_stage_bytes(int64_t bytes);
+/// Drops the staging buffers async_save keeps between saves (SaveOptions::cache_staging).
+void clear_staging_cache();
+/// How many async saves staged into a previous save's buffers (tests).
+int64_t staging_cache_reuses();
 
 }  // namespace fsdp::dcp::detail

@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include <c10/core/Event.h>
@@ -49,9 +50,9 @@ constexpr int64_t kChecksumBlockBytes = int64_t(128) << 10;
 constexpr int kFormatVersion = 1;
 constexpr const char* kFormatName = "libfsdp-dcp";
 
-std::string shard_file_name(int rank) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "shard-%05d-model-00001-of-00001.safetensors", rank + 1);
+std::string shard_file_name(int rank, int index = 0, int count = 1) {
+  char buf[80];
+  std::snprintf(buf, sizeof(buf), "shard-%05d-model-%05d-of-%05d.safetensors", rank + 1, index + 1, count);
   return buf;
 }
 }  // namespace detail
@@ -143,25 +144,94 @@ Plan build_plan(const StateDict& sd, int rank, StorageFormat format, const char*
   return plan;
 }
 
+/// Staging buffers of async saves kept for the next one (SaveOptions::cache_staging): periodic saves
+/// stage the same shapes every time, and fresh memory (pinned for CUDA, or page-faulted on first touch)
+/// costs as much as the copy into it. Keyed by group and the plan's signature; a save takes the set out
+/// and gives it back when its background write ends, so two saves in flight never share buffers.
+class StagingCache {
+ public:
+  using Buffers = std::vector<torch::Tensor>;
+  static StagingCache& instance() {
+    static StagingCache c;
+    return c;
+  }
+  std::shared_ptr<Buffers> take(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sets_.find(key);
+    if (it == sets_.end()) return nullptr;
+    ++reuses_;
+    auto b = std::move(it->second);
+    sets_.erase(it);
+    return b;
+  }
+  /// Keeps `b` for `key`, replacing whatever was kept for the same group (one set per group: a
+  /// changed state dict should not pin the old one's memory).
+  void give(const std::string& group, const std::string& key, std::shared_ptr<Buffers> b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sets_.begin(); it != sets_.end();) {
+      it = it->first.rfind(group, 0) == 0 && it->first != key ? sets_.erase(it) : std::next(it);
+    }
+    sets_[key] = std::move(b);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_.clear();
+  }
+  int64_t reuses() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reuses_;
+  }
+
+ private:
+  int64_t reuses_ = 0;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Buffers>> sets_;
+};
+
+/// "key:dtype:shape:device;..." of what this rank stages.
+std::string staging_key(const Plan& plan) {
+  std::ostringstream os;
+  for (const auto& it : plan.items) {
+    if (!it.write) continue;
+    os << it.key << ':' << it.dtype << ':' << c10::IntArrayRef(it.sizes) << ':' << it.data.device() << ';';
+  }
+  return os.str();
+}
+
 /// Copies what this rank writes to CPU memory: with `copy`, always (async_save: later training steps
-/// must not change it); otherwise only what is not already a contiguous CPU tensor.
+/// must not change it); otherwise only what is not already a contiguous CPU tensor. With `buffers`
+/// (async_save): into them when they hold one tensor per written item (a previous save's, from the
+/// StagingCache), else into fresh ones recorded there.
 /// CUDA shards go to pinned host memory by asynchronous copies, with one wait at the end (on an event of
 /// the current stream, not a device-wide sync): the copies run back to back and async_save returns as soon
 /// as they are done.
-void stage(Plan& plan, bool copy) {
+void stage(Plan& plan, bool copy, StagingCache::Buffers* buffers = nullptr) {
   torch::NoGradGuard no_grad;
   std::optional<torch::Device> device_copied;
+  size_t n_written = 0;
+  for (const auto& it : plan.items) n_written += it.write ? 1 : 0;
+  const bool reuse = buffers && buffers->size() == n_written;
+  if (buffers && !reuse) buffers->clear();
+  size_t k = 0;
   for (auto& it : plan.items) {
     if (!it.write) continue;
     auto src = it.data.detach();
-    if (src.is_cuda()) {
-      auto dst = torch::empty(src.sizes(), src.options().device(torch::kCPU).pinned_memory(true));
-      dst.copy_(src, /*non_blocking=*/true);
-      it.data = dst;
-      device_copied = src.device();
-    } else {
-      it.data = src.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+    torch::Tensor dst;
+    if (reuse) {
+      dst = (*buffers)[k++];
+    } else if (src.is_cuda()) {
+      dst = torch::empty(src.sizes(), src.options().device(torch::kCPU).pinned_memory(true));
+    } else if (copy || !src.is_contiguous()) {
+      dst = torch::empty(src.sizes(), src.options().device(torch::kCPU).memory_format(c10::MemoryFormat::Contiguous));
     }
+    if (!dst.defined()) {
+      it.data = src.cpu();  // already contiguous CPU memory, and no copy asked for
+      continue;
+    }
+    dst.copy_(src, /*non_blocking=*/src.is_cuda());
+    if (src.is_cuda()) device_copied = src.device();
+    it.data = dst;
+    if (buffers && !reuse) buffers->push_back(dst);
   }
   if (device_copied) {
     c10::impl::VirtualGuardImpl impl(device_copied->type());
@@ -187,9 +257,9 @@ nlohmann::json describe(const Plan& plan) {
 
 /// PyTorch's format: this rank's chunks as torch.save archives in __{rank}_0.distcp; the record lists
 /// where each archive lies ([key, offsets, sizes, offset, length]).
-nlohmann::json write_distcp(const std::vector<const Item*>& items, const std::string& tmp, int rank, bool do_fsync,
-                            const char* api) {
-  const std::string name = detail::distcp_file_name(rank);
+nlohmann::json write_distcp(const std::vector<const Item*>& items, const std::string& tmp, int rank, int index,
+                            bool do_fsync, const char* api) {
+  const std::string name = detail::distcp_file_name(rank, index);
   const std::string path = tmp + "/" + name;
   auto f = detail::File::create(path, api);
   nlohmann::json archives = nlohmann::json::array();
@@ -205,16 +275,38 @@ nlohmann::json write_distcp(const std::vector<const Item*>& items, const std::st
   return {{"name", name}, {"rank", rank}, {"bytes", at}, {"archives", archives}};
 }
 
-/// Writes this rank's file into `tmp`; returns its record (null when this rank writes nothing).
-nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, bool do_fsync, const char* api) {
-  std::vector<const Item*> items;
-  for (const auto& it : plan.items)
-    if (it.write) items.push_back(&it);
-  if (items.empty()) return nullptr;
-  if (plan.format == StorageFormat::Distcp) return write_distcp(items, tmp, rank, do_fsync, api);
+/// This rank's items split into at most `n` groups of about equal bytes: largest first, each into the
+/// lightest group (as FileSystemWriter's _split_by_size_and_type), each group in the plan's order.
+std::vector<std::vector<const Item*>> split_by_size(const std::vector<const Item*>& items, int n) {
+  n = std::max(1, std::min<int>(n, static_cast<int>(items.size())));
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto bytes = [&](size_t i) { return items[i]->data.nbytes(); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes(a) > bytes(b); });
+  std::vector<std::vector<size_t>> groups(n);
+  std::vector<size_t> load(n, 0);
+  for (size_t i : order) {
+    const size_t g = std::min_element(load.begin(), load.end()) - load.begin();
+    groups[g].push_back(i);
+    load[g] += bytes(i);
+  }
+  std::vector<std::vector<const Item*>> out;
+  for (auto& g : groups) {
+    std::sort(g.begin(), g.end());
+    std::vector<const Item*> v;
+    for (size_t i : g) v.push_back(items[i]);
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+/// Writes file `index` of `count` of this rank into `tmp`; returns its record.
+nlohmann::json write_file(const Plan& plan, const std::vector<const Item*>& items, const std::string& tmp, int rank,
+                          int index, int count, bool do_fsync, const char* api) {
+  if (plan.format == StorageFormat::Distcp) return write_distcp(items, tmp, rank, index, do_fsync, api);
   std::vector<detail::WriteEntry> entries;
   for (const auto* it : items) entries.push_back({it->key, it->dtype, it->sizes, it->offsets});
-  const std::string path = tmp + "/" + detail::shard_file_name(rank);
+  const std::string path = tmp + "/" + detail::shard_file_name(rank, index, count);
   auto rec = detail::write_safetensors(
       path, entries, [&](size_t i) { return items[i]->data; }, /*sharding_info=*/true, kChecksumBlockBytes, do_fsync,
       api);
@@ -222,6 +314,35 @@ nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, b
   for (size_t i = 0; i < items.size(); ++i) crcs[items[i]->key] = rec.tensor_crcs[i];
   return {{"name", rec.name}, {"rank", rank}, {"bytes", rec.bytes}, {"header_crc32c", rec.header_crc},
           {"tensor_crc32c", crcs}};
+}
+
+/// Writes this rank's files into `tmp` (`threads` files in parallel, see SaveOptions::thread_count);
+/// returns their records (empty when this rank writes nothing).
+nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, int threads, bool do_fsync,
+                           const char* api) {
+  std::vector<const Item*> items;
+  for (const auto& it : plan.items)
+    if (it.write) items.push_back(&it);
+  nlohmann::json files = nlohmann::json::array();
+  if (items.empty()) return files;
+  const auto groups = split_by_size(items, threads);
+  const int n = static_cast<int>(groups.size());
+  std::vector<nlohmann::json> recs(n);
+  std::vector<std::string> errors(n);
+  auto work = [&](int i) {
+    try {
+      recs[i] = write_file(plan, groups[i], tmp, rank, i, n, do_fsync, api);
+    } catch (const std::exception& e) {
+      errors[i] = message_of(e);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(work, i);
+  work(0);
+  for (auto& t : pool) t.join();
+  for (const auto& e : errors) TORCH_CHECK(e.empty(), e);
+  for (auto& r : recs) files.push_back(std::move(r));
+  return files;
 }
 
 /// Rank 0: checks that every rank saved the same keys and that the chunks of each tensor cover it
@@ -317,10 +438,11 @@ nlohmann::ordered_json metadata_of(const Plan& plan, const std::vector<nlohmann:
   meta["checksum"] = {{"algorithm", "crc32c"}, {"block_bytes", kChecksumBlockBytes}};
   nlohmann::ordered_json files = nlohmann::ordered_json::object();
   for (const auto& rep : reports) {
-    if (rep["file"].is_null()) continue;
-    const auto& f = rep["file"];
-    files[f["name"].get<std::string>()] = {{"rank", f["rank"]}, {"bytes", f["bytes"]},
-                                           {"header_crc32c", f["header_crc32c"]}, {"tensor_crc32c", f["tensor_crc32c"]}};
+    for (const auto& f : rep["files"]) {
+      files[f["name"].get<std::string>()] = {{"rank", f["rank"]}, {"bytes", f["bytes"]},
+                                             {"header_crc32c", f["header_crc32c"]},
+                                             {"tensor_crc32c", f["tensor_crc32c"]}};
+    }
   }
   meta["files"] = files;
   nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
@@ -348,12 +470,13 @@ void write_torch_metadata(const Plan& plan, const std::vector<nlohmann::json>& r
   for (const auto& it : plan.items) items[it.key] = &it;
   std::map<std::string, detail::TorchEntry> entries;
   for (const auto& rep : reports) {
-    if (rep["file"].is_null()) continue;
-    const std::string file = rep["file"]["name"];
-    for (const auto& a : rep["file"]["archives"]) {
-      entries[a[0].get<std::string>()].chunks.push_back(
-          {a[1].get<std::vector<int64_t>>(), a[2].get<std::vector<int64_t>>(), file, a[3].get<int64_t>(),
-           a[4].get<int64_t>()});
+    for (const auto& f : rep["files"]) {
+      const std::string file = f["name"];
+      for (const auto& a : f["archives"]) {
+        entries[a[0].get<std::string>()].chunks.push_back(
+            {a[1].get<std::vector<int64_t>>(), a[2].get<std::vector<int64_t>>(), file, a[3].get<int64_t>(),
+             a[4].get<int64_t>()});
+      }
     }
   }
   // The Values, in one file of rank 0.
@@ -367,7 +490,8 @@ void write_torch_metadata(const Plan& plan, const std::vector<nlohmann::json>& r
       objs.emplace_back(key, nlohmann::json{{"libfsdp_per_rank", all}});
     }
     if (!objs.empty()) {
-      const std::string name = detail::distcp_file_name(0, 1);
+      // After rank 0's own files (__0_0 ... __0_{n-1}).
+      const std::string name = detail::distcp_file_name(0, static_cast<int>(reports[0]["files"].size()));
       auto f = detail::File::create((tmp / name).string(), api);
       int64_t at = 0;
       for (const auto& [k, v] : objs) {
@@ -529,7 +653,8 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
   nlohmann::json report;
   try {
     report = describe(plan);
-    report["file"] = write_shard(plan, tmp.string(), rank, o.fsync(), api);
+    TORCH_CHECK(o.thread_count() >= 1, api, ": thread_count must be at least 1, got ", o.thread_count());
+    report["files"] = write_shard(plan, tmp.string(), rank, o.thread_count(), o.fsync(), api);
   } catch (const std::exception& e) {
     report = {{"error", std::string(message_of(e))}};
   }
@@ -542,12 +667,13 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
 
 /// What this rank saves, staged (`copy`: always copied, for async_save). On an error, lets the other
 /// ranks fail too instead of waiting for this one, then throws.
-Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, StorageFormat format, const char* api) {
+Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, StorageFormat format, const char* api,
+                  const std::function<StagingCache::Buffers*(const Plan&)>& buffers = nullptr) {
   Plan plan;
   std::string error;
   try {
     plan = build_plan(detail::with_stateful_entries(state_dict, api), coord.rank(), format, api);
-    stage(plan, copy);
+    stage(plan, copy, buffers ? buffers(plan) : nullptr);
   } catch (const std::exception& e) {
     error = message_of(e);
   }
@@ -585,8 +711,20 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
   TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
   auto group = resolve_group(state_dict, options.group());
   auto coord = std::make_shared<Coordinator>(group, api, /*clone_store=*/true);
-  // Staged (copied): training may change the model from now on.
-  auto plan = std::make_shared<Plan>(plan_or_fail(state_dict, *coord, /*copy=*/true, options.storage_format(), api));
+  // Staged (copied): training may change the model from now on. Into the previous save's buffers when
+  // it left them (cache_staging) and they fit.
+  std::string cache_key;
+  const std::string group_key = std::to_string(reinterpret_cast<uintptr_t>(group.get())) + "|";
+  std::shared_ptr<StagingCache::Buffers> buffers;
+  auto take = [&](const Plan& p) -> StagingCache::Buffers* {
+    if (!options.cache_staging()) return nullptr;
+    cache_key = group_key + staging_key(p);
+    buffers = StagingCache::instance().take(cache_key);
+    if (!buffers) buffers = std::make_shared<StagingCache::Buffers>();
+    return buffers.get();
+  };
+  auto plan = std::make_shared<Plan>(
+      plan_or_fail(state_dict, *coord, /*copy=*/true, options.storage_format(), api, take));
   auto result = std::make_shared<std::promise<void>>();
   auto finished = std::make_shared<std::promise<void>>();
   std::shared_future<void> previous;
@@ -597,18 +735,27 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
     slot = finished->get_future().share();
   }
   std::future<void> fut = result->get_future();
-  std::thread([plan, coord, dir, options, result, finished, previous, api] {
+  std::thread([plan, coord, dir, options, result, finished, previous, api, buffers, cache_key, group_key] {
     if (previous.valid()) previous.wait();
+    std::exception_ptr error;
     try {
       run_save(*plan, *coord, dir, options, api);
-      result->set_value();
     } catch (...) {
-      result->set_exception(std::current_exception());
+      error = std::current_exception();
     }
+    // The buffers go back before the future completes: the next async_save, called right after
+    // fut.get(), finds them, and nothing of this thread touches the cache once the caller may exit.
+    plan->items.clear();  // the buffers' last users besides the cache
+    if (buffers && !buffers->empty()) StagingCache::instance().give(group_key, cache_key, buffers);
+    if (error) result->set_exception(error);
+    else result->set_value();
     finished->set_value();
   }).detach();
   return fut;
 }
+
+void detail::clear_staging_cache() { StagingCache::instance().clear(); }
+int64_t detail::staging_cache_reuses() { return StagingCache::instance().reuses(); }
 
 std::optional<std::string> latest(const std::string& parent) {
   const fs::path p = fs::path(parent) / kLatestFileName;

@@ -250,6 +250,10 @@ torch::Tensor resolve_tensor(const StateDictValue& entry, const std::string& key
 StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, const Layouts& layouts, const char* api) {
   auto local_of = [&layouts](const std::string& key, const torch::Tensor& full) -> StateDictValue {
     auto it = layouts.find(key);
+    if (it == layouts.end()) {
+      const auto dot = key.rfind('.');
+      if (dot != std::string::npos) it = layouts.find(key.substr(0, dot) + ".*");
+    }
     return cut(full, it == layouts.end() ? std::nullopt : it->second);
   };
   if (!world || world->size() == 1) {
@@ -285,6 +289,22 @@ StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, cons
     out.insert_or_assign(key, local_of(key, buf));
   }
   return out;
+}
+
+void emit_tensor(StateDict& sd, const std::string& key, const DTensor& d, const StateDictOptions& o, bool keep) {
+  if (!o.full_state_dict()) {
+    // Sharded: the DTensor itself; with cpu_offload one whose local is on the CPU (Tensor.to: a copy from an
+    // accelerator, the same tensor when it is on the CPU already, as PyTorch's _offload_state_dict_to_cpu).
+    if (!o.cpu_offload()) sd.insert_or_assign(key, d);
+    else sd.insert_or_assign(key, DTensor(d.to_local().to(torch::kCPU), d.device_mesh(), d.placements(), d.sizes()));
+    return;
+  }
+  torch::Tensor full = d.full_tensor();  // a collective: issued in the same order on every rank, kept or not
+  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? full.to(torch::kCPU) : full);
+}
+
+void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& t, const StateDictOptions& o, bool keep) {
+  if (keep) sd.insert_or_assign(key, o.cpu_offload() ? t.to(torch::kCPU) : t);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -360,17 +380,11 @@ using namespace detail::sd;  // NOLINT: this file's own internals
 StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOptions& o) {
   ModelContext ctx(model);
   auto mt = model_targets(model, ctx, o);
-  const bool full = o.full_state_dict();
-  const bool keep = !(full && o.cpu_offload()) || ctx.rank == 0;
+  const bool keep = keeps_entries(o, ctx.rank);
   StateDict sd;
   for (const auto& t : mt.targets) {
-    if (t.layout && !full) {
-      sd.insert_or_assign(t.key, *t.layout);
-      continue;
-    }
-    torch::Tensor v = t.layout ? t.layout->full_tensor() : t.dst;  // full_tensor: collective, same order on every rank
-    if (!keep) continue;
-    sd.insert_or_assign(t.key, full && o.cpu_offload() ? v.cpu() : v);
+    if (t.layout) emit_tensor(sd, t.key, *t.layout, o, keep);  // the parameter's own DTensor
+    else emit_tensor(sd, t.key, t.dst, o, keep);
   }
   return sd;
 }
@@ -390,13 +404,21 @@ LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state
   return prep.result;
 }
 
-StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+StateDict get_state_dict(const torch::nn::Module& model, const std::vector<const torch::optim::Optimizer*>& optimizers,
                          const StateDictOptions& o) {
+  std::vector<torch::optim::Optimizer*> opts;
+  for (const auto* p : optimizers) opts.push_back(const_cast<torch::optim::Optimizer*>(p));  // only read
+  Optims optims(std::move(opts), "get_state_dict");
   ModelContext ctx(model);
   StateDict sd;
   sd.update(get_model_state_dict(model, o), kModelPrefix);
-  sd.update(optimizer_state_dict(model, optimizer, o, ctx), kOptimPrefix);
+  sd.update(optimizer_state_dict(model, optims, o, ctx), kOptimPrefix);
   return sd;
+}
+
+StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                         const StateDictOptions& o) {
+  return get_state_dict(model, std::vector<const torch::optim::Optimizer*>{&optimizer}, o);
 }
 
 namespace {
@@ -410,14 +432,19 @@ void prefix_keys(LoadResult& out, const LoadResult& in, const std::string& prefi
 
 LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const StateDict& state_dict,
                           const StateDictOptions& o) {
+  return set_state_dict(model, std::vector<torch::optim::Optimizer*>{&optimizer}, state_dict, o);
+}
+
+LoadResult set_state_dict(torch::nn::Module& model, const std::vector<torch::optim::Optimizer*>& optimizers,
+                          const StateDict& state_dict, const StateDictOptions& o) {
   const char* api = "set_state_dict";
   ModelContext ctx(model);
   auto mt = model_targets(model, ctx, o);
   Prepared model_prep, optim_prep;
   LoadResult result;
   auto validate = [&] {  // see [Note: validate, agree, apply]
-    const OptKind k = opt_kind(optimizer, api);
-    auto params = opt_params(model, optimizer, ctx, api);
+    Optims optims(optimizers, api);
+    auto params = opt_params(model, optims, ctx, api);
     StateDict local;
     if (o.broadcast_from_rank0()) {
       Layouts layouts;
@@ -427,7 +454,7 @@ LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& opt
     }
     const StateDict& src = o.broadcast_from_rank0() ? local : state_dict;
     model_prep = prepare_model(mt, src.with_prefix(kModelPrefix), api, ctx.rank);
-    optim_prep = prepare_optimizer(params, optimizer, k, src.with_prefix(kOptimPrefix), o, api, ctx.rank);
+    optim_prep = prepare_optimizer(params, optims, src.with_prefix(kOptimPrefix), o, api, ctx.rank);
     prefix_keys(result, model_prep.result, kModelPrefix);
     prefix_keys(result, optim_prep.result, kOptimPrefix);
     const std::string mp = kModelPrefix, op = kOptimPrefix;

@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "fsdp/checkpoint/optimizer_adapter.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 #include "fsdp/fsdp_state.h"
@@ -69,43 +70,61 @@ void check_strict(const LoadResult& r, bool strict, const char* api, const char*
 torch::Tensor resolve_tensor(const StateDictValue& entry, const std::string& key, const torch::Tensor& dst,
                              const std::optional<DTensor>& dst_layout, const char* api, int rank);
 
-/// Tensor key -> the layout of its destination (nullopt: not sharded).
+/// Tensor key -> the layout of its destination (nullopt: not sharded). A key "<prefix>.*" stands for every
+/// "<prefix>.<name>" that has no entry of its own (an optimizer state under any adapter's names).
 using Layouts = std::unordered_map<std::string, std::optional<DTensor>>;
 
 /// broadcast_from_rank0: rank 0's dict `sd` becomes every rank's, each tensor cut to the local piece of
 /// its destination in `layouts`. Collective over `world`.
 StateDict broadcast_dict(const StateDict& sd, const ProcessGroupPtr& world, const Layouts& layouts, const char* api);
 
+/// Appends a sharded entry of a get_* state dict: `d` itself, or gathered with full_state_dict (a
+/// collective: every rank calls it, in the same order), moved to the CPU with cpu_offload (sharded: a
+/// DTensor whose local is on the CPU, as PyTorch's _offload_state_dict_to_cpu; full: only where `keep`).
+void emit_tensor(StateDict& sd, const std::string& key, const DTensor& d, const StateDictOptions& o, bool keep);
+/// Appends an unsharded entry (moved to the CPU with cpu_offload), where `keep`.
+void emit_tensor(StateDict& sd, const std::string& key, const torch::Tensor& t, const StateDictOptions& o, bool keep);
+
+/// Whether this rank keeps the entries of a get_* dict (full_state_dict with cpu_offload: rank 0 only).
+inline bool keeps_entries(const StateDictOptions& o, int rank) { return !(o.full_state_dict() && o.cpu_offload()) || rank == 0; }
+
 // ---------------------------------------------------------------------------------------------
 // The optimizer side (optim_state_dict.cpp), which set_state_dict combines with the model's.
 
-/// The optimizers whose state the state dicts read and write.
-enum class OptKind { ADAM, ADAMW, SGD };
+/// The optimizers of one state dict call with their adapters (fsdp/checkpoint/optimizer_adapter.h).
+struct Optims {
+  std::vector<torch::optim::Optimizer*> opts;
+  std::vector<std::shared_ptr<const OptimizerAdapter>> adapters;
+  /// The nested layout's index of optimizer i's param group 0: groups are numbered over every optimizer in
+  /// order, as PyTorch's get_optimizer_state_dict concatenates their param_groups.
+  std::vector<size_t> group_base;
+  /// Throws naming the problem: no optimizer, a null one, one passed twice, a type without an adapter.
+  Optims(std::vector<torch::optim::Optimizer*> optimizers, const char* api);
+};
 
-/// The kind of `o`; throws naming its type when it is none of them.
-OptKind opt_kind(const torch::optim::Optimizer& o, const char* api);
-
-/// One parameter of the optimizer, with its FQN and layout.
+/// One parameter of the optimizers, with its FQN and layout.
 struct OptParam {
-  size_t group = 0;
+  size_t opt = 0;    // which optimizer of Optims
+  size_t group = 0;  // its param group there
   std::string fqn;
   torch::Tensor param;            // the optimizer's tensor (its data is the local shard)
   std::optional<DTensor> layout;  // set when sharded
 };
 
-/// The optimizer's parameters in param-group order; throws when one is not the model's.
-std::vector<OptParam> opt_params(const torch::nn::Module& model, const torch::optim::Optimizer& opt,
-                                 const ModelContext& ctx, const char* api);
+/// The optimizers' parameters in optimizer, then param-group order; throws when one is not the model's, or
+/// is in two groups or two optimizers (naming its FQN).
+std::vector<OptParam> opt_params(const torch::nn::Module& model, const Optims& optims, const ModelContext& ctx,
+                                 const char* api);
 
 /// get_optimizer_state_dict's dict (keys without the "optim." prefix).
-StateDict optimizer_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& opt,
-                               const StateDictOptions& o, const ModelContext& ctx);
+StateDict optimizer_state_dict(const torch::nn::Module& model, const Optims& optims, const StateDictOptions& o,
+                               const ModelContext& ctx);
 
-/// The layouts of the optimizer's state tensors (for broadcast_from_rank0).
+/// The layouts of the optimizers' state tensors (for broadcast_from_rank0): "state.<fqn>.*" entries.
 Layouts optimizer_layouts(const std::vector<OptParam>& params);
 
-/// Phase 1 for the optimizer: validates `sd` and stages the hyper-parameters and state it sets.
-Prepared prepare_optimizer(const std::vector<OptParam>& params, torch::optim::Optimizer& opt, OptKind k,
-                           const StateDict& sd, const StateDictOptions& o, const char* api, int rank);
+/// Phase 1 for the optimizers: validates `sd` and stages the hyper-parameters and state it sets.
+Prepared prepare_optimizer(const std::vector<OptParam>& params, const Optims& optims, const StateDict& sd,
+                           const StateDictOptions& o, const char* api, int rank);
 
 }  // namespace fsdp::detail::sd

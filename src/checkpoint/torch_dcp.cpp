@@ -22,7 +22,7 @@
 // only the bytes they need, straight into the destination, as for safetensors. A non-tensor entry is
 // unpickled into a Value when it is made of None/bool/int/float/str/list/tuple/dict (step counters,
 // hyper-parameters, scheduler state); anything else (a Python object) is kept by name in
-// `unreadable_values` and refused when the state dict asks for it.
+// `unreadable` and refused when the state dict asks for it (as is an entry whose data cannot be read).
 //
 // Writing (SaveOptions::storage_format(StorageFormat::Distcp)): each rank appends its chunks to
 // __{rank}_0.distcp as torch.save archives (PyTorchStreamWriter, the writer torch.save uses); rank 0
@@ -131,6 +131,7 @@ std::optional<std::vector<int64_t>> ints_of(const PyRef& o) {
 
 /// One torch.save archive inside a `.distcp` file.
 struct Archive {
+  std::shared_ptr<FileSlice> slice;
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> zip;
   std::string what;
 };
@@ -139,7 +140,8 @@ Archive open_archive(const File& f, int64_t offset, int64_t length, const std::s
   Archive a;
   a.what = what;
   try {
-    a.zip = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<FileSlice>(f.fd(), offset, length));
+    a.slice = std::make_shared<FileSlice>(f.fd(), offset, length);
+    a.zip = std::make_unique<caffe2::serialize::PyTorchStreamReader>(a.slice);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, what, " is not a readable torch.save archive (damaged, or written with a transform such as ",
                 "compression that this reader does not undo): ", e.what_without_backtrace());
@@ -160,6 +162,10 @@ auto in_archive(const Archive& a, F&& f) {
 std::string record(Archive& a, const std::string& name) {
   return in_archive(a, [&] {
     TORCH_CHECK(a.zip->hasRecord(name), "it has no record '", name, "'");
+    // Stored records are no larger than the archive: a larger size is a deflated (or lying) record,
+    // which must not make us allocate what it claims.
+    TORCH_CHECK(a.zip->getRecordSize(name) <= a.slice->size(), "record '", name, "' claims ",
+                a.zip->getRecordSize(name), " bytes in an archive of ", a.slice->size());
     auto [ptr, n] = a.zip->getRecord(name);
     return std::string(static_cast<const char*>(ptr.get()), n);
   });
@@ -206,26 +212,44 @@ TensorBytes locate_tensor(Archive& a, torch::ScalarType dtype, const std::vector
   TORCH_CHECK(*size == sizes, what, ": the archive holds a tensor of shape ", shape_str(*size), " but .metadata says ",
               shape_str(sizes));
   // Row-major and dense: the chunk is one run of bytes (DCP saves contiguous clones; refuse anything else).
+  // (A tensor without elements has no layout to check.)
   int64_t expect = 1;
-  for (size_t d = size->size(); d-- > 0;) {
+  const bool empty = std::any_of(size->begin(), size->end(), [](int64_t d) { return d == 0; });
+  for (size_t d = size->size(); d-- > 0 && !empty;) {
     TORCH_CHECK((*size)[d] <= 1 || (*stride)[d] == expect, what, ": its tensor has strides ", shape_str(*stride),
-                " for shape ", shape_str(*size), ", not row-major contiguous; this reader reads contiguous chunks only");
-    expect *= (*size)[d];
+                " for shape ", shape_str(*size), ", not row-major contiguous (e.g. a transposed view or channels_last ",
+                "tensor saved as is); this reader reads row-major chunks only");
+    expect *= std::max<int64_t>((*size)[d], 1);
   }
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t storage_offset = args[1]->i;
   const int64_t storage_elems = pid->pid->items[4]->i;  // v3 (untyped storage): bytes
-  const int64_t storage_bytes = v3 ? storage_elems : storage_elems * es;
+  // Hostile numbers must not wrap around: every product and sum below is checked.
+  int64_t storage_bytes = 0, offset_bytes = 0, numel = 1;
+  bool overflow = storage_elems < 0 || storage_offset < 0 ||
+                  __builtin_mul_overflow(storage_elems, v3 ? int64_t(1) : es, &storage_bytes) ||
+                  __builtin_mul_overflow(storage_offset, es, &offset_bytes);
+  for (auto d : sizes) overflow = overflow || d < 0 || __builtin_mul_overflow(numel, d, &numel);
   TensorBytes tb;
-  tb.nbytes = numel_of(sizes) * es;
+  overflow = overflow || __builtin_mul_overflow(numel, es, &tb.nbytes);
+  TORCH_CHECK(!overflow, what, ": its tensor record's sizes overflow (damaged or hostile archive)");
   const std::string data = "data/" + key;
   TORCH_CHECK(in_archive(a, [&] { return a.zip->hasRecord(data); }), what, " has no record '", data,
               "' for its tensor's storage");
   const int64_t rec_size = in_archive(a, [&] { return static_cast<int64_t>(a.zip->getRecordSize(data)); });
-  TORCH_CHECK(storage_offset >= 0 && storage_bytes <= rec_size && storage_offset * es + tb.nbytes <= storage_bytes, what,
+  TORCH_CHECK(storage_bytes <= rec_size && offset_bytes <= storage_bytes - tb.nbytes, what,
               ": its tensor (offset ", storage_offset, ", ", tb.nbytes, " bytes) does not fit its storage record (",
               rec_size, " bytes)");
-  tb.offset = in_archive(a, [&] { return static_cast<int64_t>(a.zip->getRecordOffset(data)); }) + storage_offset * es;
+  // Stored, not deflated: the bytes in the file are the tensor's (torch.save never compresses).
+  in_archive(a, [&] {
+    const auto header = static_cast<int64_t>(a.zip->getRecordHeaderOffset(data));
+    uint8_t h[30];
+    TORCH_CHECK(a.slice->read(static_cast<uint64_t>(header), h, sizeof h, "") == sizeof h && h[0] == 'P' && h[1] == 'K' &&
+                    h[8] == 0 && h[9] == 0,
+                "record '", data, "' is compressed (or its header is damaged); this reader reads stored records");
+    return 0;
+  });
+  tb.offset = in_archive(a, [&] { return static_cast<int64_t>(a.zip->getRecordOffset(data)); }) + offset_bytes;
   return tb;
 }
 
@@ -293,6 +317,7 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
     TORCH_CHECK(path && path->is(PyObj::Kind::Str) && offset && offset->is(PyObj::Kind::Int) && length &&
                     length->is(PyObj::Kind::Int) && offset->i >= 0 && length->i >= 0,
                 bad, "the _StorageInfo of '", fqn->s, "' lacks relative_path, offset or length");
+    TORCH_CHECK(length->i <= INT64_MAX - offset->i, bad, "the _StorageInfo of '", fqn->s, "' ends past 2^63 bytes");
     TORCH_CHECK(!path->s.empty() && path->s.find('/') == std::string::npos && path->s != "." && path->s != "..", bad,
                 "'", fqn->s, "' is stored in '", path->s, "', which is not a file name in the folder");
     if (auto t = v->attr("transform_descriptors"); t && !t->is(PyObj::Kind::None)) {
@@ -336,26 +361,27 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
                             std::to_string(s.offset + s.length) + " of " + (dir / s.file).string() + ")");
   };
 
-  for (const auto& [k, md] : sdm->dict) {
-    TORCH_CHECK(k->is(PyObj::Kind::Str), bad, "a state_dict_metadata key of type ", k->type_name());
-    const std::string& key = k->s;
+  // One entry; an entry this reader cannot read (a Python object, an unknown dtype, a transposed chunk,
+  // a damaged archive) is set aside in `unreadable` with the reason, and refused only if asked for.
+  auto read_entry = [&](const std::string& key, const PyRef& md) {
     if (md->is_global(kMetaModule, "BytesStorageMetadata")) {
       auto s = where.find({key, std::nullopt});
       TORCH_CHECK(s != where.end(), bad, "no storage_data for the non-tensor entry '", key, "'");
       auto a = archive_of(key, s->second);
-      if (!a) continue;
+      if (!a) return;
       auto obj = unpickle(record(*a, "data.pkl"), a->what + " (data.pkl)");
       std::string why;
       auto j = to_json(*obj, &why);
       if (!why.empty()) {
-        info.unreadable_values[key] = why;
+        info.unreadable[key] = why + ", which has no C++ form (a Value holds None, bool, int, float, str and lists, " +
+                               "tuples and str-keyed dicts of them)";
       } else if (j.is_object() && j.size() == 1 && j.contains(kPerRankKey) && j[kPerRankKey].is_array()) {
         info.per_rank_values[key] = j[kPerRankKey].get<std::vector<nlohmann::json>>();
         info.world_size = static_cast<int>(info.per_rank_values[key].size());
       } else {
         info.values[key] = std::move(j);
       }
-      continue;
+      return;
     }
     TORCH_CHECK(md->is_global(kMetaModule, "TensorStorageMetadata"), bad, "'", key, "' is described by ",
                 md->type_name(), " (expected TensorStorageMetadata or BytesStorageMetadata)");
@@ -380,7 +406,8 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
                       sz->size() == t.sizes.size(),
                   bad, "a chunk of '", key, "' is not a ChunkStorageMetadata(offsets, sizes) of ", t.sizes.size(), " dims");
       for (size_t d = 0; d < t.sizes.size(); ++d) {
-        TORCH_CHECK((*off)[d] >= 0 && (*sz)[d] >= 0 && (*off)[d] + (*sz)[d] <= t.sizes[d], bad, "a chunk of '", key,
+        TORCH_CHECK(t.sizes[d] >= 0 && (*off)[d] >= 0 && (*sz)[d] >= 0 && (*off)[d] <= t.sizes[d] - (*sz)[d], bad,
+                    "a chunk of '", key,
                     "' at ", shape_str(*off), " of shape ", shape_str(*sz), " lies outside its shape ",
                     shape_str(t.sizes));
       }
@@ -398,7 +425,19 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
       ci.nbytes = tb.nbytes;
       t.chunks.push_back(std::move(ci));
     }
+    TORCH_CHECK(!chunks->items.empty(), bad, "'", key, "' has no chunks");
     info.tensors[key] = std::move(t);
+  };
+  for (const auto& [k, md] : sdm->dict) {
+    TORCH_CHECK(k->is(PyObj::Kind::Str), bad, "a state_dict_metadata key of type ", k->type_name());
+    try {
+      read_entry(k->s, md);
+    } catch (const c10::Error& e) {
+      info.tensors.erase(k->s);
+      info.values.erase(k->s);
+      info.per_rank_values.erase(k->s);
+      info.unreadable[k->s] = e.what_without_backtrace();
+    }
   }
 }
 
@@ -412,8 +451,9 @@ int64_t append_archive(File& f, const std::string& data_pkl, const void* data, s
                        const std::string& what) {
   int64_t written = 0;
   std::string error;  // the write's own error: nothing may be thrown through the zip writer's C code
+  std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip;
   try {
-    caffe2::serialize::PyTorchStreamWriter zip([&](const void* buf, size_t n) -> size_t {
+    zip = std::make_unique<caffe2::serialize::PyTorchStreamWriter>([&](const void* buf, size_t n) -> size_t {
       if (!error.empty()) return 0;
       try {
         f.write_all(buf, n, what);
@@ -424,13 +464,21 @@ int64_t append_archive(File& f, const std::string& data_pkl, const void* data, s
       written += static_cast<int64_t>(n);
       return n;
     });
-    zip.writeRecord("data.pkl", data_pkl.data(), data_pkl.size());
-    zip.writeRecord(".format_version", "1", 1);
-    zip.writeRecord(".storage_alignment", "64", 2);
-    zip.writeRecord("byteorder", "little", 6);
-    if (has_data) zip.writeRecord("data/0", data, nbytes);
-    zip.writeEndOfFile();
+    zip->writeRecord("data.pkl", data_pkl.data(), data_pkl.size());
+    zip->writeRecord(".format_version", "1", 1);
+    zip->writeRecord(".storage_alignment", "64", 2);
+    zip->writeRecord("byteorder", "little", 6);
+    if (has_data) zip->writeRecord("data/0", data, nbytes);
+    zip->writeEndOfFile();
   } catch (const c10::Error& e) {
+    // The writer's destructor finishes an unfinished archive and would throw again out of a destructor
+    // (std::terminate): finish it here, where a second error is caught.
+    if (zip && !zip->finalized()) {
+      try {
+        zip->writeEndOfFile();
+      } catch (const std::exception&) {
+      }
+    }
     TORCH_CHECK(false, error.empty() ? what + ": " + e.what_without_backtrace() : error);
   }
   TORCH_CHECK(error.empty(), error);
@@ -456,6 +504,11 @@ int64_t append_torch_save(File& f, const torch::Tensor& t, const std::string& wh
   if (v3) p.global("torch", d->name);
   p.tuple().reduce();
   return append_archive(f, p.finish(), t.data_ptr(), t.nbytes(), true, what);
+}
+
+int64_t append_torch_save_raw(File& f, const std::string& data_pkl, const torch::Tensor& data, const std::string& what) {
+  return append_archive(f, data_pkl, data.defined() ? data.data_ptr() : nullptr, data.defined() ? data.nbytes() : 0,
+                        data.defined(), what);
 }
 
 int64_t append_torch_save(File& f, const nlohmann::json& v, const std::string& what) {

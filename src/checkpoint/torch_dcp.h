@@ -40,6 +40,10 @@ int64_t append_torch_save(File& f, const torch::Tensor& t, const std::string& wh
 /// Appends a torch.save archive of the Python object `v` (JSON as Python builtins) to `f`; returns its length.
 int64_t append_torch_save(File& f, const nlohmann::json& v, const std::string& what);
 
+/// Appends a torch.save archive whose data.pkl is `data_pkl` and whose "data/0" record holds `data`'s
+/// bytes (when defined): any content, for tests of what the reader refuses.
+int64_t append_torch_save_raw(File& f, const std::string& data_pkl, const torch::Tensor& data, const std::string& what);
+
 /// One entry of a checkpoint's `.metadata`.
 struct TorchEntry {
   std::string key;

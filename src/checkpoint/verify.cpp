@@ -51,6 +51,9 @@ std::vector<std::string> verify(const std::string& dir) {
     problems.push_back(e.what_without_backtrace());
     return problems;
   }
+  for (const auto& [k, why] : info.unreadable) {
+    problems.push_back(std::string(api) + ": '" + k + "' in " + info.dir + " cannot be loaded: " + why);
+  }
   if (info.metadata.is_object()) {
     // Files nobody listed: PyTorch's reader would read them too.
     std::set<std::string> listed;

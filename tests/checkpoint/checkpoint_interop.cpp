@@ -1,11 +1,15 @@
 // The C++ side of tests/python/test_checkpoint_interop.py, run under fsdprun (or torchrun --no-python):
 //
 //   checkpoint_interop save  --dir D --ref R [--steps K] [--format distcp] [--mesh 2,2]
-//                                                             train the test model K steps (AdamW), save
-//                                                             model + optimizer into D (ours, or PyTorch's
-//                                                             .distcp format; FSDP, or HSDP on a 2-D mesh);
-//                                                             rank 0 writes the full tensors into the
-//                                                             safetensors file R (Values: R.values.json)
+//        [--optim adamw|adagrad|rmsprop] [--next N]           train the test model K steps, save model +
+//                                                             optimizer into D (ours, or PyTorch's .distcp
+//                                                             format; FSDP, or HSDP on a 2-D mesh); rank 0
+//                                                             writes the full tensors into the safetensors
+//                                                             file R (Values: R.values.json); with --next,
+//                                                             one more step on batch K, whose tensors
+//                                                             ("batch.idx", "batch.targets") and the
+//                                                             parameters after it ("model.<fqn>") rank 0
+//                                                             writes into N
 //   checkpoint_interop load  --dir D --out O [--prefix P] [--optim 1] [--mesh 2,2]
 //                                                             load D (any world size and format; P + FQN
 //                                                             keys, model only, or with --optim model and
@@ -44,7 +48,7 @@ std::vector<Batch> batches() { return make_batches(4, kCkptBatch, kCkptSeq, 4321
 int main(int argc, char** argv) {
   CLI::App app{"C++ side of the checkpoint interop and crash tests"};
   app.require_subcommand(1);
-  std::string dir, ref, out, prefix = "model.", parent, stage = "write";
+  std::string dir, ref, out, prefix = "model.", parent, stage = "write", optim = "adamw", next;
   int steps = 2, kill_rank = 1;
   std::string format = "safetensors", mesh_arg;
   auto* save = app.add_subcommand("save", "train and save");
@@ -53,6 +57,8 @@ int main(int argc, char** argv) {
   save->add_option("--steps", steps);
   save->add_option("--format", format, "safetensors (ours) or distcp (PyTorch's FileSystemWriter)");
   save->add_option("--mesh", mesh_arg, "e.g. 2,2: HSDP (replicate, shard)");
+  save->add_option("--optim", optim)->check(CLI::IsMember({"adamw", "adagrad", "rmsprop"}));
+  save->add_option("--next", next);
   auto* load = app.add_subcommand("load", "load and dump full tensors");
   load->add_option("--dir", dir)->required();
   load->add_option("--out", out)->required();
@@ -91,7 +97,8 @@ int main(int argc, char** argv) {
     const auto opts = dcp::SaveOptions().update_latest(true).storage_format(
         format == "distcp" ? dcp::StorageFormat::Distcp : dcp::StorageFormat::Safetensors);
     if (*save || *crash) {
-      Trainer t(pg, 7, OptimKind::ADAMW, mesh);
+      const auto kind = optim == "adagrad" ? OptimKind::ADAGRAD : optim == "rmsprop" ? OptimKind::RMSPROP : OptimKind::ADAMW;
+      Trainer t(pg, 7, kind, mesh);
       for (int i = 0; i < steps; ++i) t.step(batches()[i]);
       const std::string target = *save ? dir : parent + "/step-1";
       dcp::save(get_state_dict(t.net, *t.opt), target, opts);
@@ -99,6 +106,14 @@ int main(int argc, char** argv) {
       if (rank == 0) {
         write_full(ref, full.tensors);
         std::ofstream(ref + ".values.json") << nlohmann::json(full.values).dump(1);
+      }
+      if (!next.empty()) {
+        const Batch b = batches()[steps];  // batches() returns a fresh vector: copy, not a reference into it
+        t.step(b);
+        auto params = get_model_state_dict(t.net, StateDictOptions().full_state_dict(true));
+        std::map<std::string, torch::Tensor> m{{"batch.idx", b.idx}, {"batch.targets", b.targets}};
+        for (const auto& [k, v] : params) m["model." + k] = std::get<torch::Tensor>(v);
+        if (rank == 0) write_full(next, m);
       }
       if (*crash) {
         char own[32];

@@ -141,6 +141,7 @@ TEST(DistcpFormat, ValuesAndPerRankValuesRoundTrip) {
     sd.insert_or_assign("rng", torch::arange(5, torch::kInt64) * 3);
     sd.insert_or_assign("half", torch::linspace(-1, 1, 7).to(torch::kBFloat16));
     sd.insert_or_assign("scalar", torch::tensor(2.5));
+    sd.insert_or_assign("empty", torch::zeros({4, 0, 3}));
   };
   train_and_save(2, 1, dir, {}, extra);
   run_ranks(2, [&](ProcessGroupPtr pg) {
@@ -151,6 +152,7 @@ TEST(DistcpFormat, ValuesAndPerRankValuesRoundTrip) {
     sd.insert_or_assign("rng", torch::zeros({5}, torch::kInt64));
     sd.insert_or_assign("half", torch::zeros({7}, torch::kBFloat16));
     sd.insert_or_assign("scalar", torch::tensor(0.0));
+    sd.insert_or_assign("empty", torch::zeros({4, 0, 3}));
     dcp::load(sd, dir);
     EXPECT_EQ(std::get<Value>(sd.at("trainer.config")).json, v);
     EXPECT_EQ(std::get<Value>(sd.at("loader.position")).json, 100 + pg->rank());
@@ -319,6 +321,88 @@ TEST(DistcpBadInput, DamagedArchive) {
   bytes.replace(0, 4, "JUNK");  // the first archive's zip signature
   write_all(f, bytes);
   expect_load_error(c.dir, {"is not a readable torch.save archive", "__0_0.distcp"});
+}
+
+// A checkpoint crafted by hand: a tensor whose storage offset would wrap around, a Python object, a
+// pickle that expands exponentially through shared references, a transposed chunk, and one good tensor.
+// Each bad entry is set aside with its reason (verify lists them); loading it is refused by name; the
+// good one loads.
+TEST(DistcpBadInput, HostileEntriesAreSetAsideAndRefusedByName) {
+  using namespace std::string_literals;
+  namespace d = dcp::detail;
+  const auto dir = temp_dir("distcp_hostile") + "/ck";
+  fs::create_directories(dir);
+  auto tensor_pkl = [](int64_t offset, std::vector<int64_t> size, std::vector<int64_t> stride, int64_t numel) {
+    d::PickleWriter p;
+    p.global("torch._utils", "_rebuild_tensor_v2").mark();
+    p.mark().str("storage").global("torch", "FloatStorage").str("0").str("cpu").integer(numel).tuple().binpersid();
+    p.integer(offset).int_tuple(size).int_tuple(stride).boolean(false);
+    p.global("collections", "OrderedDict").empty_tuple().reduce().tuple().reduce();
+    return p.finish();
+  };
+  std::vector<d::TorchEntry> entries;
+  {
+    auto f = d::File::create(dir + "/__0_0.distcp", "test");
+    int64_t at = 0;
+    auto add = [&](const std::string& key, bool tensor, std::vector<int64_t> sizes, const std::string& pkl,
+                   const torch::Tensor& data) {
+      const int64_t n = d::append_torch_save_raw(f, pkl, data, key);
+      d::TorchEntry e;
+      e.key = key;
+      e.tensor = tensor;
+      e.sizes = sizes;
+      e.chunks.push_back({tensor ? std::vector<int64_t>(sizes.size(), 0) : std::vector<int64_t>{}, sizes,
+                          "__0_0.distcp", at, n});
+      at += n;
+      entries.push_back(e);
+    };
+    add("good", true, {4}, tensor_pkl(0, {4}, {1}, 4), torch::arange(4, torch::kFloat32));
+    add("wraps", true, {4}, tensor_pkl((int64_t(1) << 62) - (int64_t(1) << 30), {4}, {1}, 4),
+        torch::arange(4, torch::kFloat32));
+    add("transposed", true, {2, 2}, tensor_pkl(0, {2, 2}, {1, 2}, 4), torch::arange(4, torch::kFloat32));
+    d::PickleWriter size;
+    size.global("torch", "Size").mark().int_tuple({2, 3}).tuple().reduce();
+    add("shape", false, {}, size.finish(), {});
+    std::string bomb = "\x80\x02]q\x00" "0"s;  // L0 = []; then 40 times L = [L, L]
+    for (int i = 0; i < 40; ++i) bomb += "](h\x00h\x00" "eq\x00" "0"s;
+    bomb += "h\x00."s;
+    add("bomb", false, {}, bomb, {});
+  }
+  {
+    auto f = d::File::create(dir + "/.metadata", "test");
+    const auto meta = d::torch_metadata_pickle(entries, "test");
+    f.write_all(meta.data(), meta.size(), "metadata");
+  }
+  auto info = dcp::inspect(dir);
+  EXPECT_EQ(info.tensors.count("good"), 1u);
+  ASSERT_EQ(info.unreadable.size(), 4u);
+  EXPECT_NE(info.unreadable.at("wraps").find("overflow"), std::string::npos) << info.unreadable.at("wraps");
+  EXPECT_NE(info.unreadable.at("transposed").find("not row-major"), std::string::npos);
+  EXPECT_NE(info.unreadable.at("shape").find("torch.Size(...), which has no C++ form"), std::string::npos);
+  EXPECT_NE(info.unreadable.at("bomb").find("values once shared references are expanded"), std::string::npos)
+      << info.unreadable.at("bomb");
+  EXPECT_EQ(dcp::verify(dir).size(), 4u);
+  run_ranks(1, [&](ProcessGroupPtr pg) {
+    StateDict sd;
+    sd.insert_or_assign("good", torch::zeros({4}));
+    auto r = dcp::load(sd, dir, dcp::LoadOptions().strict(false).group(pg));
+    EXPECT_TRUE(torch::equal(std::get<torch::Tensor>(sd.at("good")), torch::arange(4, torch::kFloat32)));
+    EXPECT_EQ(r.unexpected_keys.size(), 4u);
+    for (const std::string key : {"wraps", "transposed"}) {
+      StateDict bad;
+      bad.insert_or_assign(key, torch::zeros({4}));
+      try {
+        dcp::load(bad, dir, dcp::LoadOptions().strict(false).group(pg));
+        ADD_FAILURE() << key << " loaded";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what_without_backtrace()).find("'" + key + "' in " + dir + " cannot be loaded: "),
+                  std::string::npos) << e.what_without_backtrace();
+      }
+    }
+    StateDict obj;
+    obj.insert_or_assign("shape", Value(nullptr));
+    EXPECT_THROW(dcp::load(obj, dir, dcp::LoadOptions().strict(false).group(pg)), c10::Error);
+  });
 }
 
 }  // namespace

@@ -37,7 +37,28 @@ inline std::map<std::string, torch::Tensor> seeded_weights(uint64_t seed) {
   return it->second;
 }
 
-enum class OptimKind { ADAMW, ADAM, SGD };
+enum class OptimKind { ADAMW, ADAM, SGD, ADAGRAD, RMSPROP };
+
+/// The checkpoint tests' optimizer of each kind over `params`, with hyper-parameters that give every
+/// optional state tensor (Adam's amsgrad max_exp_avg_sq, SGD's momentum_buffer, RMSprop's momentum_buffer
+/// and grad_avg) and non-default values (Adagrad's lr_decay and initial_accumulator_value).
+inline std::unique_ptr<torch::optim::Optimizer> make_ckpt_optimizer(const std::vector<torch::Tensor>& params,
+                                                                   OptimKind kind) {
+  namespace optim = torch::optim;
+  switch (kind) {
+    case OptimKind::ADAMW: return std::make_unique<optim::AdamW>(params, optim::AdamWOptions(1e-2).weight_decay(0.01));
+    case OptimKind::ADAM: return std::make_unique<optim::Adam>(params, optim::AdamOptions(1e-2).amsgrad(true));
+    case OptimKind::SGD:
+      return std::make_unique<optim::SGD>(params, optim::SGDOptions(5e-2).momentum(0.9).dampening(0.1));
+    case OptimKind::ADAGRAD:
+      return std::make_unique<optim::Adagrad>(
+          params, optim::AdagradOptions(5e-2).lr_decay(0.01).weight_decay(0.01).initial_accumulator_value(0.1));
+    case OptimKind::RMSPROP:
+      return std::make_unique<optim::RMSprop>(
+          params, optim::RMSpropOptions(1e-2).momentum(0.5).centered(true).weight_decay(0.01));
+  }
+  return nullptr;
+}
 
 /// The test model sharded over `pg` (blocks, then the root) with an optimizer over its shards.
 struct Trainer {
@@ -60,19 +81,7 @@ struct Trainer {
     auto opts = FullyShardOptions().mesh(mesh);
     for (auto& b : net->blocks) fully_shard(b, opts);
     fully_shard(net, opts);
-    switch (kind) {
-      case OptimKind::ADAMW:
-        opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
-                                                    torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-        break;
-      case OptimKind::ADAM:
-        opt = std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2).amsgrad(true));
-        break;
-      case OptimKind::SGD:
-        opt = std::make_unique<torch::optim::SGD>(net->parameters(),
-                                                  torch::optim::SGDOptions(5e-2).momentum(0.9).dampening(0.1));
-        break;
-    }
+    opt = make_ckpt_optimizer(net->parameters(), kind);
   }
 
   /// One optimizer step on this rank's slice of `global`; returns the loss averaged over ranks.

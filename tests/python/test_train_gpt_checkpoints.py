@@ -32,6 +32,7 @@ RESUME = ["--steps", "20", "--log-every", "1", "--eval-every", "10", "--warmup-s
 @pytest.mark.parametrize("flags", [
     ["--dropout", "0.1"],  # the random stream (dropout) must continue where it stopped
     ["--tie-weights", "false", "--mixed-precision", "fp16", "--grad-accum-steps", "2"],  # loss scaler, accumulation
+    ["--dropout", "0.1", "--ckpt-format", "distcp"],  # PyTorch's dcp.save layout: RNG tensor, Values as pickles
 ], ids=lambda v: " ".join(v))
 def test_resume_is_bit_identical(text_files, tmp_path, flags):
     """20 steps straight == 10 steps, stop, --resume, 10 steps (2 ranks both times): identical losses."""
@@ -80,17 +81,19 @@ def test_checkpoint_holds_tied_weight_once_for_the_optimizer(text_files, tmp_pat
     assert full["wte.weight"].shape == (256, 32) and (full["wte.weight"] == full["lm_head.weight"]).all()
 
 
-def test_resume_on_another_world_size(text_files, tmp_path):
+@pytest.mark.parametrize("fmt", ["safetensors", "distcp"])
+def test_resume_on_another_world_size(text_files, tmp_path, fmt):
     """Saved on 2 ranks (batch 4 each), resumed on 1 with the same global batch (8): the model and the
-    optimizer are resharded and the data position carries over (the very same batches)."""
+    optimizer are resharded and the data position carries over (the very same batches). In both formats."""
     from safetensors.numpy import load_file
     ckpt = tmp_path / "ckpt"
     ref = run(tiny(text_files, tmp_path, *RESUME, "--dump-batches", tmp_path / "ref_batches", name="ref.jsonl"),
               timeout=120)
     assert ref.returncode == 0, show(ref)
     first = run(tiny(text_files, tmp_path, *RESUME, "--ckpt-dir", ckpt, "--ckpt-every", "10", "--stop-at", "10",
-                     name="first.jsonl"), timeout=120)
+                     "--ckpt-format", fmt, name="first.jsonl"), timeout=120)
     assert first.returncode == 0, show(first)
+    assert (ckpt / "step-10" / (".metadata" if fmt == "distcp" else "libfsdp_checkpoint.json")).exists()
     second = run(tiny(text_files, tmp_path, *RESUME, "--batch-size", "8", "--ckpt-dir", ckpt, "--resume",
                       "--dump-batches", tmp_path / "batches", name="second.jsonl"), nproc=1, timeout=120)
     assert second.returncode == 0, show(second)

@@ -83,6 +83,16 @@ struct SaveOptions {
   TORCH_ARG(bool, fsync) = true;
   /// The layout on disk. (Default: StorageFormat::Safetensors)
   TORCH_ARG(StorageFormat, storage_format) = StorageFormat::Safetensors;
+  /// Writer threads per rank: this rank's chunks are split into this many files of about equal size
+  /// (largest first), written in parallel (`shard-{rank+1:05d}-model-{i:05d}-of-{n:05d}.safetensors`, or
+  /// `__{rank}_{i}.distcp`). The checkpoint holds the same tensors either way. Mirrors FileSystemWriter's
+  /// thread_count. (Default: 1)
+  TORCH_ARG(int, thread_count) = 1;
+  /// async_save: keep the CPU (pinned, for CUDA) staging buffers after the write, and copy the next
+  /// save of the same shapes into them instead of allocating (and page-faulting) fresh memory. Holds one
+  /// copy of this rank's saved state in memory between saves; one set per group (a save of other shapes
+  /// replaces it). Mirrors FileSystemWriter's cache_staged_state_dict. (Default: true)
+  TORCH_ARG(bool, cache_staging) = true;
 };
 
 /// Options of load.
@@ -197,9 +207,10 @@ struct CheckpointInfo {
   std::map<std::string, TensorInfo> tensors;   ///< by FQN
   std::map<std::string, nlohmann::json> values;                 ///< replicated Values
   std::map<std::string, std::vector<nlohmann::json>> per_rank_values;  ///< per-rank Values, by rank
-  /// "torch-dcp" only: non-tensor entries that are Python objects without a JSON form (key -> what they
-  /// are, e.g. "a value of type torch.Size(...)"); loading such a key is refused, naming it.
-  std::map<std::string, std::string> unreadable_values;
+  /// "torch-dcp" only: entries this reader cannot load (key -> why): Python objects without a JSON form
+  /// ("a value of type torch.Size(...), ..."), tensors of an unknown dtype or saved non-row-major, damaged
+  /// archives. Loading such a key is refused, naming it and the reason; verify() reports them.
+  std::map<std::string, std::string> unreadable;
   nlohmann::json metadata;             ///< the metadata file as read (null if none)
 };
 

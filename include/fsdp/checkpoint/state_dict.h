@@ -11,13 +11,19 @@
 //   fsdp::set_state_dict(model, opt, sd);
 //
 // Keys are fully qualified names (FQNs) from the module passed in, as model->named_parameters() gives
-// them; never optimizer indices. The layout mirrors PyTorch's
-// torch.distributed.checkpoint.state_dict with flatten_optimizer_state_dict=True:
+// them; never optimizer indices. The layout is what PyTorch's DCP writes for the dicts of
+// torch.distributed.checkpoint.state_dict:
 //   model:      "<fqn>"                                  parameters (DTensor when sharded) and buffers
-//   optimizer:  "state.<fqn>.<name>"                     exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer:
+//   optimizer:  "state.<fqn>.<name>"                     per-parameter state tensors (exp_avg, sum, square_avg,
+//                                                        momentum_buffer, ...: see optimizer_adapter.h),
 //                                                        sharded like the parameter; "step": a Value
+//     flattened (flatten_optimizer_state_dict, our default):
 //               "param_groups.<fqn>.<hyper-parameter>"   lr, betas, eps, weight_decay, ...: Values
+//     nested (PyTorch's default, as its DCP flattens {"state": ..., "param_groups": [...]}):
+//               "param_groups.<i>.<hyper-parameter>"     group i over every optimizer in order: Values
+//               "param_groups.<i>.params"                a Value: the list of the group's FQNs
 //   both:       "model.<model key>", "optim.<optimizer key>"   (get_state_dict / set_state_dict)
+// Several optimizers over one model share the optimizer keys (each parameter in exactly one of them).
 //
 // Mirrors torch.distributed.checkpoint.state_dict.{get,set}_{model,optimizer,}_state_dict.
 #pragma once
@@ -37,6 +43,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include "fsdp/checkpoint/optimizer_adapter.h"
 #include "fsdp/tensor/dtensor.h"
 
 namespace fsdp {
@@ -133,7 +140,9 @@ struct StateDictOptions {
   /// must be sharded like its destination.) (Default: false)
   TORCH_ARG(bool, full_state_dict) = false;
   /// With full_state_dict: the full tensors are copied to the CPU and only rank 0 keeps them (other
-  /// ranks get an empty dict). (Default: false)
+  /// ranks get an empty dict). Without: every rank gets its dict with each tensor on the CPU (sharded
+  /// entries: DTensors of the same placements whose local tensors are CPU copies), as PyTorch's
+  /// _offload_state_dict_to_cpu; a tensor already on the CPU is not copied (Tensor.to). (Default: false)
   TORCH_ARG(bool, cpu_offload) = false;
   /// Leave out parameters that do not require grad (and, on set, do not report them missing).
   /// (Default: false)
@@ -144,6 +153,13 @@ struct StateDictOptions {
   /// set: only rank 0's dict is read (full tensors; other ranks may pass an empty dict); every tensor
   /// is broadcast from rank 0 and sliced locally. Collective over the model's world group. (Default: false)
   TORCH_ARG(bool, broadcast_from_rank0) = false;
+  /// The optimizer layout (see the top of this file). true: "param_groups.<fqn>.<hp>" for every parameter,
+  /// as PyTorch's flatten_optimizer_state_dict=True. false: PyTorch's nested layout as its DCP stores it,
+  /// "param_groups.<i>.<hp>" and "param_groups.<i>.params" (the list of FQNs). The "state.*" keys are the
+  /// same in both. Our default is true, unlike PyTorch's (false): the checkpoints written before the
+  /// option existed are flattened, and a flattened dict reshards across any change of param groups.
+  /// set_* must be given the layout the dict has. (Default: true)
+  TORCH_ARG(bool, flatten_optimizer_state_dict) = true;
 };
 
 /// Keys a non-strict load skipped. Mirrors torch.nn.modules.module._IncompatibleKeys.
@@ -177,33 +193,59 @@ StateDict get_model_state_dict(const torch::nn::Module& model, const StateDictOp
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
                                 const StateDictOptions& options = {});
 
-/// The optimizer's state keyed by parameter FQN (see the key layout at the top of this file), for
-/// torch::optim Adam, AdamW and SGD. State tensors of sharded parameters are DTensors with the
-/// parameter's placements, aliasing the optimizer's tensors. A parameter without state yet (before
-/// its first step) is reported with zero state and step 0, the state PyTorch's get_optimizer_state_dict
-/// initialises (it is not attached to the optimizer: set_optimizer_state_dict does that). Throws
-/// c10::Error for another optimizer type or a parameter that is not in `model`.
+/// The optimizer's state keyed by parameter FQN (see the key layout at the top of this file), for every
+/// optimizer type with an adapter (torch::optim Adam, AdamW, SGD, Adagrad, RMSprop, and those registered
+/// with register_optimizer_adapter: fsdp/checkpoint/optimizer_adapter.h). State tensors of sharded
+/// parameters are DTensors with the parameter's placements, aliasing the optimizer's tensors. A parameter
+/// without state yet (before its first step) is reported with the state the optimizer would create and
+/// step 0, as PyTorch's get_optimizer_state_dict initialises it (it is not attached to the optimizer:
+/// set_optimizer_state_dict does that). Throws c10::Error for a type without an adapter (naming it and the
+/// registration call), torch::optim::LBFGS (its state is not per parameter) or a parameter that is not
+/// in `model`. Mirrors torch.distributed.checkpoint.state_dict.get_optimizer_state_dict.
+/// Example: `auto osd = fsdp::get_optimizer_state_dict(model, opt)`
 StateDict get_optimizer_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options = {});
+
+/// get_optimizer_state_dict of several optimizers over one model (PyTorch: `optimizers` an iterable): one
+/// dict keyed by FQN. Throws naming the FQN when a parameter is in two optimizers (or two groups).
+/// Example: `fsdp::get_optimizer_state_dict(model, {adam.get(), sgd.get()})`
+StateDict get_optimizer_state_dict(const torch::nn::Module& model,
+                                   const std::vector<const torch::optim::Optimizer*>& optimizers,
                                    const StateDictOptions& options = {});
 
 /// Loads optimizer state keyed by FQN into `optimizer`: state tensors are copied in place, state is
 /// created for parameters that have none (torch::optim creates it lazily at the first step), step
 /// counts and the hyper-parameters of each param group are set (every parameter of a group must bring
-/// the same values). Validated first, and agreed by all ranks like set_model_state_dict (collective):
-/// on error nothing is changed on any rank.
+/// the same values; in the nested layout a group takes the saved group that lists its FQNs, which must
+/// list exactly them). Validated first, and agreed by all ranks like set_model_state_dict (collective):
+/// on error nothing is changed on any rank. Mirrors set_optimizer_state_dict.
+/// Example: `fsdp::set_optimizer_state_dict(model, opt, osd)`
 LoadResult set_optimizer_state_dict(const torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options = {});
+
+/// set_optimizer_state_dict into several optimizers over one model (each takes the keys of its parameters).
+/// Example: `fsdp::set_optimizer_state_dict(model, {adam.get(), sgd.get()}, osd)`
+LoadResult set_optimizer_state_dict(const torch::nn::Module& model, const std::vector<torch::optim::Optimizer*>& optimizers,
                                     const StateDict& state_dict, const StateDictOptions& options = {});
 
 /// get_model_state_dict under "model." and get_optimizer_state_dict under "optim.": the one dict that
 /// dcp::save takes.
+/// Example: `fsdp::dcp::save(fsdp::get_state_dict(model, opt), dir)`
 StateDict get_state_dict(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                         const StateDictOptions& options = {});
+/// get_state_dict with several optimizers. Example: `fsdp::get_state_dict(model, {opt1.get(), opt2.get()})`
+StateDict get_state_dict(const torch::nn::Module& model, const std::vector<const torch::optim::Optimizer*>& optimizers,
                          const StateDictOptions& options = {});
 
 /// Loads a dict of get_state_dict's layout into the model and the optimizer. With strict, a key under
 /// neither prefix is unexpected. Both parts are validated (on every rank: collective) before either is
 /// changed.
+/// Example: `fsdp::set_state_dict(model, opt, sd)`
 LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const StateDict& state_dict,
                           const StateDictOptions& options = {});
+/// set_state_dict with several optimizers. Example: `fsdp::set_state_dict(model, {opt1.get(), opt2.get()}, sd)`
+LoadResult set_state_dict(torch::nn::Module& model, const std::vector<torch::optim::Optimizer*>& optimizers,
+                          const StateDict& state_dict, const StateDictOptions& options = {});
 
 // Overloads for module holders (Net, fsdp::FSDPModule<Net>, ...): pass the holder as you would the module.
 template <typename T>
@@ -234,6 +276,29 @@ template <typename T>
 LoadResult set_state_dict(const torch::nn::ModuleHolder<T>& model, torch::optim::Optimizer& optimizer,
                           const StateDict& state_dict, const StateDictOptions& options = {}) {
   return set_state_dict(*model.ptr(), optimizer, state_dict, options);
+}
+template <typename T>
+StateDict get_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model,
+                                   const std::vector<const torch::optim::Optimizer*>& optimizers,
+                                   const StateDictOptions& options = {}) {
+  return get_optimizer_state_dict(*model, optimizers, options);
+}
+template <typename T>
+StateDict get_state_dict(const torch::nn::ModuleHolder<T>& model,
+                         const std::vector<const torch::optim::Optimizer*>& optimizers,
+                         const StateDictOptions& options = {}) {
+  return get_state_dict(*model, optimizers, options);
+}
+template <typename T>
+LoadResult set_optimizer_state_dict(const torch::nn::ModuleHolder<T>& model,
+                                    const std::vector<torch::optim::Optimizer*>& optimizers,
+                                    const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_optimizer_state_dict(*model, optimizers, state_dict, options);
+}
+template <typename T>
+LoadResult set_state_dict(const torch::nn::ModuleHolder<T>& model, const std::vector<torch::optim::Optimizer*>& optimizers,
+                          const StateDict& state_dict, const StateDictOptions& options = {}) {
+  return set_state_dict(*model.ptr(), optimizers, state_dict, options);
 }
 
 }  // namespace fsdp
