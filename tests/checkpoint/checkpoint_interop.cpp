@@ -70,6 +70,9 @@ int main(int argc, char** argv) {
   load->add_option("--strict", strict, "with --optim: strict load (PyTorch's extra param-group options fail it)");
   load->add_option("--resave", resave, "with --optim: then save the state into this folder in PyTorch's format");
   load->add_option("--value", value_key, "with --optim: also load this key as a Value");
+  bool nested = false;
+  load->add_option("--nested", nested, "with --optim: PyTorch's nested optimizer layout (flatten_optimizer_state_dict "
+                                       "false), also for --resave and O.values.json");
   auto* crash = app.add_subcommand("crash-save", "save, then die mid-save");
   crash->add_option("--parent", parent)->required();
   crash->add_option("--ref", ref)->required();
@@ -135,7 +138,8 @@ int main(int argc, char** argv) {
       Trainer t(pg, 8, OptimKind::ADAMW, mesh);
       if (with_optim) {
         // Model and optimizer (the flattened layout, as get_state_dict keys it): every key must load.
-        auto sd = get_state_dict(t.net, *t.opt);
+        const auto layout = StateDictOptions().flatten_optimizer_state_dict(!nested);
+        auto sd = get_state_dict(t.net, *t.opt, layout);
         if (!value_key.empty()) sd.insert_or_assign(value_key, Value(nullptr));
         // A PyTorch checkpoint's param groups also hold options LibTorch's AdamW lacks (foreach, fused,
         // maximize, ...): not strict, but every key of the state dict must be loaded.
@@ -143,9 +147,9 @@ int main(int argc, char** argv) {
         TORCH_CHECK(r.missing_keys.empty(), "checkpoint_interop: ", r.missing_keys.size(), " key(s) not in ", dir, ": ",
                     r.missing_keys[0]);
         if (!value_key.empty()) sd.erase(value_key);
-        set_state_dict(t.net, *t.opt, sd);
+        set_state_dict(t.net, *t.opt, sd, layout);
         if (!resave.empty()) {
-          dcp::save(get_state_dict(t.net, *t.opt), resave,
+          dcp::save(get_state_dict(t.net, *t.opt, layout), resave,
                     dcp::SaveOptions().storage_format(dcp::StorageFormat::Distcp));
         }
         auto full = full_state(t);

@@ -197,7 +197,16 @@ def full_and_values(sd):
     """Full tensors (collective: every rank, in key order) and the JSON-able values of a flat state dict."""
     from torch.distributed.tensor import DTensor
     tensors, values = {}, {}
-    for k, v in sd.items():
+
+    def flat(d, prefix=""):  # nested layouts as dcp.save flattens them: "optim.state.w.exp_avg", "...param_groups.0.lr"
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif isinstance(v, list) and v and all(isinstance(e, dict) for e in v):
+                yield from flat({str(i): e for i, e in enumerate(v)}, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+    for k, v in flat(sd):
         if isinstance(v, DTensor):
             tensors[k] = v.full_tensor()
         elif torch.is_tensor(v):
@@ -225,7 +234,8 @@ def distcp_worker(rank, world, port, mode, layout, ckpt, out, extra):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict)
-        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        # PyTorch's default layout (nested: param_groups.<i>.<hp> and .params) with extra == "nested".
+        flat = StateDictOptions(flatten_optimizer_state_dict=extra != "nested")
 
         def state(model, opt):
             sd = {"model." + k: v for k, v in get_model_state_dict(model).items()}
@@ -423,6 +433,45 @@ def test_round_trip_pytorch_libfsdp_pytorch(tmp_path, first, world1, cpp_mesh, t
     py_ref, _ = load_reference(ref)
     py_back, _ = load_reference(back)
     assert_same(py_back, py_ref, keys=sorted(load_file(str(cpp))))
+
+
+def test_round_trip_in_pytorchs_nested_optimizer_layout(tmp_path):
+    """PyTorch's default get_state_dict layout (nested: param_groups.0.lr, param_groups.0.params) through dcp.save,
+    into libfsdp's nested layout on 2 ranks, saved again and read back by PyTorch: the same tensors and groups."""
+    ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
+    ref, cpp, back = tmp_path / "ref.safetensors", tmp_path / "cpp.safetensors", tmp_path / "back.safetensors"
+    distcp_job(3, "save", "fsdp", ck1, ref, extra="nested")
+    p = interop(2, "load", "--dir", ck1, "--out", cpp, "--optim", 1, "--nested", 1, "--resave", ck2)
+    assert p.returncode == 0, show(p)
+    distcp_job(2, "load", "fsdp", ck2, back, extra="nested")
+    py_ref, ref_v = load_reference(ref)
+    py_back, back_v = load_reference(back)
+    cpp_t, cpp_v = load_reference(cpp)
+    assert "optim.param_groups.0.params" in ref_v and "optim.param_groups.0.lr" in ref_v, sorted(ref_v)[:8]
+    assert_same(py_back, py_ref, keys=sorted(cpp_t))
+    for k in ("optim.param_groups.0.lr", "optim.param_groups.0.betas", "optim.param_groups.0.params"):
+        assert back_v[k] == ref_v[k], (k, back_v[k], ref_v[k])
+
+
+def test_fsdp_ckpt_reads_and_consolidates_a_pytorch_distcp_checkpoint(tmp_path):
+    """A single-process dcp.save (nested dicts, an int, a scheduler-like dict): fsdp-ckpt lists it, verifies it and
+    consolidates it into Hugging Face safetensors with the same tensors bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    import warnings
+    g = torch.Generator().manual_seed(3)
+    sd = {"model": {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g).bfloat16()}, "step": 4,
+          "sched": {"last_epoch": 3, "base_lrs": [0.1]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    ls = run_program([FSDP_CKPT, "ls", tmp_path / "ck"])
+    assert ls.returncode == 0 and "format torch-dcp" in ls.stdout and "sched.last_epoch = 3" in ls.stdout, show(ls)
+    v = run_program([FSDP_CKPT, "verify", tmp_path / "ck"])
+    assert v.returncode == 0 and "every tensor covered exactly once" in v.stdout, show(v)
+    c = run_program([FSDP_CKPT, "consolidate", tmp_path / "ck", tmp_path / "hf"])
+    assert c.returncode == 0, show(c)
+    assert_same(load_file(str(tmp_path / "hf" / "model.safetensors")), {"model.w": sd["model"]["w"],
+                                                                       "model.b": sd["model"]["b"]})
 
 
 def test_python_object_value_is_refused_by_name(tmp_path):
