@@ -191,10 +191,14 @@ int main(int argc, char** argv) {
   app.add_option("--format", format, "Checkpoint layout: safetensors (ours) or distcp (PyTorch's)")
       ->check(CLI::IsMember({"safetensors", "distcp"}))->capture_default_str();
   app.add_option("--thread-count", threads, "Writer threads per rank (SaveOptions::thread_count)")->capture_default_str();
+  bool no_prefetch = false;
+  app.add_flag("--no-cooperative-prefetch", no_prefetch,
+               "Every rank reads its own pieces (turns off [Note: one reader per file region])");
   bool warm = false;
   app.add_flag("--warm", warm, "Read from the page cache (no drop before reads): isolates the CPU side of loading");
   CLI11_PARSE(app, argc, argv);
   keep_page_cache = warm;
+  fsdp::dcp::detail::set_cooperative_prefetch(!no_prefetch);
   const auto save_opts = [&](fsdp::ProcessGroupPtr pg) {
     return fsdp::dcp::SaveOptions().group(pg).thread_count(threads).storage_format(
         format == "distcp" ? fsdp::dcp::StorageFormat::Distcp : fsdp::dcp::StorageFormat::Safetensors);
@@ -345,7 +349,8 @@ int main(int argc, char** argv) {
   std::printf("  spread, median (min-max): write %s, save %s, read %s, load %s, same-size %s, resharded %s\n",
               spread(t_write).c_str(), spread(t_save).c_str(), spread(t_read).c_str(), spread(t_load).c_str(),
               spread(t_same).c_str(), spread(t_reshard).c_str());
-  std::printf("  format %s, %d writer thread(s) per rank\n", format.c_str(), threads);
+  std::printf("  format %s, %d writer thread(s) per rank, cooperative prefetch %s\n", format.c_str(), threads,
+              no_prefetch ? "off" : "on");
   std::printf("  plain write+fsync %8.1f MiB/s   dcp::save %8.1f MiB/s   ratio %.2f (goal >= 0.9)\n", mb / w, mb / s, w / s);
   std::printf("  plain read        %8.1f MiB/s   dcp::load %8.1f MiB/s   ratio %.2f (goal >= 0.9)\n", mb / r, mb / l, r / l);
   std::printf("  async_save blocks: first %s, second (kept buffers) %s; the staging copy alone %s: %.2fx (goal <= 1)\n",

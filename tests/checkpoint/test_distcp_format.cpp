@@ -323,6 +323,29 @@ TEST(DistcpBadInput, DamagedArchive) {
   expect_load_error(c.dir, {"is not a readable torch.save archive", "__0_0.distcp"});
 }
 
+// Only rank 1's state dict is wrong, on a resharded load (2 -> 3, where the ranks exchange the byte
+// ranges they need before reading: [Note: one reader per file region]): no rank waits for it, every
+// rank raises its error, nothing is loaded.
+TEST(DistcpBadInput, OneRanksBadStateDictFailsEveryRankWithoutAHang) {
+  auto c = fresh_copy("one_rank");
+  auto errors = run_ranks_collect(3, [&](ProcessGroupPtr pg) {
+    Trainer t(pg, 8);
+    auto before = local_state(t);
+    auto sd = get_state_dict(t.net, *t.opt);
+    if (pg->rank() == 1) sd.insert_or_assign("model.extra", torch::zeros({2}));
+    try {
+      dcp::load(sd, c.dir);
+    } catch (...) {
+      EXPECT_EQ(diff_states(local_state(t), before), "") << "rank " << pg->rank();
+      throw;
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("'model.extra'"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 1"), std::string::npos) << e;
+  }
+}
+
 // A checkpoint crafted by hand: a tensor whose storage offset would wrap around, a Python object, a
 // pickle that expands exponentially through shared references, a transposed chunk, and one good tensor.
 // Each bad entry is set aside with its reason (verify lists them); loading it is refused by name; the
