@@ -17,6 +17,21 @@
 
 namespace fsdp::dcp::detail {
 
+/// Modules of the classes PyTorch's `.metadata` pickles.
+constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
+constexpr const char* kFsModule = "torch.distributed.checkpoint.filesystem";
+/// A per-rank Value in PyTorch's format (which has none): {"libfsdp_per_rank": [rank 0's, rank 1's, ...]}.
+constexpr const char* kPerRankKey = "libfsdp_per_rank";
+
+/// A dtype as torch.save and the `.metadata` pickle name it.
+struct TorchDtype {
+  torch::ScalarType dtype;
+  const char* name;     ///< torch.<name>
+  const char* storage;  ///< torch.<storage> for _rebuild_tensor_v2, "" when torch.save uses UntypedStorage (v3)
+};
+/// The entry of `dtype`, or null for a dtype the format cannot name here.
+const TorchDtype* torch_dtype_of(torch::ScalarType dtype);
+
 /// Name of the metadata file of PyTorch's format.
 constexpr const char* kTorchMetadataFileName = ".metadata";
 /// CheckpointInfo::format of a checkpoint in PyTorch's format.
