@@ -3,7 +3,7 @@
 // of the same size without resharding.
 //
 //   build/bin/bench_checkpoint [--dir /tmp] [--mib 256] [--world 2] [--reshard-world 3] [--reps 3]
-//                              [--format safetensors|distcp] [--thread-count N]
+//                              [--format safetensors|distcp] [--thread-count N] [--strided]
 //
 // Ranks are threads over Gloo (in one process, as the tests run them); each owns a file, and they write
 // and read in parallel. Every write is fsynced (the baseline's too) and every file's pages are dropped
@@ -13,6 +13,9 @@
 // Goals (issue 32): save and load throughput >= 0.9 x the plain write/read; resharded load <= 1.2 x the
 // same-size load; async_save blocks for no longer than the staging copy itself (a copy into memory
 // already allocated), from its second call on (its buffers are kept: SaveOptions::cache_staging).
+// --strided saves views that need a copy before they are written (transposed shards: what a GPU shard
+// is to the writer), once copying everything first (per_thread_copy_ahead 0) and once copying ahead of
+// the writers (the default 10 MB): their times and the host memory the copies hold at most.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -28,6 +31,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "checkpoint/copy_ahead.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
 
@@ -89,12 +93,15 @@ void drop_cache_of(const fs::path& p) {
 }
 
 /// The benchmark state dict on `world` ranks: kTensors tensors of [rows, kCols] float32, sharded on dim 0.
-fsdp::StateDict make_state(int world, int rank, int64_t rows, fsdp::ProcessGroupPtr pg, bool zeros) {
+/// `strided`: each local shard is the transpose of a contiguous [kCols, rows] tensor.
+fsdp::StateDict make_state(int world, int rank, int64_t rows, fsdp::ProcessGroupPtr pg, bool zeros,
+                           bool strided = false) {
   auto mesh = fsdp::init_device_mesh(torch::kCPU, {world}, {"shard"}, pg);
   fsdp::StateDict sd;
   for (int i = 0; i < kTensors; ++i) {
     auto r = fsdp::chunk_range(rows, world, rank);
     auto local = zeros ? torch::zeros({r.length, kCols}) : torch::rand({r.length, kCols});
+    if (strided) local = local.t().contiguous().t();
     sd.insert_or_assign("layers." + std::to_string(i) + ".weight",
                         fsdp::DTensor(local, mesh, {fsdp::Shard(0)}, {rows, kCols}));
   }
@@ -195,6 +202,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-cooperative-prefetch", no_prefetch,
                "Every rank reads its own pieces (turns off [Note: one reader per file region])");
   bool warm = false;
+  bool strided = false, no_verify = false;
+  app.add_flag("--no-verify", no_verify, "Load without checking CRC-32C (LoadOptions::verify_checksums(false))");
+  app.add_flag("--strided", strided, "Save transposed shards (a copy before each write): copy ahead vs copy first");
   app.add_flag("--warm", warm, "Read from the page cache (no drop before reads): isolates the CPU side of loading");
   CLI11_PARSE(app, argc, argv);
   keep_page_cache = warm;
@@ -224,6 +234,7 @@ int main(int argc, char** argv) {
               kTensors, static_cast<long long>(rows), static_cast<long long>(kCols),
               rows * row_bytes * kTensors / 1048576.0, world, per_rank / 1048576.0, base.c_str());
 
+  std::vector<double> t_save_first, copy_first_mib, copy_ahead_mib;  // --strided
   std::vector<double> t_write, t_read, t_save, t_load, t_same, t_reshard, t_async_fresh, t_async_reused, t_copy;
   std::vector<double> io_read, io_load, io_same, io_reshard;  // MiB fetched from storage
   for (int rep = 0; rep < reps; ++rep) {
@@ -241,11 +252,19 @@ int main(int argc, char** argv) {
     }));
     // 2. dcp::save of the same bytes (fsync on).
     std::vector<fsdp::StateDict> sds(world);
-    run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { sds[r] = make_state(world, r, rows, pg, false); });
+    run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) { sds[r] = make_state(world, r, rows, pg, false, strided); });
     TORCH_CHECK(local_bytes(sds[0]) == per_rank);
+    if (strided) {  // 2a. copying everything first: the rank's whole shard once more in memory
+      t_save_first.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
+        fsdp::dcp::save(sds[r], (base / "first").string(), save_opts(pg).per_thread_copy_ahead(0));
+      }));
+      copy_first_mib.push_back(per_rank / 1048576.0);
+      fs::remove_all(base / "first");
+    }
     t_save.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
       fsdp::dcp::save(sds[r], ck.string(), save_opts(pg));
     }));
+    if (strided) copy_ahead_mib.push_back(fsdp::dcp::detail::last_copy_ahead_peak_bytes() / 1048576.0);
     // 2b. async_save twice (the second stages into the first's kept buffers): how long each blocks, against
     //     the staging copy alone (into memory already allocated and touched).
     {
@@ -288,7 +307,7 @@ int main(int argc, char** argv) {
     int64_t d_load = disk_read_bytes();
     const DiskReads k_load = disk_reads();
     t_load.push_back(run_threads(world, [&](int r, fsdp::ProcessGroupPtr pg) {
-      fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
+      fsdp::dcp::load(dst[r], ck.string(), fsdp::dcp::LoadOptions().group(pg).verify_checksums(!no_verify));
     }));
     io_load.push_back((disk_read_bytes() - d_load) / 1048576.0);
     const std::string dk_load = disk_delta(k_load, disk_reads());
@@ -318,7 +337,7 @@ int main(int argc, char** argv) {
     int64_t d_same = disk_read_bytes();
     const DiskReads k_same = disk_reads();
     t_same.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
-      fsdp::dcp::load(dst2[r], ck2.string(), fsdp::dcp::LoadOptions().group(pg));
+      fsdp::dcp::load(dst2[r], ck2.string(), fsdp::dcp::LoadOptions().group(pg).verify_checksums(!no_verify));
     }));
     io_same.push_back((disk_read_bytes() - d_same) / 1048576.0);
     const std::string dk_same = disk_delta(k_same, disk_reads());
@@ -326,7 +345,7 @@ int main(int argc, char** argv) {
     int64_t d_reshard = disk_read_bytes();
     const DiskReads k_reshard = disk_reads();
     t_reshard.push_back(run_threads(reshard_world, [&](int r, fsdp::ProcessGroupPtr pg) {
-      fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg));
+      fsdp::dcp::load(dst2[r], ck.string(), fsdp::dcp::LoadOptions().group(pg).verify_checksums(!no_verify));
     }));
     io_reshard.push_back((disk_read_bytes() - d_reshard) / 1048576.0);
     const std::string dk_reshard = disk_delta(k_reshard, disk_reads());
@@ -349,13 +368,18 @@ int main(int argc, char** argv) {
   std::printf("  spread, median (min-max): write %s, save %s, read %s, load %s, same-size %s, resharded %s\n",
               spread(t_write).c_str(), spread(t_save).c_str(), spread(t_read).c_str(), spread(t_load).c_str(),
               spread(t_same).c_str(), spread(t_reshard).c_str());
-  std::printf("  format %s, %d writer thread(s) per rank, cooperative prefetch %s\n", format.c_str(), threads,
-              no_prefetch ? "off" : "on");
+  std::printf("  format %s, %d writer thread(s) per rank, cooperative prefetch %s, checksums %s\n", format.c_str(),
+              threads, no_prefetch ? "off" : "on", no_verify ? "not checked" : "checked");
   std::printf("  plain write+fsync %8.1f MiB/s   dcp::save %8.1f MiB/s   ratio %.2f (goal >= 0.9)\n", mb / w, mb / s, w / s);
   std::printf("  plain read        %8.1f MiB/s   dcp::load %8.1f MiB/s   ratio %.2f (goal >= 0.9)\n", mb / r, mb / l, r / l);
   std::printf("  async_save blocks: first %s, second (kept buffers) %s; the staging copy alone %s: %.2fx (goal <= 1)\n",
               spread(t_async_fresh).c_str(), spread(t_async_reused).c_str(), spread(t_copy).c_str(),
               median(t_async_reused) / median(t_copy));
+  if (strided) {
+    std::printf("  strided shards: save copying first %s (copies held: %.1f MiB), copying ahead %s (at most %.1f MiB "
+                "held by one writer): %.2fx\n", spread(t_save_first).c_str(), median(copy_first_mib),
+                spread(t_save).c_str(), median(copy_ahead_mib), s / median(t_save_first));
+  }
   std::printf("  load on %d ranks: same-size %.3f s, resharded from %d ranks %.3f s: %.2fx (goal <= 1.2)\n",
               reshard_world, same, world, resh, resh / same);
   return 0;

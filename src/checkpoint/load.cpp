@@ -529,16 +529,35 @@ LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions
   for (auto& [k, v] : state_dict) {
     if (std::holds_alternative<Value>(v)) v = work.at(k);
   }
-  for (size_t i = 0; i < subs.size(); ++i) {
+  // The objects' own code may throw (a position past the data, a version it does not know). Then every
+  // rank raises that error together instead of one rank failing while the others train on: the ranks
+  // exchange their outcomes once (only loads with Stateful objects pay the round trip).
+  std::string failed;
+  for (size_t i = 0; i < subs.size() && failed.empty(); ++i) {
     const auto& [key, obj] = state_dict.stateful()[i];
-    StateDict loaded = work.with_prefix(key + ".");
-    StateDict sub;  // in the object's own order
-    for (const auto& [k, _] : subs[i]) sub.insert_or_assign(k, loaded.at(k));
-    if (plan->resharded().count(key)) {
-      obj->load_state_dict_resharded(sub, plan->saved_world_size(), coord.world(), coord.rank());
-    } else {
-      obj->load_state_dict(sub);
+    try {
+      StateDict loaded = work.with_prefix(key + ".");
+      StateDict sub;  // in the object's own order
+      for (const auto& [k, _] : subs[i]) sub.insert_or_assign(k, loaded.at(k));
+      if (plan->resharded().count(key)) {
+        obj->load_state_dict_resharded(sub, plan->saved_world_size(), coord.world(), coord.rank());
+      } else {
+        obj->load_state_dict(sub);
+      }
+    } catch (const std::exception& e) {
+      failed = "the Stateful '" + key + "' failed to load its state: " + fsdp::detail::message_of(e);
     }
+  }
+  if (!subs.empty()) {
+    const auto reports = coord.gather("stateful", failed, "to load its Stateful objects");
+    std::string verdict;
+    for (size_t r = 0; r < reports.size() && verdict.empty(); ++r) {
+      if (!reports[r].empty()) verdict = std::string(api) + " of " + dir + ": rank " + std::to_string(r) + ": " + reports[r];
+    }
+    verdict = coord.broadcast("stateful_verdict", verdict, "to collect every rank's Stateful objects");
+    TORCH_CHECK(verdict.empty(), verdict,
+                " (the tensors and Values were loaded; the Stateful objects before it on that rank too. Fix the "
+                "object's load_state_dict, or the checkpoint, and load again)");
   }
   return plan->result();
 }

@@ -3,6 +3,7 @@
 // DCP metadata and payloads is read: anything else is refused by name, never guessed at.
 #include "checkpoint/pickle.h"
 
+#include <atomic>
 #include <cstring>
 #include <unordered_map>
 
@@ -10,7 +11,15 @@
 
 namespace fsdp::dcp::detail {
 
+namespace {
+std::atomic<int64_t> g_live{0};
+}  // namespace
+int64_t live_pyobjs() { return g_live.load(); }
+
+PyObj::PyObj() { ++g_live; }
+
 PyObj::~PyObj() {
+  --g_live;
   static thread_local bool draining = false;
   static thread_local std::vector<PyRef> pending;
   for (auto& c : items) pending.push_back(std::move(c));
@@ -75,6 +84,24 @@ PyRef make(PyObj::Kind k) {
 class Unpickler {
  public:
   Unpickler(const std::string& data, const std::string& what) : d_(data), what_(what) {}
+  /// Cuts every edge of the values it made that are not part of the tree run() returned (all of them
+  /// when it failed): a hostile pickle can make a list that holds itself (memo + APPEND), which
+  /// reference counting never frees, in the tree (refused) or beside it (garbage).
+  ~Unpickler() {
+    std::vector<PyRef> drop;
+    for (auto& w : made_) {
+      auto p = w.lock();
+      if (!p || (ok_ && in_tree_.count(p.get()))) continue;
+      for (auto& c : p->items) drop.push_back(std::move(c));
+      for (auto& [k, v] : p->dict) {
+        drop.push_back(std::move(k));
+        drop.push_back(std::move(v));
+      }
+      p->items.clear();
+      p->dict.clear();
+      for (auto* c : {&p->cls, &p->args, &p->state, &p->pid}) drop.push_back(std::move(*c));
+    }
+  }
 
   PyRef run() {
     while (true) {
@@ -85,6 +112,10 @@ class Unpickler {
         case 0x95: take(8); break;           // FRAME: its length (frames are read as one stream)
         case '.':                            // STOP
           if (stack_.size() != 1 || !marks_.empty()) fail(at, "STOP with " + std::to_string(stack_.size()) + " values on the stack");
+          if (has_cycle(stack_.back())) {
+            fail(at, "the pickle holds a reference cycle (a value inside itself), which no checkpoint metadata has");
+          }
+          ok_ = true;
           return stack_.back();
         case '(': marks_.push_back(stack_.size()); break;  // MARK
         case 'N': push(make(PyObj::Kind::None)); break;
@@ -263,7 +294,51 @@ class Unpickler {
     return s;
   }
   size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
-  void push(PyRef o) { stack_.push_back(std::move(o)); }
+  void push(PyRef o) {
+    made_.push_back(o);
+    stack_.push_back(std::move(o));
+  }
+  /// Whether a value reachable from `root` contains itself (iterative depth-first search); the values
+  /// reachable go into in_tree_.
+  bool has_cycle(const PyRef& root) {
+    enum Color : char { kOpen = 1, kDone = 2 };
+    auto& color = in_tree_;
+    std::vector<std::pair<const PyObj*, size_t>> path;  // node, next child
+    auto children = [](const PyObj* o) {
+      std::vector<const PyObj*> c;
+      for (const auto& x : o->items) c.push_back(x.get());
+      for (const auto& [k, v] : o->dict) {
+        c.push_back(k.get());
+        c.push_back(v.get());
+      }
+      for (const auto* x : {&o->cls, &o->args, &o->state, &o->pid}) c.push_back(x->get());
+      return c;
+    };
+    std::vector<std::vector<const PyObj*>> kids;
+    color[root.get()] = kOpen;
+    path.emplace_back(root.get(), 0);
+    kids.push_back(children(root.get()));
+    while (!path.empty()) {
+      auto& [node, next] = path.back();
+      if (next == kids.back().size()) {
+        color[node] = kDone;
+        path.pop_back();
+        kids.pop_back();
+        continue;
+      }
+      const PyObj* c = kids.back()[next++];
+      if (!c) continue;
+      auto it = color.find(c);
+      if (it != color.end()) {
+        if (it->second == kOpen) return true;
+        continue;
+      }
+      color[c] = kOpen;
+      path.emplace_back(c, 0);
+      kids.push_back(children(c));
+    }
+    return false;
+  }
   void push_int(int64_t v) {
     auto o = make(PyObj::Kind::Int);
     o->i = v;
@@ -312,6 +387,9 @@ class Unpickler {
   size_t pos_ = 0;
   size_t objects_ = 0;
   std::vector<PyRef> stack_;
+  std::vector<std::weak_ptr<PyObj>> made_;  // every value made, for ~Unpickler
+  bool ok_ = false;
+  std::unordered_map<const PyObj*, char> in_tree_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
 };

@@ -32,7 +32,7 @@ struct PyObj {
   PyRef cls, args, state;                     ///< Object: the callable (a Global), its arguments (a Tuple), BUILD's state
   PyRef pid;                                  ///< PersId: the persistent id (torch.save: a Tuple)
 
-  PyObj() = default;
+  PyObj();
   PyObj(const PyObj&) = delete;
   PyObj& operator=(const PyObj&) = delete;
   /// Frees the children iteratively: a hostile pickle can nest millions of levels deep.
@@ -49,6 +49,9 @@ struct PyObj {
   /// "int", "str", "torch.Size(...)", ... (for messages).
   std::string type_name() const;
 };
+
+/// Values alive in this process (for tests that a hostile pickle's values are all freed).
+int64_t live_pyobjs();
 
 /// Unpickles `data` (protocols 0-5 as far as these opcodes go: the ones pickle.dump and torch.save emit
 /// for dicts, lists, tuples, strings, numbers, globals, dataclasses and tensors). Throws c10::Error

@@ -174,9 +174,26 @@ std::string staging_key(const Plan& plan) {
 /// CUDA shards go to pinned host memory by asynchronous copies, with one wait at the end (on an event of
 /// the current stream, not a device-wide sync): the copies run back to back and async_save returns as soon
 /// as they are done.
-void stage(Plan& plan, bool copy, StagingCache::Buffers* buffers = nullptr) {
+/// With `copy_ahead` (save, not copy): what needs a copy stays as it is for the writers' CopyAhead
+/// ([Note: copy ahead]); the current stream of its device is synchronized so that their copies see
+/// what the caller's kernels wrote.
+void stage(Plan& plan, bool copy, int64_t copy_ahead, StagingCache::Buffers* buffers = nullptr) {
   torch::NoGradGuard no_grad;
   std::optional<torch::Device> device_copied;
+  if (!copy && copy_ahead > 0) {
+    for (auto& it : plan.items) {
+      if (!it.write) continue;
+      it.data = it.data.detach();
+      if (!it.data.device().is_cpu()) device_copied = it.data.device();
+    }
+    if (device_copied) {
+      c10::impl::VirtualGuardImpl impl(device_copied->type());
+      c10::Event done(device_copied->type());
+      done.record(impl.getStream(*device_copied));
+      done.synchronize();
+    }
+    return;
+  }
   size_t n_written = 0;
   for (const auto& it : plan.items) n_written += it.write ? 1 : 0;
   const bool reuse = buffers && buffers->size() == n_written;
@@ -430,8 +447,7 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
   nlohmann::json report;
   try {
     report = describe(plan);
-    TORCH_CHECK(o.thread_count() >= 1, api, ": thread_count must be at least 1, got ", o.thread_count());
-    report["files"] = write_shard(plan, tmp.string(), rank, o.thread_count(), o.fsync(), api);
+    report["files"] = write_shard(plan, tmp.string(), rank, o.thread_count(), o.per_thread_copy_ahead(), o.fsync(), api);
   } catch (const std::exception& e) {
     report = {{"error", std::string(message_of(e))}};
   }
@@ -444,13 +460,16 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
 
 /// What this rank saves, staged (`copy`: always copied, for async_save). On an error, lets the other
 /// ranks fail too instead of waiting for this one, then throws.
-Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, StorageFormat format, const char* api,
+Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, const SaveOptions& o, const char* api,
                   const std::function<StagingCache::Buffers*(const Plan&)>& buffers = nullptr) {
   Plan plan;
   std::string error;
   try {
-    plan = build_plan(detail::with_stateful_entries(state_dict, api), coord.rank(), format, api);
-    stage(plan, copy, buffers ? buffers(plan) : nullptr);
+    TORCH_CHECK(o.thread_count() >= 1, api, ": thread_count must be at least 1, got ", o.thread_count());
+    TORCH_CHECK(o.per_thread_copy_ahead() >= 0, api, ": per_thread_copy_ahead must be at least 0 bytes, got ",
+                o.per_thread_copy_ahead(), " (0 copies everything before writing)");
+    plan = build_plan(detail::with_stateful_entries(state_dict, api), coord.rank(), o.storage_format(), api);
+    stage(plan, copy, o.per_thread_copy_ahead(), buffers ? buffers(plan) : nullptr);
   } catch (const std::exception& e) {
     error = message_of(e);
   }
@@ -479,7 +498,7 @@ void save(const StateDict& state_dict, const std::string& dir, const SaveOptions
   TORCH_CHECK(!dir.empty(), api, ": expected a folder, got an empty path");
   auto group = resolve_group(state_dict, options.group());
   Coordinator coord(group, api);
-  Plan plan = plan_or_fail(state_dict, coord, /*copy=*/false, options.storage_format(), api);
+  Plan plan = plan_or_fail(state_dict, coord, /*copy=*/false, options, api);
   run_save(plan, coord, dir, options, api);
 }
 
@@ -501,7 +520,7 @@ std::future<void> async_save(const StateDict& state_dict, const std::string& dir
     return buffers.get();
   };
   auto plan = std::make_shared<Plan>(
-      plan_or_fail(state_dict, *coord, /*copy=*/true, options.storage_format(), api, take));
+      plan_or_fail(state_dict, *coord, /*copy=*/true, options, api, take));
   auto result = std::make_shared<std::promise<void>>();
   auto finished = std::make_shared<std::promise<void>>();
   std::shared_future<void> previous;

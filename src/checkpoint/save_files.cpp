@@ -5,6 +5,7 @@
 #include <map>
 #include <thread>
 
+#include "checkpoint/copy_ahead.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/save_plan.h"
 #include "checkpoint/torch_dcp.h"
@@ -19,15 +20,16 @@ namespace {
 
 /// PyTorch's format: this rank's chunks as torch.save archives in __{rank}_0.distcp; the record lists
 /// where each archive lies ([key, offsets, sizes, offset, length]).
-nlohmann::json write_distcp(const std::vector<const Item*>& items, const std::string& tmp, int rank, int index,
-                            bool do_fsync, const char* api) {
+nlohmann::json write_distcp(const std::vector<const Item*>& items, CopyAhead& data, const std::string& tmp, int rank,
+                            int index, bool do_fsync, const char* api) {
   const std::string name = distcp_file_name(rank, index);
   const std::string path = tmp + "/" + name;
   auto f = File::create(path, api);
   nlohmann::json archives = nlohmann::json::array();
   int64_t at = 0;
-  for (const auto* it : items) {
-    const int64_t n = append_torch_save(f, it->data, std::string(api) + ": writing '" + it->key + "' to " + path);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto* it = items[i];
+    const int64_t n = append_torch_save(f, data.get(i), std::string(api) + ": writing '" + it->key + "' to " + path);
     archives.push_back({it->key, it->offsets, it->sizes, at, n});
     at += n;
     fault_point({"write", path, at});
@@ -64,13 +66,20 @@ std::vector<std::vector<const Item*>> split_by_size(const std::vector<const Item
 
 /// Writes file `index` of `count` of this rank into `tmp`; returns its record.
 nlohmann::json write_file(const Plan& plan, const std::vector<const Item*>& items, const std::string& tmp, int rank,
-                          int index, int count, bool do_fsync, const char* api) {
-  if (plan.format == StorageFormat::Distcp) return write_distcp(items, tmp, rank, index, do_fsync, api);
+                          int index, int count, int64_t copy_ahead, bool do_fsync, const char* api) {
+  std::vector<torch::Tensor> sources;
+  for (const auto* it : items) sources.push_back(it->data);
+  CopyAhead data(std::move(sources), copy_ahead);
+  struct Peak {  // recorded however the write ends
+    CopyAhead& data;
+    ~Peak() { record_copy_ahead_peak_bytes(data.peak_bytes(), /*reset=*/false); }
+  } peak{data};
+  if (plan.format == StorageFormat::Distcp) return write_distcp(items, data, tmp, rank, index, do_fsync, api);
   std::vector<WriteEntry> entries;
   for (const auto* it : items) entries.push_back({it->key, it->dtype, it->sizes, it->offsets});
   const std::string path = tmp + "/" + shard_file_name(rank, index, count);
   auto rec = write_safetensors(
-      path, entries, [&](size_t i) { return items[i]->data; }, /*sharding_info=*/true, kChecksumBlockBytes, do_fsync,
+      path, entries, [&](size_t i) { return data.get(i); }, /*sharding_info=*/true, kChecksumBlockBytes, do_fsync,
       api);
   nlohmann::json crcs = nlohmann::json::object();
   for (size_t i = 0; i < items.size(); ++i) crcs[items[i]->key] = rec.tensor_crcs[i];
@@ -80,8 +89,9 @@ nlohmann::json write_file(const Plan& plan, const std::vector<const Item*>& item
 
 }  // namespace
 
-nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, int threads, bool do_fsync,
-                           const char* api) {
+nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, int threads, int64_t copy_ahead,
+                           bool do_fsync, const char* api) {
+  record_copy_ahead_peak_bytes(0, /*reset=*/true);
   std::vector<const Item*> items;
   for (const auto& it : plan.items)
     if (it.write) items.push_back(&it);
@@ -93,7 +103,7 @@ nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, i
   std::vector<std::string> errors(n);
   auto work = [&](int i) {
     try {
-      recs[i] = write_file(plan, groups[i], tmp, rank, i, n, do_fsync, api);
+      recs[i] = write_file(plan, groups[i], tmp, rank, i, n, copy_ahead, do_fsync, api);
     } catch (const std::exception& e) {
       errors[i] = message_of(e);
     }

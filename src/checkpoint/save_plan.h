@@ -36,7 +36,8 @@ struct Item {
   std::vector<int64_t> offsets;  // where the local piece starts
   std::vector<int64_t> sizes;    // local piece's shape
   bool write = false;            // this rank writes the piece (one replica does)
-  torch::Tensor data;            // the local piece (staged: CPU, contiguous) when write
+  torch::Tensor data;            // the local piece when write: contiguous CPU memory once staged, or the
+                                 // source itself, copied by the writer's CopyAhead (copy_ahead.h)
 };
 
 struct Plan {
@@ -51,8 +52,9 @@ struct Plan {
 
 /// Writes this rank's files into `tmp` (`threads` files in parallel, see SaveOptions::thread_count);
 /// returns their records (empty when this rank writes nothing).
-nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, int threads, bool do_fsync,
-                           const char* api);
+/// Items that are not contiguous CPU memory yet are copied `copy_ahead` bytes ahead of each writer.
+nlohmann::json write_shard(const Plan& plan, const std::string& tmp, int rank, int threads, int64_t copy_ahead,
+                           bool do_fsync, const char* api);
 
 /// Rank 0: our format's metadata file (libfsdp_checkpoint.json), from every rank's report.
 nlohmann::ordered_json metadata_of(const Plan& plan, const std::vector<nlohmann::json>& reports, int world);

@@ -36,7 +36,9 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <deque>
 #include <map>
+#include <set>
 #include <regex>
 
 #include <caffe2/serialize/inline_container.h>
@@ -322,7 +324,7 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
   // The files: present, and long enough for what .metadata puts in them.
   std::map<std::string, int64_t> need;
   for (const auto& [_, s] : where) need[s.file] = std::max(need[s.file], s.offset + s.length);
-  std::map<std::string, File> open;
+  std::set<std::string> present;
   for (const auto& [name, bytes] : need) {
     const std::string path = (dir / name).string();
     struct stat st;
@@ -342,11 +344,25 @@ void read_torch_dcp(CheckpointInfo& info, const std::function<void(const std::st
     fi.rank = rank_of_distcp(name);
     fi.bytes = static_cast<int64_t>(st.st_size);
     info.files.push_back(fi);
-    open.emplace(name, File::open_read(path, api));
+    present.insert(name);
   }
+  // Open lazily, at most kOpenFiles at once (oldest closed first): a checkpoint of thousands of files
+  // (ranks x thread_count) must not exhaust the process's file descriptors. An Archive lives only
+  // while one entry's chunk is read, so closing a file never pulls one from under it.
+  constexpr size_t kOpenFiles = 64;
+  std::map<std::string, File> open;
+  std::deque<std::string> opened;  // oldest first
   auto archive_of = [&](const std::string& key, const StorageInfo& s) -> std::optional<Archive> {
+    if (!present.count(s.file)) return std::nullopt;  // reported above
     auto f = open.find(s.file);
-    if (f == open.end()) return std::nullopt;  // reported above
+    if (f == open.end()) {
+      if (open.size() >= kOpenFiles) {
+        open.erase(opened.front());
+        opened.pop_front();
+      }
+      f = open.emplace(s.file, File::open_read((dir / s.file).string(), api)).first;
+      opened.push_back(s.file);
+    }
     return open_archive(f->second, s.offset, s.length,
                         std::string(api) + ": '" + key + "' (bytes " + std::to_string(s.offset) + "-" +
                             std::to_string(s.offset + s.length) + " of " + (dir / s.file).string() + ")");

@@ -5,6 +5,7 @@
 // fault named, changing nothing. Interop with PyTorch itself (dcp.save / dcp.load in Python, FSDP2,
 // HSDP and FSDP + TP layouts) is in tests/python/test_checkpoint_interop.py.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <filesystem>
 #include <fstream>
@@ -219,6 +220,37 @@ TEST(DistcpFormat, KeepLastAndLatest) {
 
 // ---- The pickle reader and writer ----------------------------------------------------------------------------
 
+// 120 files (thread_count 120): reading the checkpoint keeps at most 64 of them open, so it works with
+// 80 descriptors to spare where opening all at once would need 120 (and fail with EMFILE).
+TEST(DistcpFormat, ManyFilesAreNotAllOpenAtOnce) {
+  const auto dir = temp_dir("distcp_many") + "/ck";
+  StateDict sd;
+  for (int i = 0; i < 120; ++i) sd.insert_or_assign("t" + std::to_string(i), torch::full({3}, double(i)));
+  dcp::save(sd, dir, dcp::SaveOptions().storage_format(dcp::StorageFormat::Distcp).thread_count(120));
+  int in_use = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) in_use += e.path().empty() ? 0 : 1;
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(in_use + 80);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::string error;
+  dcp::CheckpointInfo info;
+  try {
+    info = dcp::inspect(dir);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  ::setrlimit(RLIMIT_NOFILE, &old);
+  ASSERT_EQ(error, "");
+  EXPECT_EQ(info.files.size(), 120u);
+  for (const auto& [key, why] : info.unreadable) ADD_FAILURE() << key << ": " << why;
+  ASSERT_EQ(info.tensors.size(), 120u);
+  for (int i = 0; i < 120; ++i) {
+    EXPECT_TRUE(torch::equal(dcp::read_tensor(info, "t" + std::to_string(i)), torch::full({3}, double(i)))) << i;
+  }
+}
+
 TEST(DistcpPickle, WriterAndReaderRoundTripJson) {
   const nlohmann::json v = {{"i", 1}, {"neg", -300}, {"wide", int64_t(-1) << 50}, {"f", 0.1}, {"s", "ü"},
                             {"l", {1, "a", nullptr, false}}, {"d", {{"x", {{"y", {}}}}}}, {"empty", nlohmann::json::object()}};
@@ -264,6 +296,17 @@ TEST(DistcpPickle, HostileInputIsRefusedWithoutCrashing) {
   dcp::detail::to_json(*n, &why);
   EXPECT_NE(why.find("nested more than 64 levels"), std::string::npos) << why;
   n.reset();  // frees 200k levels iteratively
+  // A list inside itself (memo + APPEND) is refused; beside the tree, it is garbage: both are freed.
+  const int64_t live = dcp::detail::live_pyobjs();
+  refuse("\x80\x02]\x94h\x00" "a."s, "reference cycle");
+  EXPECT_EQ(dcp::detail::live_pyobjs(), live);
+  refuse("\x80\x02}\x94(X\x01\x00\x00\x00k]\x94h\x00" "au."s, "reference cycle");  // dict -> list -> dict
+  EXPECT_EQ(dcp::detail::live_pyobjs(), live);
+  {
+    auto root = dcp::detail::unpickle("\x80\x02]\x94h\x00" "a0N."s, "garbage.pkl");
+    EXPECT_TRUE(root->is(dcp::detail::PyObj::Kind::None));
+  }
+  EXPECT_EQ(dcp::detail::live_pyobjs(), live);
 }
 
 // ---- Bad checkpoints ---------------------------------------------------------------------------------------

@@ -187,5 +187,32 @@ TEST(Stateful, KeysThatCollideAreRefused) {
   EXPECT_FALSE(fs::exists(dir));
 }
 
+// The object's load_state_dict throws on rank 1 only: every rank raises the same error, naming the rank
+// and the object, instead of rank 0 returning as if the load had worked.
+TEST(Stateful, AnObjectThatFailsOnOneRankFailsTheLoadOnEveryRank) {
+  struct Picky : Loader {
+    int rank = 0;
+    void load_state_dict(const StateDict& sd) override {
+      if (rank == 1) throw std::runtime_error("position 20 is past the end of the data");
+      Loader::load_state_dict(sd);
+    }
+  };
+  auto dir = temp_dir("stateful_fails") + "/ck";
+  save_with_loader(2, dir, dcp::StorageFormat::Safetensors);
+  auto errors = run_ranks_collect(2, [&](ProcessGroupPtr pg) {
+    Trainer t(pg, 8);
+    auto picky = std::make_shared<Picky>();
+    picky->rank = pg->rank();
+    auto sd = get_state_dict(t.net, *t.opt);
+    sd.insert_or_assign("loader", picky);
+    dcp::load(sd, dir);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 1: the Stateful 'loader' failed to load its state: position 20 is past the end of the data"),
+              std::string::npos) << e;
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::testing

@@ -88,6 +88,14 @@ struct SaveOptions {
   /// `__{rank}_{i}.distcp`). The checkpoint holds the same tensors either way. Mirrors FileSystemWriter's
   /// thread_count. (Default: 1)
   TORCH_ARG(int, thread_count) = 1;
+  /// save (blocking): bytes each writer thread copies ahead of what it writes, for tensors that are not
+  /// already contiguous CPU memory (GPU shards, strided views). A copier thread per writer copies them
+  /// in write order into host memory (pinned, for CUDA), at most this many bytes ahead (one tensor at a
+  /// time when a tensor alone is larger), so the copies overlap the writes and host memory holds about
+  /// this much per writer instead of the rank's whole shard. 0 copies everything before writing.
+  /// async_save copies everything before it returns and ignores it. Mirrors FileSystemWriter's
+  /// per_thread_copy_ahead. Throws (on every rank) when negative. (Default: 10'000'000, as PyTorch)
+  TORCH_ARG(int64_t, per_thread_copy_ahead) = 10'000'000;
   /// async_save: keep the CPU (pinned, for CUDA) staging buffers after the write, and copy the next
   /// save of the same shapes into them instead of allocating (and page-faulting) fresh memory. Holds one
   /// copy of this rank's saved state in memory between saves; one set per group (a save of other shapes
