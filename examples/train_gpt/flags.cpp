@@ -285,7 +285,8 @@ void add_flags(CLI::App& app, Options& o) {
 
 std::optional<int> parse_options(int argc, char** argv, Options& o) {
   CLI::App app{"train_gpt: trains a GPT-2-style byte-level language model on English text with FSDP2 (libfsdp).\n"
-               "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]"};
+               "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]\n"
+               "Token shards for --data-shards: train_gpt tokenize --help"};
   add_flags(app, o);
   try {
     app.parse(argc, argv);

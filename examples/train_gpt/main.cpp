@@ -19,6 +19,9 @@
 //   memory_estimate.h/.cpp  --estimate-memory: fsdp::estimate_memory for this model and these flags
 //   interop.h             --save-init, --dump-batches and --no-shard, for bench/compare_fsdp2.py
 //   data.h, model.h       the corpus and sampler, the model: plain LibTorch
+//   tokenizer.h           --tokenizer: bytes or SentencePiece (its C++ library); the model's vocab_size
+//   token_shards.h        --data-shards: llm.c token files by mmap; `train_gpt tokenize` writes them
+//   sft.h                 --sft: prompt/response JSONL, prompt masked; the loss over the global unmasked tokens
 //   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
 //                         takes unchanged, as PyTorch's does
 

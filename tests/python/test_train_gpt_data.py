@@ -154,6 +154,27 @@ def test_shards_resume_exactly_on_any_world_size(tokenizer, shards, tmp_path):
             assert_close(mine, ref_l, RTOL, f"train loss resumed on {world} ranks")
 
 
+def test_uint32_shards_read_as_uint16(shards, tmp_path):
+    """llm.c's uint32 files (its Llama 3 format: magic 20240801, version 7) give the very batches of the same tokens
+    in uint16 files."""
+    import numpy as np
+    (tmp_path / "u32").mkdir()
+    for f in shards.glob("*.bin"):
+        toks = np.fromfile(f, dtype="<u2", offset=1024).astype("<u4")
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = (20240801, 7, len(toks))
+        (tmp_path / "u32" / f.name).write_bytes(header.tobytes() + toks.tobytes())
+    for name, d in (("u16", shards), ("u32", tmp_path / "u32")):
+        p = run(base(tmp_path, "--data-shards", d, "--vocab-size", "1000", "--steps", "3", "--batch-size", "4",
+                     "--dump-batches", tmp_path / f"b_{name}", name=f"{name}.jsonl"), timeout=120)
+        assert p.returncode == 0, show(p)
+    from safetensors.numpy import load_file
+    for r in (0, 1):
+        a, b = (load_file(str(tmp_path / f"b_{n}" / f"rank{r}.safetensors"))["batches"] for n in ("u16", "u32"))
+        assert a.shape == (3, 1, 2, 4, T) and (a == b).all()
+    assert train_losses(metrics(tmp_path / "u16.jsonl")) == train_losses(metrics(tmp_path / "u32.jsonl"))
+
+
 def test_bad_shards_are_refused(tokenizer, shards, tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "train_000000.bin").write_bytes(b"\0" * 2048)
@@ -191,16 +212,19 @@ def final_parameters(ckpt, out):
 SFT_RUN = ["--steps", "6", "--eval-every", "3", "--warmup-steps", "2", "--clip-grad", "0"]
 
 
-@pytest.mark.parametrize("tok", ["bytes", "sentencepiece"])
-def test_sft_two_ranks_match_one(tokenizer, tmp_path, tok):
+# The global batch of 8 examples as 2 ranks x 4, or as one rank's 2 microbatches of 4 (--grad-accum-steps 2: the
+# mean is over both microbatches' unmasked tokens too), against one rank x 8.
+@pytest.mark.parametrize("tok,layout", [("bytes", "2 ranks"), ("sentencepiece", "2 ranks"), ("sentencepiece", "accum 2")])
+def test_sft_two_ranks_match_one(tokenizer, tmp_path, tok, layout):
     data = sft_file(tmp_path / "sft.jsonl")
     t = ["--tokenizer", tokenizer] if tok == "sentencepiece" else []
     one = run(base(tmp_path, "--sft", data, *t, *SFT_RUN, "--batch-size", "8", "--ckpt-dir", tmp_path / "c1",
                    "--save-init", tmp_path / "init.safetensors", name="one.jsonl"), nproc=None, timeout=180)
     assert one.returncode == 0, show(one)
     assert "prompt tokens masked" in one.stdout, show(one)
-    two = run(base(tmp_path, "--sft", data, *t, *SFT_RUN, "--batch-size", "4", "--ckpt-dir", tmp_path / "c2",
-                   name="two.jsonl"), nproc=2, timeout=180)
+    split = ["--grad-accum-steps", "2"] if layout == "accum 2" else []
+    two = run(base(tmp_path, "--sft", data, *t, *SFT_RUN, "--batch-size", "4", *split, "--ckpt-dir", tmp_path / "c2",
+                   name="two.jsonl"), nproc=None if split else 2, timeout=180)
     assert two.returncode == 0, show(two)
     ref, mine = metrics(tmp_path / "one.jsonl"), metrics(tmp_path / "two.jsonl")
     worst = assert_close(train_losses(mine), train_losses(ref), RTOL, "sft train loss")
@@ -216,7 +240,7 @@ def test_sft_two_ranks_match_one(tokenizer, tmp_path, tok):
     moved = sum(float(np.linalg.norm((p1[k] - init[k]).astype(np.float64))) ** 2 for k in init) ** 0.5
     pworst = max(float(np.abs(p1[k] - p2[k]).max()) for k in init)
     assert off / moved < 1e-4, f"parameters after 6 steps: {off / moved:.3g} of the update apart (max |diff| {pworst})"
-    print(f"[sft parity] {tok}: loss rel {worst:.3g}, grad norm rel {gworst:.3g}, parameters {off / moved:.3g} of the "
+    print(f"[sft parity] {tok}, {layout}: loss rel {worst:.3g}, grad norm rel {gworst:.3g}, parameters {off / moved:.3g} of the "
           f"update apart (max |diff| {pworst:.3g})")
 
 
