@@ -7,6 +7,7 @@ trained by scripts/train_tokenizer.sh (spm_train, BPE, byte fallback).
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -35,8 +36,17 @@ def sentencepiece():
 def tokenizer(tmp_path_factory):
     """A 1000-piece BPE model trained on the licence texts by scripts/train_tokenizer.sh."""
     d = tmp_path_factory.mktemp("tok")
+    if not shutil.which("spm_train"):  # scripts/setup.sh installs it (Debian package sentencepiece)
+        pytest.skip("spm_train is not installed (apt-get install sentencepiece; scripts/setup.sh does)")
     p = subprocess.run([str(REPO / "scripts" / "train_tokenizer.sh"), str(d / "lic"), "1000", *licence_texts()],
                        capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, show(p)
+    # A train_gpt built where CMake found no libsentencepiece-dev refuses --tokenizer, saying so.
+    (d / "empty.bin").write_bytes((20240520).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(1016))
+    p = subprocess.run([str(TRAIN_GPT), "tokenize", "--tokenizer", str(d / "lic.model"), "--decode", str(d / "empty.bin")],
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    if "built without SentencePiece" in p.stderr:
+        pytest.skip("train_gpt was built without SentencePiece (apt-get install libsentencepiece-dev, then rebuild)")
     assert p.returncode == 0, show(p)
     return d / "lic.model"
 
@@ -118,7 +128,7 @@ def test_decode_matches_python_sentencepiece(tokenizer, tmp_path):
         assert ours == want, f"{name}: decoded texts differ\nours   {ours[:200]!r}\npython {want[:200]!r}"
 
 
-def test_bad_tokenizer_file_is_refused(tmp_path):
+def test_bad_tokenizer_file_is_refused(tokenizer, tmp_path):  # (tokenizer: skipped without SentencePiece)
     (tmp_path / "junk.model").write_bytes(b"not a model")
     p = tokenize("--tokenizer", tmp_path / "junk.model", "--out", tmp_path / "o", *licence_texts()[:1])
     assert p.returncode != 0 and b"is not a SentencePiece model" in p.stderr, show(p)

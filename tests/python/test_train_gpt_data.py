@@ -25,8 +25,17 @@ BINARIES = (FSDPRUN, TRAIN_GPT, FSDP_CKPT)
 def tokenizer(tmp_path_factory):
     """A 1000-piece BPE model of the licence texts (scripts/train_tokenizer.sh)."""
     d = tmp_path_factory.mktemp("tok")
+    if not shutil.which("spm_train"):  # scripts/setup.sh installs it (Debian package sentencepiece)
+        pytest.skip("spm_train is not installed (apt-get install sentencepiece; scripts/setup.sh does)")
     p = subprocess.run([str(REPO / "scripts" / "train_tokenizer.sh"), str(d / "lic"), "1000", *licence_texts()],
                        capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, show(p)
+    # A train_gpt built where CMake found no libsentencepiece-dev refuses --tokenizer, saying so.
+    (d / "empty.bin").write_bytes((20240520).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(1016))
+    p = subprocess.run([str(TRAIN_GPT), "tokenize", "--tokenizer", str(d / "lic.model"), "--decode", str(d / "empty.bin")],
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    if "built without SentencePiece" in p.stderr:
+        pytest.skip("train_gpt was built without SentencePiece (apt-get install libsentencepiece-dev, then rebuild)")
     assert p.returncode == 0, show(p)
     return d / "lic.model"
 
@@ -215,9 +224,9 @@ SFT_RUN = ["--steps", "6", "--eval-every", "3", "--warmup-steps", "2", "--clip-g
 # The global batch of 8 examples as 2 ranks x 4, or as one rank's 2 microbatches of 4 (--grad-accum-steps 2: the
 # mean is over both microbatches' unmasked tokens too), against one rank x 8.
 @pytest.mark.parametrize("tok,layout", [("bytes", "2 ranks"), ("sentencepiece", "2 ranks"), ("sentencepiece", "accum 2")])
-def test_sft_two_ranks_match_one(tokenizer, tmp_path, tok, layout):
+def test_sft_two_ranks_match_one(request, tmp_path, tok, layout):
     data = sft_file(tmp_path / "sft.jsonl")
-    t = ["--tokenizer", tokenizer] if tok == "sentencepiece" else []
+    t = ["--tokenizer", request.getfixturevalue("tokenizer")] if tok == "sentencepiece" else []
     one = run(base(tmp_path, "--sft", data, *t, *SFT_RUN, "--batch-size", "8", "--ckpt-dir", tmp_path / "c1",
                    "--save-init", tmp_path / "init.safetensors", name="one.jsonl"), nproc=None, timeout=180)
     assert one.returncode == 0, show(one)
