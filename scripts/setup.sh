@@ -28,9 +28,11 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 #    packages: HDF5, ROCm SMI, InfluxDB, ...). Nothing is started here: Debian's postinst does not start
 #    services in a container without an init, and the tests start their own daemons.
 #    iproute2 (`ip netns`, veth, bridges): the two test hosts of the `multinode` tests (tests/python/netns_hosts.py).
+#    libsentencepiece-dev, sentencepiece: train_gpt --tokenizer (SentencePiece's C++ library) and spm_train
+#    (scripts/train_tokenizer.sh); without the library train_gpt builds with byte-level tokens only.
 apt_packages=(build-essential cmake ninja-build ccache git python3-venv python3-dev
               libgloo-dev libgtest-dev nlohmann-json3-dev libcli11-dev fortunes fortunes-min
-              libopenmpi-dev openmpi-bin iproute2)
+              libopenmpi-dev openmpi-bin iproute2 libsentencepiece-dev sentencepiece)
 apt_packages_no_recommends=(slurmctld slurmd slurm-client munge)
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive

@@ -170,6 +170,12 @@ void check_resume(const Options& o, const GPTConfig& cfg, int64_t train_windows,
   }
 }
 
+/// The sampler as the Stateful under train.sampler, not owned (it lives in train() for the whole run; the
+/// state dict holding this pointer is gone when save or load returns).
+std::shared_ptr<fsdp::Stateful> sampler_stateful(DistributedSampler& sampler) {
+  return std::shared_ptr<fsdp::Stateful>(std::shared_ptr<void>(), &sampler);
+}
+
 torch::Tensor get_rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -191,21 +197,30 @@ int64_t load_checkpoint(const std::string& path, torch::nn::Module& model, torch
                         const fsdp::ProcessGroupPtr& pg, nlohmann::json& run_info, nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // the destinations, in this run's layout
   auto rng = get_rng_state();
-  std::vector<const char*> values{kStepKey, kSamplerKey, kScalerKey, kRunKey};
-  if (fsdp::dcp::inspect(path).values.count(kFirstEvalKey)) values.push_back(kFirstEvalKey);
+  std::vector<const char*> values{kStepKey, kScalerKey, kRunKey};
+  const auto info = fsdp::dcp::inspect(path);
+  if (info.values.count(kFirstEvalKey)) values.push_back(kFirstEvalKey);
+  // The sampler is a Stateful (dcp::load calls its load_state_dict); checkpoints written before it was one
+  // hold one Value {epoch, cursor} under the same key, still read.
+  const bool sampler_value = info.values.count(kSamplerKey) > 0;
+  if (sampler_value) {
+    values.push_back(kSamplerKey);
+  } else {
+    sd.insert_or_assign(kSamplerKey, sampler_stateful(sampler));
+  }
   for (const char* key : values) sd.insert_or_assign(key, fsdp::Value());
   sd.insert_or_assign(kRngKey, rng);
   fsdp::dcp::load(sd, path);  // verified on every rank before anything is written
   auto value = [&](const char* key) { return std::get<fsdp::Value>(sd.at(key)).json; };
   const auto step = value(kStepKey).get<int64_t>();
-  const auto pos = value(kSamplerKey);
+  const auto pos = sampler_value ? value(kSamplerKey) : nlohmann::json(nullptr);
   const auto scale = value(kScalerKey);
   run_info = value(kRunKey);
   first_eval = sd.contains(kFirstEvalKey) ? value(kFirstEvalKey) : nlohmann::json(nullptr);
   for (const char* key : values) sd.erase(key);
   sd.erase(kRngKey);
   fsdp::set_state_dict(model, optimizer, sd);  // step counts, hyper-parameters, the optimizer state it creates
-  sampler.set_state({pos.at("epoch").get<int64_t>(), pos.at("cursor").get<int64_t>()});
+  if (sampler_value) sampler.set_state({pos.at("epoch").get<int64_t>(), pos.at("cursor").get<int64_t>()});
   set_rng_state(rng);
   if (scaler && !scale.is_null()) {
     scaler.emplace(fsdp::GradScalerOptions().init_scale(scale.at("scale").get<double>()), pg);
@@ -295,12 +310,11 @@ bool checkpoint_due(const Options& o, int64_t step, int64_t last_step) {
 }
 
 std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const torch::nn::Module& model,
-                            const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
+                            const torch::optim::Optimizer& optimizer, DistributedSampler& sampler,
                             const std::optional<fsdp::ShardedGradScaler>& scaler, const nlohmann::json& first_eval) {
   auto sd = fsdp::get_state_dict(model, optimizer);  // DTensors aliasing this rank's shards: no copy
-  const auto pos = sampler.state();
   sd.insert_or_assign(kStepKey, fsdp::Value(step));
-  sd.insert_or_assign(kSamplerKey, fsdp::Value(nlohmann::json{{"epoch", pos.epoch}, {"cursor", pos.cursor}}));
+  sd.insert_or_assign(kSamplerKey, sampler_stateful(sampler));  // saved as train.sampler.{epoch,cursor}
   sd.insert_or_assign(kRngKey, get_rng_state());
   sd.insert_or_assign(kScalerKey, fsdp::Value(scaler ? nlohmann::json{{"scale", scaler->get_scale()},
                                                                        {"growth_tracker", scaler->growth_tracker()}}

@@ -7,7 +7,9 @@
 // this run's ranks. Everything else a resume needs is the same on every rank and independent of the
 // world size, so it is saved once (rank 0's) and loads on any world size:
 //   train.step         the last step done (the learning rate is a function of the step)
-//   train.sampler      the data position {epoch, cursor}: windows handed out to all ranks together
+//   train.sampler      the data position {epoch, cursor}: windows handed out to all ranks together (the
+//                      sampler is an fsdp::Stateful: train.sampler.epoch, train.sampler.cursor; older
+//                      checkpoints' single Value train.sampler still loads)
 //   train.rng_state    the global CPU generator (dropout): every rank seeds it alike and draws alike
 //   train.grad_scaler  fp16: {scale, growth_tracker} of the loss scaler (null without one)
 //   train.run          the model shape, the data size and the seed, checked before a resume starts
@@ -65,7 +67,7 @@ bool checkpoint_due(const Options& o, int64_t step, int64_t last_step);
 
 /// Saves DIR/step-N (collective: every rank writes its shards). Returns the folder.
 std::string save_checkpoint(const Options& o, const nlohmann::json& run_info, int64_t step, const torch::nn::Module& model,
-                            const torch::optim::Optimizer& optimizer, const DistributedSampler& sampler,
+                            const torch::optim::Optimizer& optimizer, DistributedSampler& sampler,
                             const std::optional<fsdp::ShardedGradScaler>& scaler, const nlohmann::json& first_eval);
 
 /// What resume() restored besides the model, the optimizer, the sampler, the generator and the scaler.

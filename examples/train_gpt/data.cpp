@@ -110,6 +110,12 @@ TokenWindows::TokenWindows(torch::Tensor tokens, int64_t block_size)
   size_ = tokens_.numel() > 0 ? (tokens_.numel() - 1) / block_size_ : 0;
 }
 
+TokenWindows::TokenWindows(std::shared_ptr<const WindowSource> source, int64_t block_size)
+    : source_(std::move(source)), block_size_(block_size) {
+  TORCH_CHECK(source_ && block_size_ > 0, "TokenWindows: expected a source and a positive block size");
+  size_ = source_->size();
+}
+
 std::pair<torch::Tensor, torch::Tensor> TokenWindows::get(const std::vector<int64_t>& indices) const {
   const auto B = static_cast<int64_t>(indices.size());
   auto x = torch::empty({B, block_size_}, torch::kLong);
@@ -117,6 +123,10 @@ std::pair<torch::Tensor, torch::Tensor> TokenWindows::get(const std::vector<int6
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(indices[b] >= 0 && indices[b] < size_, "TokenWindows: window ", indices[b], " out of range [0, ",
                 size_, ")");
+    if (source_) {
+      source_->fill(indices[b], x.data_ptr<int64_t>() + b * block_size_, y.data_ptr<int64_t>() + b * block_size_);
+      continue;
+    }
     auto w = tokens_.narrow(0, indices[b] * block_size_, block_size_ + 1);
     x[b].copy_(w.narrow(0, 0, block_size_));
     y[b].copy_(w.narrow(0, 1, block_size_));
@@ -170,6 +180,18 @@ void DistributedSampler::set_state(const State& s) {
   TORCH_CHECK(s.epoch >= 0 && s.cursor >= 0 && s.cursor <= num_windows_, "DistributedSampler: invalid state (epoch ",
               s.epoch, ", cursor ", s.cursor, ") for ", num_windows_, " windows");
   state_ = s;
+}
+
+fsdp::StateDict DistributedSampler::state_dict() {
+  fsdp::StateDict sd;
+  sd.insert_or_assign("epoch", fsdp::Value(state_.epoch));
+  sd.insert_or_assign("cursor", fsdp::Value(state_.cursor));
+  return sd;
+}
+
+void DistributedSampler::load_state_dict(const fsdp::StateDict& sd) {
+  auto value = [&](const char* key) { return std::get<fsdp::Value>(sd.at(key)).json.get<int64_t>(); };
+  set_state({value("epoch"), value("cursor")});
 }
 
 std::vector<int64_t> eval_indices(int64_t batch, int64_t batch_size, int rank, int world_size) {

@@ -8,12 +8,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "fsdp/checkpoint/stateful.h"
 
 namespace train_gpt {
 
@@ -48,18 +51,34 @@ struct Split {
 /// training: both splits sample the whole corpus, not just its last files.
 Split split_text(const std::string& text, double val_fraction, int64_t segment_len);
 
-/// Non-overlapping windows of block_size + 1 tokens over a 1-D token stream.
+/// Windows that do not live in one in-memory tensor: memory-mapped token shards (token_shards.h) or SFT
+/// examples with masked targets (sft.h). TokenWindows reads through it.
+class WindowSource {
+ public:
+  virtual ~WindowSource() = default;
+  /// Number of windows.
+  virtual int64_t size() const = 0;
+  /// Writes window `index`'s input and target, block_size int64 each, to `x` and `y` (a target of -100,
+  /// cross_entropy's ignore_index, adds nothing to the loss). Throws UsageError for bad data on disk.
+  virtual void fill(int64_t index, int64_t* x, int64_t* y) const = 0;
+};
+
+/// Non-overlapping windows of block_size + 1 tokens over a 1-D token stream, or the windows of a
+/// WindowSource.
 class TokenWindows {
  public:
   TokenWindows(torch::Tensor tokens, int64_t block_size);
-  /// Number of windows: (tokens - 1) / block_size.
+  /// The windows of `source` (each block_size tokens of input and of target).
+  TokenWindows(std::shared_ptr<const WindowSource> source, int64_t block_size);
+  /// Number of windows: (tokens - 1) / block_size, or the source's.
   int64_t size() const { return size_; }
   int64_t block_size() const { return block_size_; }
   /// Inputs and targets [indices.size(), block_size] (int64) of the windows `indices`.
   std::pair<torch::Tensor, torch::Tensor> get(const std::vector<int64_t>& indices) const;
 
  private:
-  torch::Tensor tokens_;  // 1-D int64
+  torch::Tensor tokens_;  // 1-D int64 (undefined with a source)
+  std::shared_ptr<const WindowSource> source_;
   int64_t block_size_;
   int64_t size_;
 };
@@ -71,7 +90,9 @@ class TokenWindows {
 /// dropped (on every rank alike), then the next epoch starts.
 /// Consequence (tested): one process with batch_size B * W sees exactly the union of what W ranks
 /// with batch_size B see, step by step, so the sharded and unsharded runs train on the same data.
-class DistributedSampler {
+/// It is the data loader's fsdp::Stateful (checkpointing.cpp saves it as "train.sampler": its state_dict()
+/// is {epoch, cursor}, the same on every rank and independent of the world size, so it loads on any).
+class DistributedSampler : public fsdp::Stateful {
  public:
   /// Where the sampler stands, independent of the world size (what a checkpoint must carry to resume
   /// the data position, also on another world size).
@@ -86,7 +107,12 @@ class DistributedSampler {
   /// Global batches per epoch: num_windows / (batch_size * world_size).
   int64_t batches_per_epoch() const { return num_windows_ / global_batch_; }
   State state() const { return state_; }
+  /// Throws c10::Error for a position outside this epoch's windows.
   void set_state(const State& s);
+  /// fsdp::Stateful: {"epoch", "cursor"} as Values.
+  fsdp::StateDict state_dict() override;
+  /// fsdp::Stateful: set_state() from the loaded {"epoch", "cursor"}.
+  void load_state_dict(const fsdp::StateDict& sd) override;
 
  private:
   void ensure_permutation();

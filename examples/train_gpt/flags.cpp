@@ -122,6 +122,14 @@ void add_flags(CLI::App& app, Options& o) {
                                       kDefaultCorpusDir + ", installed by scripts/setup.sh)");
   g->add_option("--val-fraction", o.val_fraction, "Fraction of the text held out for evaluation")
       ->capture_default_str()->check(number_in(0.001, false, 0.5));
+  g->add_option("--tokenizer", o.tokenizer, "SentencePiece .model (scripts/train_tokenizer.sh): the text, --sft and "
+                "the sample are encoded and decoded with it, and the model's vocabulary is its (Default: bytes)");
+  g->add_option("--vocab-size", o.vocab_size, "The model's vocabulary, at least the tokenizer's (e.g. padded to a "
+                "multiple of 64) (Default: the tokenizer's; presets keep theirs)")->check(integer_at_least<int64_t>(1));
+  g->add_option("--data-shards", o.data_shards, "Pre-tokenized llm.c token files (train_gpt tokenize): a directory of "
+                "*.bin or a glob; val* and *_val_* files are the validation split; memory-mapped");
+  g->add_option("--sft", o.sft, "Fine-tune on a JSONL of {\"prompt\": ..., \"response\": ...} lines: the loss is the "
+                "mean over the response tokens of the global batch (prompt and padding masked)");
 
   g = app.add_option_group("Optimisation");
   add_integer(g, "--steps", o.steps, "Optimizer steps", int64_t(1));
@@ -277,7 +285,8 @@ void add_flags(CLI::App& app, Options& o) {
 
 std::optional<int> parse_options(int argc, char** argv, Options& o) {
   CLI::App app{"train_gpt: trains a GPT-2-style byte-level language model on English text with FSDP2 (libfsdp).\n"
-               "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]"};
+               "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]\n"
+               "Token shards for --data-shards: train_gpt tokenize --help"};
   add_flags(app, o);
   try {
     app.parse(argc, argv);

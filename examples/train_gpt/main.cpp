@@ -19,6 +19,9 @@
 //   memory_estimate.h/.cpp  --estimate-memory: fsdp::estimate_memory for this model and these flags
 //   interop.h             --save-init, --dump-batches and --no-shard, for bench/compare_fsdp2.py
 //   data.h, model.h       the corpus and sampler, the model: plain LibTorch
+//   tokenizer.h           --tokenizer: bytes or SentencePiece (its C++ library); the model's vocab_size
+//   token_shards.h        --data-shards: llm.c token files by mmap; `train_gpt tokenize` writes them
+//   sft.h                 --sft: prompt/response JSONL, prompt masked; the loss over the global unmasked tokens
 //   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
 //                         takes unchanged, as PyTorch's does
 
@@ -49,6 +52,8 @@
 #include "options.h"
 #include "parallelize.h"
 #include "reporting.h"
+#include "sft.h"
+#include "token_shards.h"
 
 namespace train_gpt {
 namespace {
@@ -106,8 +111,18 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   // Gradient accumulation: the gradients of every microbatch but the last stay local and unsharded
   // (no reduce-scatter); the last backward reduce-scatters the accumulated sum once.
   auto loss_sum = torch::zeros({1}, torch::TensorOptions().device(device));
+  // The step's microbatches first: --sft's loss is normalised by the unmasked targets of all of them on all
+  // ranks (sft.h, masked_loss_scale: one all-reduce of a count), known before the first backward.
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (int64_t micro = 0; micro < o.grad_accum_steps; ++micro) batches.push_back(t.s.train.get(t.sampler.next()));
+  std::optional<double> token_scale;
+  if (t.s.masked_targets) {
+    std::vector<torch::Tensor> targets;
+    for (const auto& b : batches) targets.push_back(b.second);
+    token_scale = masked_loss_scale(targets, t.pg, t.s.parallel.tp);
+  }
   for (int64_t micro = 0; micro < o.grad_accum_steps; ++micro) {
-    auto [x, y] = t.s.train.get(t.sampler.next());
+    auto [x, y] = batches[micro];
     if (t.recorder) t.recorder->add(x, y);
     x = x.to(device, /*non_blocking=*/false);
     y = y.to(device, /*non_blocking=*/false);
@@ -130,7 +145,7 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
         CpuAutocast autocast(t.s.parallel.param_dtype, device.type());
         logits = t.model(x);
       }
-      loss = lm_loss(logits, y) / static_cast<double>(o.grad_accum_steps);
+      loss = token_scale ? lm_loss_sum(logits, y) * *token_scale : lm_loss(logits, y) / static_cast<double>(o.grad_accum_steps);
     }
     (t.scaler ? t.scaler->scale(loss) : loss).backward();
     loss_sum += loss.detach();
@@ -254,7 +269,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
                          {"tp", mesh->get_group("tp")}});
   }
   auto run_eval = [&](int64_t step) {
-    const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg);
+    const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg, s.masked_targets);
     report.eval(step, loss);
     return loss;
   };
@@ -291,7 +306,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   if (recorder) recorder->write(rank, o.grad_accum_steps, run_description(s, world, start_step));
   // The sample: every rank runs the forwards, rank 0 prints.
   std::string sample;
-  if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg);
+  if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg, *s.tokenizer);
   report.summary(start_step, last_step, wall, sample);
   return 0;
 }
@@ -321,6 +336,8 @@ bool launched_by_a_launcher() {
 }
 
 int run(int argc, char** argv) {
+  // `train_gpt tokenize ...`: text files -> token shards (token_shards.h), no training.
+  if (argc > 1 && std::string(argv[1]) == "tokenize") return tokenize_main(argc - 1, argv + 1);
   Options o;
   if (const auto rc = parse_options(argc, argv, o)) return *rc;  // --help
   // Everything that can be wrong with the input is checked here, identically on every rank and before

@@ -12,6 +12,8 @@
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
 
+#include "token_shards.h"
+
 namespace train_gpt {
 
 std::string fmt(const char* f, double v) {
@@ -150,16 +152,30 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
 
 }  // namespace
 
+/// The splits are large enough for one global batch and one evaluation batch; sets s.eval_batches.
+/// Throws UsageError.
+static void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env);
+
 RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
-  const GPTConfig cfg = model_config(o);
+  GPTConfig cfg = model_config(o);
+  // The tokenizer sets the vocabulary (tokenizer.h); bytes keep every preset's as it is.
+  const auto tokenizer = load_tokenizer(o.tokenizer);
+  if (!o.tokenizer.empty() || o.vocab_size) cfg.vocab_size = apply_tokenizer_vocab(cfg.vocab_size, o.vocab_size, *tokenizer);
   const ParallelOptions parallel = parallel_options(o, cfg, env.world_size);
   if (o.min_lr > o.lr) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
                      ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");
   }
 
-  Corpus corpus = o.data.empty() ? load_default_corpus() : load_corpus(o.data);
   const int64_t T = cfg.block_size;
+  // Token shards, SFT examples, or text through a tokenizer (token_shards.h); byte-level text below.
+  if (!o.data_shards.empty() || !o.sft.empty() || !o.tokenizer.empty()) {
+    auto d = load_tokenized_data(o.data_shards, o.sft, o.data, *tokenizer, T, cfg.vocab_size, o.val_fraction);
+    RunSetup s{o, cfg, parallel, std::move(d.train), std::move(d.val), 0, d.name, d.bytes, tokenizer, d.masked_targets};
+    check_data_size(s, env);
+    return s;
+  }
+  Corpus corpus = o.data.empty() ? load_default_corpus() : load_corpus(o.data);
   if (static_cast<int64_t>(corpus.text.size()) < T + 1) {
     throw UsageError("the text (" + corpus.name + ") has " + std::to_string(corpus.text.size()) +
                      " bytes, shorter than one block of --block-size + 1 = " + std::to_string(T + 1) +
@@ -168,7 +184,14 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   // Segments of 8 windows alternate between the splits (see split_text).
   auto split = split_text(corpus.text, o.val_fraction, 8 * (T + 1));
   RunSetup s{o, cfg, parallel, TokenWindows(split.train, T), TokenWindows(split.val, T), 0, corpus.name,
-             static_cast<int64_t>(corpus.text.size())};
+             static_cast<int64_t>(corpus.text.size()), tokenizer};
+  check_data_size(s, env);
+  return s;
+}
+
+void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
+  const Options& o = s.opts;
+  const int64_t T = s.cfg.block_size;
   // The data-parallel ranks (a TP group shares its batch): rank / tp of world / tp.
   const int data_world = env.world_size / o.tp;
   const int64_t global_batch = o.batch_size * data_world;
@@ -183,7 +206,6 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
                      ") = " + std::to_string(global_batch) + ": more ranks than batches. Fix: more text, a larger "
                      "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");
   }
-  return s;
 }
 
 void check_no_shard(const Options& o, int world_size) {

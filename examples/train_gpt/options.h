@@ -13,6 +13,7 @@
 #include "fsdp/fsdp.h"
 #include "model.h"
 #include "parallelize.h"
+#include "tokenizer.h"
 
 namespace train_gpt {
 
@@ -39,6 +40,11 @@ struct Options {
   // Data.
   std::vector<std::string> data;  // empty: the default corpus
   double val_fraction = 0.1;
+  // Tokens and data sources beyond byte-level text (issue 33; tokenizer.h, token_shards.h, sft.h).
+  std::string tokenizer;               // SentencePiece .model; empty: bytes
+  std::optional<int64_t> vocab_size;   // the model's vocabulary (>= the tokenizer's); unset: the tokenizer's
+  std::string data_shards;             // llm.c token files: a directory or a glob
+  std::string sft;                     // JSONL of {"prompt", "response"}: prompt tokens masked in the loss
   // Optimisation.
   int64_t steps = 500;
   int64_t batch_size = 16;  // per rank, per microbatch
@@ -114,6 +120,8 @@ struct RunSetup {
   int64_t eval_batches;  // per evaluation, capped by the validation split
   std::string data_name;
   int64_t data_bytes;
+  std::shared_ptr<const Tokenizer> tokenizer;  // --tokenizer, else bytes: the sample is decoded with it
+  bool masked_targets = false;  // --sft: the loss is the mean over the unmasked targets of the global batch
 };
 
 /// Builds the model shape and the parallelism from `o` and loads and splits the data, checking each
