@@ -12,6 +12,8 @@
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
 
+#include "hf.h"
+
 namespace train_gpt {
 
 std::string fmt(const char* f, double v) {
@@ -28,6 +30,28 @@ std::string one_line(std::string text) {
 /// The model shape: the preset with the explicit flags applied. Throws UsageError.
 GPTConfig model_config(const Options& o) {
   GPTConfig cfg;
+  if (!o.init_from.empty()) {
+    // The shape is the Hugging Face folder's: flags that would change it are refused, not silently ignored.
+    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--model", o.model_given},
+                                      {"--n-layer", o.n_layer.has_value()}, {"--n-head", o.n_head.has_value()},
+                                      {"--n-embd", o.n_embd.has_value()}, {"--tie-weights", o.tie_weights.has_value()}}) {
+      if (given) {
+        throw UsageError(std::string(flag) + " with --init-from " + o.init_from + ": the model's shape comes from its "
+                         "config.json. Fix: drop " + flag);
+      }
+    }
+    cfg = read_hf_config(o.init_from);
+    if (o.block_size) {
+      if (!cfg.is_llama() && *o.block_size != cfg.block_size) {
+        throw UsageError("--block-size " + std::to_string(*o.block_size) + " with --init-from a GPT-2 folder: its "
+                         "learned positions fix the context at n_positions=" + std::to_string(cfg.block_size) +
+                         ". Fix: drop --block-size");
+      }
+      cfg.block_size = *o.block_size;  // Llama: the training window (RoPE has no table to outgrow)
+    }
+    if (o.dropout) cfg.dropout = *o.dropout;
+    return cfg;
+  }
   try {
     cfg = preset(o.model);
     if (o.n_layer) cfg.n_layer = *o.n_layer;
@@ -35,7 +59,7 @@ GPTConfig model_config(const Options& o) {
     if (o.n_embd) cfg.n_embd = *o.n_embd;
     if (o.block_size) cfg.block_size = *o.block_size;
     if (o.dropout) cfg.dropout = *o.dropout;
-    cfg.tie_weights = o.tie_weights;
+    if (o.tie_weights) cfg.tie_weights = *o.tie_weights;
     validate(cfg);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
@@ -85,6 +109,25 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                      "code, whose blocks are checkpointed from the ops on their parameters (no call to re-run), which "
                      "only the non-reentrant form can do; use --checkpoint-impl no_reentrant (PyTorch's "
                      "recommendation, the default)");
+  }
+  if (cfg.is_llama()) {
+    // Tensor parallelism and the unchanged-model variant exist for GPT-2 only (model.h, model_plain.h).
+    if (o.tp > 1) {
+      throw UsageError("--tp " + std::to_string(o.tp) + " with a Llama model: tensor parallelism is implemented for "
+                       "GPT-2 only (fully_shard, HSDP and --data-parallel replicate work for Llama). Fix: --tp 1");
+    }
+    if (o.model_impl == "plain") {
+      throw UsageError("--model-impl plain with a Llama model: the unchanged-LibTorch variant exists for GPT-2 only. "
+                       "Fix: --model-impl holder (the default)");
+    }
+  }
+  if ((o.logits_tokens.empty()) != (o.dump_logits.empty())) {
+    throw UsageError("--logits-tokens and --dump-logits go together: the tokens to evaluate and the file for their "
+                     "logits. Fix: give both or neither");
+  }
+  if (!o.init_from.empty() && !o.save_init.empty()) {
+    throw UsageError("--save-init with --init-from: --save-init writes the random initial weights, which --init-from "
+                     "replaces. Fix: drop --save-init (the Hugging Face folder holds the initial weights)");
   }
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;

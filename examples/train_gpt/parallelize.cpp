@@ -143,6 +143,25 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
   fsdp::fully_shard(model, opts);
 }
 
+void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    if (auto options = block_checkpoint_options(p, static_cast<int64_t>(i))) fsdp::checkpoint_wrapper(model->blocks[i], *options);
+  }
+  const auto dp_mesh = fsdp_mesh(mesh, p);
+  if (p.replicate) {
+    const auto ropts = replicate_options(dp_mesh, p);
+    for (auto& block : model->blocks) fsdp::replicate(block, ropts);
+    fsdp::replicate(model, ropts);
+    return;
+  }
+  const auto opts = shard_options(dp_mesh, p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  for (auto& block : model->blocks) fsdp::fully_shard(block, block_opts);  // the decoder layers, bottom-up
+  fsdp::fully_shard(model, opts);  // the root last: embed_tokens, norm, lm_head
+}
+
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   // The blocks are called by the model's own forward: checkpoint_wrapper on an unchanged module checkpoints it from

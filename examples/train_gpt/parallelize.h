@@ -7,6 +7,7 @@
 
 #include "fsdp/fsdp.h"
 #include "model.h"
+#include "model_llama.h"
 #include "model_plain.h"
 
 namespace train_gpt {
@@ -82,6 +83,12 @@ fsdp::SelectiveCheckpointContexts selective_op_policy();
 
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// The same for Llama (model_llama.h), with the same options: each decoder layer (model.layers.N) a fully_shard
+/// group of its own (activation checkpointing per layer first), then the root (embed_tokens, norm, lm_head; a tied
+/// lm_head is embed_tokens' weight, in the root group with it). No tensor parallelism (refused in options.cpp).
+/// Example: `parallelize(model, mesh, s.parallel)` for a fsdp::FSDPModule<Llama> built on every rank alike.
+void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same
