@@ -38,7 +38,7 @@ def make_llama(path, **overrides):
     split into several safetensors files with model.safetensors.index.json."""
     torch.manual_seed(0)
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
               rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE))
     kw.update(overrides)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
@@ -204,7 +204,7 @@ def test_rmsnorm_rope_gqa_match_transformers(tmp_path):
         rope = dict(LLAMA3_ROPE) if rope_type == "llama3" else {"rope_type": "default"}
         rope["rope_theta"] = 500000.0
         cfg = transformers.LlamaConfig(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=KV,
-                                       rope_parameters=rope, max_position_embeddings=T)
+                                       rope_parameters=rope, max_position_embeddings=128)
         args = [LLAMA_UNITS, tmp_path / "in.safetensors", tmp_path / "out.safetensors", D, 500000.0, rope_type,
                 LLAMA3_ROPE["factor"], LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"],
                 LLAMA3_ROPE["original_max_position_embeddings"], 1e-5]
