@@ -222,6 +222,11 @@ nlohmann::json hf_config_json(const GPTConfig& c, const nlohmann::json& base) {
   j["dtype"] = "float32";
   j["vocab_size"] = c.vocab_size;
   j["tie_word_embeddings"] = c.tie_weights;
+  // Byte-level tokens have no special ids: none rather than transformers' defaults (GPT-2's 50256 lies outside a
+  // 256-token vocabulary). A source folder's ids are kept.
+  for (const char* id : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    if (!j.contains(id)) j[id] = nullptr;
+  }
   if (c.is_llama()) {
     j["architectures"] = {"LlamaForCausalLM"};
     j["model_type"] = "llama";

@@ -372,9 +372,9 @@ int run(int argc, char** argv) {
   auto pg = make_process_group(launched, cuda);
   // --model-impl: the same run with either model code (model.h or model_plain.h).
   // The architecture (--model llama-*, or --init-from's config.json) picks the model; the trainer is the same.
-  const int rc = s.cfg.is_llama()           ? train<fsdp::FSDPModule<Llama>>(s, plan, pg)
-                 : o.model_impl == "plain" ? train<PlainGPT>(s, plan, pg)
-                                           : train<fsdp::FSDPModule<GPT>>(s, plan, pg);
+  const bool plain = o.model_impl == "plain";
+  const int rc = s.cfg.is_llama() ? (plain ? train<PlainLlama>(s, plan, pg) : train<fsdp::FSDPModule<Llama>>(s, plan, pg))
+                                  : (plain ? train<PlainGPT>(s, plan, pg) : train<fsdp::FSDPModule<GPT>>(s, plan, pg));
   // Before exit: a NCCL group left to static destruction can crash the exit (after CUDA's teardown).
   fsdp::destroy_process_group(pg);
   return rc;

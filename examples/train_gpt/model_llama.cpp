@@ -130,6 +130,26 @@ LlamaModelImpl::LlamaModelImpl(const GPTConfig& cfg, const std::shared_ptr<Rotar
   norm = register_module("norm", RMSNorm(cfg.n_embd, cfg.norm_eps));
 }
 
+namespace {
+
+// Hugging Face's _init_weights for Llama: Linear and Embedding weights ~ N(0, initializer_range 0.02), RMSNorm
+// weights 1 (already). Registration order, a tied weight once, so a seed fixes the weights. Returns the number of
+// distinct parameter elements.
+int64_t init_llama_weights(torch::nn::Module& model) {
+  torch::NoGradGuard no_grad;
+  std::unordered_set<const void*> seen;
+  int64_t n = 0;
+  for (auto& p : model.named_parameters()) {
+    auto& t = p.value();
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (t.dim() >= 2) t.normal_(0.0, 0.02);
+    n += t.numel();
+  }
+  return n;
+}
+
+}  // namespace
+
 LlamaImpl::LlamaImpl(const GPTConfig& config) : cfg(config) {
   validate(cfg);
   TORCH_CHECK(cfg.is_llama(), "Llama: the config's arch is '", cfg.arch, "', not llama");
@@ -139,16 +159,7 @@ LlamaImpl::LlamaImpl(const GPTConfig& config) : cfg(config) {
     blocks.push_back(LlamaDecoderLayer(std::dynamic_pointer_cast<LlamaDecoderLayerImpl>(layer)));
   }
   lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? model->embed_tokens->weight : torch::Tensor()));
-  // Hugging Face's _init_weights for Llama: Linear and Embedding weights ~ N(0, initializer_range 0.02), RMSNorm
-  // weights 1 (already). Registration order, a tied weight once, so a seed fixes the weights.
-  torch::NoGradGuard no_grad;
-  std::unordered_set<const void*> seen;
-  for (auto& p : named_parameters()) {
-    auto& t = p.value();
-    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
-    if (t.dim() >= 2) t.normal_(0.0, 0.02);
-    num_params_ += t.numel();
-  }
+  num_params_ = init_llama_weights(*this);
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& idx) {
@@ -157,6 +168,23 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& idx) {
   auto x = model->embed_tokens(idx);  // [B, T, C]
   for (auto& b : blocks) x = b(x);    // through FSDP: unshard before, reshard after each layer
   return lm_head(model->norm(x));     // [B, T, vocab]
+}
+
+PlainLlamaImpl::PlainLlamaImpl(const GPTConfig& config) : cfg(config) {
+  validate(cfg);
+  TORCH_CHECK(cfg.is_llama(), "PlainLlama: the config's arch is '", cfg.arch, "', not llama");
+  rope_ = std::make_shared<RotaryCache>(cfg);
+  model = register_module("model", LlamaModel(cfg, rope_));
+  lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? model->embed_tokens->weight : torch::Tensor()));
+  num_params_ = init_llama_weights(*this);
+}
+
+torch::Tensor PlainLlamaImpl::forward(const torch::Tensor& idx) {
+  TORCH_CHECK(idx.size(1) <= cfg.block_size, "Llama: sequence of ", idx.size(1), " tokens exceeds the context of ",
+              cfg.block_size);
+  auto x = model->embed_tokens(idx);
+  for (const auto& layer : *model->layers) x = layer->as<LlamaDecoderLayerImpl>()->forward(x);
+  return lm_head(model->norm(x));
 }
 
 }  // namespace train_gpt

@@ -150,4 +150,28 @@ struct LlamaImpl : torch::nn::Module {
 };
 TORCH_MODULE(Llama);
 
+/// The same Llama as unchanged LibTorch code (--model-impl plain): no libfsdp type, the decoder layers called through
+/// the ModuleList (`->as<LlamaDecoderLayerImpl>()`), as any LibTorch model is written; fully_shard follows the layers'
+/// parameters at tensor level (implicit groups, include/fsdp/fsdp/fully_shard.h). Same names, registration order,
+/// initialisation from a seed, arithmetic and checkpoints as Llama.
+struct PlainLlamaImpl : torch::nn::Module {
+  /// As LlamaImpl(cfg).
+  explicit PlainLlamaImpl(const GPTConfig& cfg);
+  /// Logits [B, T, vocab] of the tokens `idx` [B, T] (int64, T <= block_size).
+  torch::Tensor forward(const torch::Tensor& idx);
+
+  std::vector<torch::Tensor> unique_parameters() const { return train_gpt::unique_parameters(*this); }
+  int64_t num_params() const { return num_params_; }
+
+  GPTConfig cfg;
+  LlamaModel model{nullptr};
+  LMHead lm_head{nullptr};
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null (as Llama's)
+
+ private:
+  int64_t num_params_ = 0;
+  std::shared_ptr<RotaryCache> rope_;
+};
+TORCH_MODULE(PlainLlama);
+
 }  // namespace train_gpt

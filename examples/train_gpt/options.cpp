@@ -50,6 +50,10 @@ GPTConfig model_config(const Options& o) {
       cfg.block_size = *o.block_size;  // Llama: the training window (RoPE has no table to outgrow)
     }
     if (o.dropout) cfg.dropout = *o.dropout;
+    if (cfg.vocab_size < 256) {
+      throw UsageError("--init-from " + o.init_from + ": config.json: vocab_size=" + std::to_string(cfg.vocab_size) +
+                       " is smaller than the 256 byte values the training text is tokenised into");
+    }
     return cfg;
   }
   try {
@@ -111,14 +115,10 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                      "recommendation, the default)");
   }
   if (cfg.is_llama()) {
-    // Tensor parallelism and the unchanged-model variant exist for GPT-2 only (model.h, model_plain.h).
+    // Tensor parallelism exists for GPT-2 only (model.h, model_plain.h).
     if (o.tp > 1) {
       throw UsageError("--tp " + std::to_string(o.tp) + " with a Llama model: tensor parallelism is implemented for "
                        "GPT-2 only (fully_shard, HSDP and --data-parallel replicate work for Llama). Fix: --tp 1");
-    }
-    if (o.model_impl == "plain") {
-      throw UsageError("--model-impl plain with a Llama model: the unchanged-LibTorch variant exists for GPT-2 only. "
-                       "Fix: --model-impl holder (the default)");
     }
   }
   if ((o.logits_tokens.empty()) != (o.dump_logits.empty())) {

@@ -162,6 +162,26 @@ void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh
   fsdp::fully_shard(model, opts);  // the root last: embed_tokens, norm, lm_head
 }
 
+void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  auto layers = model->model->layers;
+  for (int64_t i = 0; i < static_cast<int64_t>(layers->size()); ++i) {
+    if (auto options = block_checkpoint_options(p, i)) fsdp::checkpoint_wrapper(layers[i], *options);
+  }
+  const auto dp_mesh = fsdp_mesh(mesh, p);
+  if (p.replicate) {
+    const auto ropts = replicate_options(dp_mesh, p);
+    for (auto& layer : *layers) fsdp::replicate(layer, ropts);
+    fsdp::replicate(model, ropts);
+    return;
+  }
+  const auto opts = shard_options(dp_mesh, p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  for (auto& layer : *layers) fsdp::fully_shard(layer, block_opts);  // the ModuleList's shared_ptrs
+  fsdp::fully_shard(model, opts);
+}
+
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   // The blocks are called by the model's own forward: checkpoint_wrapper on an unchanged module checkpoints it from

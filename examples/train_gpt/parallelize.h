@@ -90,6 +90,10 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 /// Example: `parallelize(model, mesh, s.parallel)` for a fsdp::FSDPModule<Llama> built on every rank alike.
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
+/// The same for the unchanged Llama (--model-impl plain): fully_shard on each element of model.layers, then the
+/// root, exactly as PyTorch users write it; activation checkpointing by checkpoint_wrapper on the unchanged layers.
+void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same
 /// collectives as for GPT. Activation checkpointing: the model's own flag (its forward wraps each block

@@ -261,3 +261,92 @@ def test_estimate_memory_counts_llama3(preset, expected_params, text_files):
              "--mixed-precision", "bf16"], nproc=None, timeout=120)
     assert p.returncode == 0, show(p)
     assert f"{expected_params} parameters" in p.stdout, show(p)
+
+
+LOAD_VARIANTS = [
+    ("llama", 2, ["--model-impl", "plain"]),
+    ("llama", 2, ["--data-parallel", "replicate"]),
+    ("llama", 2, ["--cpu-offload", "--mixed-precision", "bf16"]),
+    ("llama", None, ["--no-shard"]),
+    ("gpt2", 2, ["--shard-dim", "1"]),
+    ("gpt2", 2, ["--model-impl", "plain", "--reshard-after-forward", "false"]),
+    ("gpt2", None, ["--no-shard"]),
+]
+
+
+@pytest.mark.parametrize("arch,nproc,extra", LOAD_VARIANTS, ids=[f"{a}-{' '.join(e)}" for a, _, e in LOAD_VARIANTS])
+def test_init_from_under_every_layout(arch, nproc, extra, folders, text_files, tmp_path):
+    """--init-from lands the same weights whatever holds them: the unchanged model, whole replicas, CPU-offloaded
+    shards, no sharding at all, GPT-2's Conv1D weights into shards on dim 1 (a transposed Shard(1) view is a
+    Shard(0) of the file). The logits before the first step (fp32 forward) equal transformers'."""
+    args = ["--init-from", folders[arch], "--data", *text_files, "--steps", "1", "--batch-size", "2", "--threads", "1",
+            "--sample-tokens", "0", "--eval-batches", "1", "--no-progress", "--logits-tokens", folders["tokens"],
+            "--dump-logits", tmp_path / "l.safetensors", *extra]
+    if arch == "llama":
+        args += ["--block-size", "32"]
+    p = run(args, nproc=nproc)
+    assert p.returncode == 0, show(p)
+    ours = load_file(str(tmp_path / "l.safetensors"))["logits_init"]
+    ref = hf_logits(folders[arch], folders["ids"])
+    # bf16 compute (mixed precision gathers the weights in bf16): transformers' model cast to bf16 is the reference.
+    # Our bf16 forward is transformers' op for op (RMSNorm in fp32 and back, cos/sin cast to bf16): measured equal.
+    tol = TOL
+    if "bf16" in extra:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folders[arch], dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            ref = model(folders["ids"]).logits.float()
+    diff = (ours - ref).abs().max().item()
+    print(f"{arch} {' '.join(extra)}: |ours - transformers| at init = {diff:.3g}")
+    assert diff <= tol, f"{arch} {extra}: |ours - transformers| = {diff}"
+
+
+def test_init_from_bf16_files(folders, text_files, tmp_path):
+    """A folder saved in bf16 (as most published checkpoints) loads into the fp32 shards exactly (bf16 -> fp32 is
+    exact): our logits equal transformers' fp32 model of the same bf16 weights."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    p = run(["--init-from", tmp_path / "bf16", "--data", *text_files, "--steps", "1", "--batch-size", "2",
+             "--block-size", "32", "--threads", "1", "--sample-tokens", "0", "--eval-batches", "1", "--no-progress",
+             "--logits-tokens", folders["tokens"], "--dump-logits", tmp_path / "l.safetensors"], nproc=2)
+    assert p.returncode == 0, show(p)
+    ref = hf_logits(tmp_path / "bf16", folders["ids"])  # upcast to fp32 by from_pretrained(dtype=float32)
+    diff = (load_file(str(tmp_path / "l.safetensors"))["logits_init"] - ref).abs().max().item()
+    assert diff <= TOL, diff
+
+
+def test_plain_llama_trains_bit_identically_to_holder(text_files, tmp_path):
+    """--model-impl plain (unchanged LibTorch, implicit groups) and holder train llama-tiny to the same losses, bit for
+    bit, in fp32 and bf16, with activation checkpointing."""
+    for precision in ("fp32", "bf16"):
+        losses = {}
+        for impl in ("holder", "plain"):
+            out = tmp_path / f"{impl}-{precision}.jsonl"
+            p = run(["--model", "llama-tiny", "--data", *text_files, "--steps", "8", "--batch-size", "4", "--threads",
+                     "1", "--log-every", "1", "--eval-every", "4", "--eval-batches", "2", "--sample-tokens", "0",
+                     "--no-progress", "--mixed-precision", precision, "--activation-checkpointing", "full",
+                     "--model-impl", impl, "--metrics", out], nproc=2)
+            assert p.returncode == 0, show(p)
+            rows = [json.loads(line) for line in out.read_text().splitlines()]
+            losses[impl] = [(r.get("loss"), r.get("eval_loss")) for r in rows]
+        assert len(losses["holder"]) == 9 and losses["holder"] == losses["plain"], losses
+
+
+def test_resume_of_an_init_from_run_is_exact(folders, text_files, tmp_path):
+    """--init-from with --ckpt-dir: stopped after step 3 and resumed (the checkpoint, not the folder, is loaded), the
+    run ends with the logits of an uninterrupted one, bit for bit; its export equals them too."""
+    def args(ckpt, *extra):
+        return ["--init-from", folders["llama"], "--data", *text_files, "--steps", "6", "--batch-size", "2",
+                "--block-size", "32", "--threads", "1", "--sample-tokens", "0", "--eval-batches", "1",
+                "--no-progress", "--logits-tokens", folders["tokens"], "--ckpt-dir", ckpt, *extra]
+    p = run(args(tmp_path / "a", "--dump-logits", tmp_path / "a.safetensors"))
+    assert p.returncode == 0, show(p)
+    p = run(args(tmp_path / "b", "--dump-logits", tmp_path / "b1.safetensors", "--stop-at", "3"))
+    assert p.returncode == 0, show(p)
+    p = run(args(tmp_path / "b", "--dump-logits", tmp_path / "b2.safetensors", "--resume", "--export-hf",
+                 tmp_path / "export"))
+    assert p.returncode == 0 and "resume" in p.stdout and "init-from: " not in p.stdout, show(p)
+    a, b1, b2 = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "b1", "b2"))
+    assert torch.equal(a["logits_init"], b1["logits_init"])
+    assert torch.equal(b1["logits"], b2["logits_init"])  # the resumed run starts where the first stopped
+    assert torch.equal(a["logits"], b2["logits"])
+    assert (hf_logits(tmp_path / "export", folders["ids"]) - b2["logits"]).abs().max().item() <= TOL
