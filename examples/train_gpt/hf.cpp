@@ -331,6 +331,15 @@ void export_hf(const torch::nn::Module& model, const GPTConfig& cfg, const std::
     std::error_code ec;
     fs::create_directories(out_dir, ec);
     if (!fs::is_directory(out_dir)) throw UsageError("--export-hf " + out_dir + " cannot be created: " + ec.message());
+    // A former export's weights would be read beside these (transformers takes model.safetensors before an index):
+    // removed first. Only the names an export writes.
+    for (const auto& entry : fs::directory_iterator(out_dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+          (name.rfind("model-", 0) == 0 && ends_with(name, ".safetensors"))) {
+        fs::remove(entry.path(), ec);
+      }
+    }
   }
   fsdp::StateDict sd;
   for (const auto& [key, value] : fsdp::get_model_state_dict(model)) {

@@ -51,7 +51,10 @@ std::pair<std::string, bool> hf_name(const GPTConfig& cfg, const std::string& na
 /// parameter without a tensor in the folder, or a tensor in the folder without a parameter (other than
 /// non-persistent buffers older transformers saved: attn.bias, attn.masked_bias, rotary_emb.inv_freq), throws
 /// UsageError naming it, before anything is read. Returns the bytes this rank read. A tied head is loaded once,
-/// as the embedding (Hugging Face's files leave lm_head.weight out when tied).
+/// as the embedding (Hugging Face's files leave lm_head.weight out when tied). Floating-point files of another dtype
+/// (bf16) convert to the parameters' dtype. Throws UsageError for an unreadable folder, a shape that differs (naming
+/// the tensor and both shapes) or an I/O error. Example: `load_hf_weights(*model, s.cfg, "hf/llama")` after
+/// parallelize() and materialize_module().
 int64_t load_hf_weights(torch::nn::Module& model, const GPTConfig& cfg, const std::string& dir);
 
 /// Writes `model` (sharded or not) as a Hugging Face folder `out_dir` (created): config.json (hf_config_json of
@@ -65,7 +68,7 @@ void export_hf(const torch::nn::Module& model, const GPTConfig& cfg, const std::
 
 /// --logits-tokens FILE: the int64 tensor "tokens" [B, T] of the safetensors file FILE (written by e.g.
 /// safetensors.torch.save_file). Throws UsageError when it is missing, of another dtype or rank, or longer than
-/// `block_size`, or holds an id outside [0, vocab_size).
+/// `block_size`, or holds an id outside [0, vocab_size). Example: `auto tokens = read_logits_tokens("t.safetensors", cfg);`
 torch::Tensor read_logits_tokens(const std::string& path, const GPTConfig& cfg);
 
 /// The fp32 CPU logits [B, T, vocab] of `tokens` under `model` in eval mode, without gradients (collective under

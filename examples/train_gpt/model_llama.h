@@ -47,20 +47,25 @@ torch::Tensor rope_inv_freq(const GPTConfig& cfg);
 /// transformers' LlamaRotaryEmbedding. Example: `auto [cos, sin] = rope_cos_sin(rope_inv_freq(cfg), 16);`
 std::pair<torch::Tensor, torch::Tensor> rope_cos_sin(const torch::Tensor& inv_freq, int64_t T);
 
-/// cat(-x2, x1) of the halves x1, x2 of x's last dim (transformers' rotate_half).
+/// cat(-x2, x1) of the halves x1, x2 of x's last dim (transformers' rotate_half: the halves, not interleaved pairs,
+/// are rotated together, so Hugging Face's q_proj/k_proj rows need no permutation). x: [..., D], D even; same shape
+/// and dtype out. Example: `rotate_half(torch::arange(4.))` is [-2, -3, 0, 1].
 torch::Tensor rotate_half(const torch::Tensor& x);
 
-/// x * cos + rotate_half(x) * sin: x [B, H, T, D]; cos, sin [T, D] in x's dtype (broadcast over B and H).
+/// x * cos + rotate_half(x) * sin: x [B, H, T, D]; cos, sin [T, D] in x's dtype (broadcast over B and H). Returns
+/// [B, H, T, D]. Example: `auto [cos, sin] = cache.get(T, q.device(), q.scalar_type()); q = apply_rotary(q, cos, sin);`
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 /// Causal grouped-query attention: q [B, H, T, D], k and v [B, KV, T, D] with H a multiple of KV (query head h
 /// uses key/value head h / (H / KV), as transformers' repeat_kv), through torch::scaled_dot_product_attention
-/// (is_causal, enable_gqa: no copy of k and v). Returns [B, H, T, D]. Throws c10::Error when KV does not divide H.
+/// (is_causal, enable_gqa: no copy of k and v). Returns [B, H, T, D] in q's dtype. Throws c10::Error when KV does not
+/// divide H. Example: `gqa_attention(q, k, v, /*dropout_p=*/0.0)` with q [2, 8, 16, 64], k and v [2, 2, 16, 64].
 torch::Tensor gqa_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p);
 
 // ---- Modules ------------------------------------------------------------------------------------------
 
-/// RMSNorm with a learned scale (`weight`, initialised to ones).
+/// RMSNorm with a learned scale (`weight` [dim], initialised to ones): forward is rms_norm(x, weight, eps), x [..., dim].
+/// Example: `RMSNorm norm(4096, 1e-5); auto y = norm(x);`
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x) { return rms_norm(x, weight, eps); }
@@ -73,8 +78,11 @@ TORCH_MODULE(RMSNorm);
 /// buffer, so that state dicts and checkpoints hold exactly Hugging Face's keys (its inv_freq is not persistent).
 class RotaryCache {
  public:
+  /// Nothing is computed yet (the model may be built on the meta device by deferred_init).
   explicit RotaryCache(const GPTConfig& cfg) : cfg_(cfg) {}
-  /// cos and sin [T, D] on `device` in `dtype`.
+  /// cos and sin [T, D] on `device` in `dtype` (computed in fp32 on the CPU, then cast and moved, as transformers;
+  /// kept until another T, device or dtype is asked for). Throws std::invalid_argument for an unknown rope_type.
+  /// Example: `auto [cos, sin] = rope->get(x.size(1), x.device(), x.scalar_type());`
   std::pair<torch::Tensor, torch::Tensor> get(int64_t T, const torch::Device& device, torch::ScalarType dtype);
 
  private:
@@ -83,7 +91,8 @@ class RotaryCache {
   torch::Tensor cos_, sin_;  // the last ones handed out
 };
 
-/// Multi-head attention with grouped key/value heads and RoPE on q and k; no biases.
+/// Multi-head attention with grouped key/value heads and RoPE on q and k; no biases. Weights q_proj [H * D, C],
+/// k_proj and v_proj [KV * D, C], o_proj [C, H * D]. forward: [B, T, C] -> [B, T, C] in x's dtype.
 struct LlamaAttentionImpl : torch::nn::Module {
   LlamaAttentionImpl(const GPTConfig& cfg, std::shared_ptr<RotaryCache> rope);
   torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
@@ -95,7 +104,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(LlamaAttention);
 
-/// SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); no biases.
+/// SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); no biases. gate_proj and up_proj [I, C], down_proj [C, I];
+/// forward: [..., C] -> [..., C].
 struct LlamaMLPImpl : torch::nn::Module {
   explicit LlamaMLPImpl(const GPTConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x);
@@ -104,7 +114,8 @@ struct LlamaMLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(LlamaMLP);
 
-/// x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)). The unit of sharding.
+/// x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)): [B, T, C] -> [B, T, C]. The unit
+/// of sharding (one fully_shard group per layer). Its modules are registered in Hugging Face's order.
 struct LlamaDecoderLayerImpl : torch::nn::Module {
   LlamaDecoderLayerImpl(const GPTConfig& cfg, std::shared_ptr<RotaryCache> rope);
   torch::Tensor forward(torch::Tensor x);
@@ -131,10 +142,13 @@ struct LlamaImpl : torch::nn::Module {
   /// from the global torch generator in registration order (seed it first: every rank builds the same weights).
   /// Throws std::invalid_argument (validate()) for a shape it cannot build.
   explicit LlamaImpl(const GPTConfig& cfg);
-  /// Logits [B, T, vocab] (in the compute dtype) of the tokens `idx` [B, T] (int64, T <= block_size).
+  /// Logits [B, T, vocab] (in the compute dtype) of the tokens `idx` [B, T] (int64, T <= block_size; a longer
+  /// sequence throws c10::Error). Example: `fsdp::FSDPModule<Llama> model(preset("llama-tiny")); auto y = model(idx);`
   torch::Tensor forward(const torch::Tensor& idx);
 
+  /// Parameters without duplicates (a tied head once): what the optimizer and clipping see.
   std::vector<torch::Tensor> unique_parameters() const { return train_gpt::unique_parameters(*this); }
+  /// Distinct parameter elements of the full model (sharded or not).
   int64_t num_params() const { return num_params_; }
 
   GPTConfig cfg;

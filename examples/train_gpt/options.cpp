@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <regex>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 #include <torch/cuda.h>
 
 #include "hf.h"
@@ -199,6 +201,14 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   if (o.min_lr > o.lr) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
                      ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");
+  }
+  if (!o.export_hf.empty()) {  // now, on every rank, rather than after training on rank 0 alone
+    std::error_code ec;
+    std::filesystem::create_directories(o.export_hf, ec);
+    if (!std::filesystem::is_directory(o.export_hf) || access(o.export_hf.c_str(), W_OK) != 0) {
+      throw UsageError("--export-hf " + o.export_hf + " cannot be created or written" +
+                       (ec ? ": " + ec.message() : "") + ". Fix: a writable directory");
+    }
   }
 
   Corpus corpus = o.data.empty() ? load_default_corpus() : load_corpus(o.data);
