@@ -97,11 +97,16 @@ void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
     model = fsdp::deferred_init([&] { return GPT(s.cfg); }).ptr();
   }
   std::vector<std::string> sharded = {""};  // forward order: the root (embeddings) first, then the blocks
+  // Llama untied: the embedding and the head are groups of their own (parallelize.cpp), the head kept gathered.
+  const bool llama_own_groups = s.cfg.is_llama() && !s.cfg.tie_weights;
+  if (llama_own_groups) sharded.push_back("model.embed_tokens");
   for (int64_t i = 0; i < s.cfg.n_layer; ++i) {
     sharded.push_back((s.cfg.is_llama() ? "model.layers." : "h.") + std::to_string(i));
   }
+  if (llama_own_groups) sharded.push_back("lm_head");
   auto groups = fsdp::shard_groups(*model, sharded);
   groups[0].reshard_after_forward = false;  // the root's default
+  if (llama_own_groups) groups.back().reshard_after_forward = false;
   fsdp::MemoryEstimateOptions eo;
   eo.world_size = world;
   eo.reshard_after_forward = o.reshard_after_forward != "false";  // N (a slice kept) counts as true

@@ -159,15 +159,17 @@ LlamaImpl::LlamaImpl(const GPTConfig& config) : cfg(config) {
     blocks.push_back(LlamaDecoderLayer(std::dynamic_pointer_cast<LlamaDecoderLayerImpl>(layer)));
   }
   lm_head = register_module("lm_head", LMHead(cfg, cfg.tie_weights ? model->embed_tokens->weight : torch::Tensor()));
+  embed = model->embed_tokens;
+  head = lm_head;
   num_params_ = init_llama_weights(*this);
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(idx.size(1) <= cfg.block_size, "Llama: sequence of ", idx.size(1), " tokens exceeds the context of ",
               cfg.block_size);
-  auto x = model->embed_tokens(idx);  // [B, T, C]
-  for (auto& b : blocks) x = b(x);    // through FSDP: unshard before, reshard after each layer
-  return lm_head(model->norm(x));     // [B, T, vocab]
+  auto x = embed(idx);              // [B, T, C]
+  for (auto& b : blocks) x = b(x);  // through FSDP: unshard before, reshard after each layer
+  return head(model->norm(x));      // [B, T, vocab]
 }
 
 PlainLlamaImpl::PlainLlamaImpl(const GPTConfig& config) : cfg(config) {

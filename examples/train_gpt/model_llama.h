@@ -155,6 +155,10 @@ struct LlamaImpl : torch::nn::Module {
   LlamaModel model{nullptr};
   LMHead lm_head{nullptr};
   std::vector<fsdp::FSDPModule<LlamaDecoderLayer>> blocks;  // model->layers, called through FSDP
+  /// model->embed_tokens and lm_head, called through FSDP too: untied, each is a fully_shard group of its own
+  /// (torchtitan's layout: an 8B model's 1B embedding and head parameters are not all gathered at once).
+  fsdp::FSDPModule<torch::nn::Embedding> embed{nullptr};
+  fsdp::FSDPModule<LMHead> head{nullptr};
   /// Always null: tensor and sequence parallelism are refused for Llama (options.cpp). Read by generate().
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
 

@@ -225,6 +225,9 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   // The data-parallel ranks (a TP group shares its batch): rank / tp of world / tp.
   const int data_world = env.world_size / o.tp;
   const int64_t global_batch = o.batch_size * data_world;
+  // --estimate-memory trains nothing: the model and the world size matter, not whether the text fills their
+  // batches (an estimate for 512 ranks runs on a small corpus).
+  if (o.estimate_memory) return s;
   if (s.train.size() < global_batch) {
     DistributedSampler(s.train.size(), o.batch_size, env.rank / o.tp, data_world, o.seed);  // throws the message
   }

@@ -158,8 +158,14 @@ void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh
   const auto opts = shard_options(dp_mesh, p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);
+  // Untied, the embedding and the head are groups of their own (torchtitan's parallelize_llama): the embedding is
+  // freed after its forward; the head, used first in backward, stays gathered (reshard_after_forward false). Tied,
+  // they are one parameter, which must live in one group: the root's.
+  const bool own_groups = !model->cfg.tie_weights;
+  if (own_groups) fsdp::fully_shard(model->embed, block_opts);
   for (auto& block : model->blocks) fsdp::fully_shard(block, block_opts);  // the decoder layers, bottom-up
-  fsdp::fully_shard(model, opts);  // the root last: embed_tokens, norm, lm_head
+  if (own_groups) fsdp::fully_shard(model->head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
+  fsdp::fully_shard(model, opts);  // the root last: the final norm (and a tied embedding and head)
 }
 
 void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
@@ -178,7 +184,10 @@ void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const Paral
   const auto opts = shard_options(dp_mesh, p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);
+  const bool own_groups = !model->cfg.tie_weights;  // as for Llama above
+  if (own_groups) fsdp::fully_shard(model->model->embed_tokens, block_opts);
   for (auto& layer : *layers) fsdp::fully_shard(layer, block_opts);  // the ModuleList's shared_ptrs
+  if (own_groups) fsdp::fully_shard(model->lm_head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
   fsdp::fully_shard(model, opts);
 }
 

@@ -84,9 +84,10 @@ fsdp::SelectiveCheckpointContexts selective_op_policy();
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
-/// The same for Llama (model_llama.h), with the same options: each decoder layer (model.layers.N) a fully_shard
-/// group of its own (activation checkpointing per layer first), then the root (embed_tokens, norm, lm_head; a tied
-/// lm_head is embed_tokens' weight, in the root group with it). No tensor parallelism (refused in options.cpp).
+/// The same for Llama (model_llama.h), with the same options, in torchtitan's layout: untied, model.embed_tokens a
+/// group, each decoder layer (model.layers.N) a group (activation checkpointing per layer first), lm_head a group
+/// kept gathered from forward to backward, then the root (model.norm; tied, also the embedding and the head, one
+/// parameter, which must stay in one group). No tensor parallelism (refused in options.cpp).
 /// Example: `parallelize(model, mesh, s.parallel)` for a fsdp::FSDPModule<Llama> built on every rank alike.
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 

@@ -261,6 +261,15 @@ def test_estimate_memory_counts_llama3(preset, expected_params, text_files):
              "--mixed-precision", "bf16"], nproc=None, timeout=120)
     assert p.returncode == 0, show(p)
     assert f"{expected_params} parameters" in p.stdout, show(p)
+    # As rank 0 of 512 (no process group is made: the estimate is computed alone by every rank): a corpus that could
+    # not fill 512 ranks' batches is no reason to refuse an estimate; the untied embedding and head are groups of
+    # their own (the largest, as in torchtitan's layout), not one 1B-parameter root group.
+    env = {"WORLD_SIZE": 512, "RANK": 0, "LOCAL_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1}
+    p = run_program([TRAIN_GPT, "--model", preset, "--data", *text_files, "--estimate-memory", "--batch-size", "1",
+                     "--block-size", "2048", "--mixed-precision", "bf16", "--activation-checkpointing", "full"],
+                    timeout=120, **env)
+    assert p.returncode == 0, show(p)
+    assert "512 ranks" in p.stdout and "largest group: 'model.embed_tokens'" in p.stdout, show(p)
 
 
 LOAD_VARIANTS = [
