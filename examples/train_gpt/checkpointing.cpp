@@ -144,16 +144,18 @@ void check_model(const fsdp::dcp::CheckpointInfo& info, const GPTConfig& cfg, co
                      " (" + models + "). Fix: resume with the model options of the checkpoint (--model, --n-layer, "
                      "--n-head, --n-embd, --block-size, --tie-weights), or start a new run in another --ckpt-dir");
   }
-  if (saved.arch != cfg.arch || model_json(saved) != model_json(cfg)) {
-    if (saved.arch != cfg.arch || saved.is_llama()) {
-      nlohmann::json a = model_json(saved), b = model_json(cfg);
-      a.erase("dropout"), b.erase("dropout"), a.erase("block_size"), b.erase("block_size");
-      if (a != b) {
-        throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models +
-                         "). Fix: resume with the model options of the checkpoint, or start a new run in another "
-                         "--ckpt-dir");
-      }
-    }
+  // Same shapes can still be another model: another architecture, or Llama's key/value heads, norm epsilon or RoPE.
+  // (Dropout and the training window change no parameter and are the run's to choose.)
+  auto arithmetic = [](const GPTConfig& c) {
+    auto j = model_json(c);
+    j.erase("dropout");
+    j.erase("block_size");
+    return j;
+  };
+  if (saved.arch != cfg.arch || (cfg.is_llama() && arithmetic(saved) != arithmetic(cfg))) {
+    throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models + "; saved " +
+                     arithmetic(saved).dump() + ", this run " + arithmetic(cfg).dump() + "). Fix: resume with the "
+                     "model options of the checkpoint, or start a new run in another --ckpt-dir");
   }
   if (saved.n_head != cfg.n_head || saved.tie_weights != cfg.tie_weights || saved.vocab_size != cfg.vocab_size) {
     throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models +
