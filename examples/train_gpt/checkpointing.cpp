@@ -1,5 +1,7 @@
 #include "checkpointing.h"
 
+#include "model_llama.h"
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -25,8 +27,23 @@ constexpr const char* kRunKey = "train.run";
 constexpr const char* kFirstEvalKey = "train.first_eval";  // {step, loss} of the run's first evaluation
 
 nlohmann::json model_json(const GPTConfig& c) {
-  return {{"vocab_size", c.vocab_size}, {"block_size", c.block_size}, {"n_layer", c.n_layer}, {"n_head", c.n_head},
-          {"n_embd", c.n_embd},         {"dropout", c.dropout},       {"tie_weights", c.tie_weights}};
+  nlohmann::json j = {{"vocab_size", c.vocab_size}, {"block_size", c.block_size}, {"n_layer", c.n_layer},
+                      {"n_head", c.n_head},         {"n_embd", c.n_embd},         {"dropout", c.dropout},
+                      {"tie_weights", c.tie_weights}};
+  if (c.is_llama()) {  // GPT-2 checkpoints keep exactly their former fields (no "arch": gpt2 when absent)
+    j["arch"] = c.arch;
+    j["n_kv_head"] = c.kv_heads();
+    j["intermediate_size"] = c.mlp_width();
+    j["norm_eps"] = c.norm_eps;
+    j["rope_theta"] = c.rope_theta;
+    j["rope_type"] = c.rope_type;
+    j["rope_factor"] = c.rope_factor;
+    j["rope_low_freq_factor"] = c.rope_low_freq_factor;
+    j["rope_high_freq_factor"] = c.rope_high_freq_factor;
+    j["rope_original_max_positions"] = c.rope_original_max_positions;
+    j["max_positions"] = c.max_positions;
+  }
+  return j;
 }
 
 GPTConfig model_from_json(const nlohmann::json& j) {
@@ -38,6 +55,19 @@ GPTConfig model_from_json(const nlohmann::json& j) {
   c.n_embd = j.at("n_embd").get<int64_t>();
   c.dropout = j.at("dropout").get<double>();
   c.tie_weights = j.at("tie_weights").get<bool>();
+  c.arch = j.value("arch", std::string("gpt2"));
+  if (c.is_llama()) {
+    c.n_kv_head = j.at("n_kv_head").get<int64_t>();
+    c.intermediate_size = j.at("intermediate_size").get<int64_t>();
+    c.norm_eps = j.at("norm_eps").get<double>();
+    c.rope_theta = j.at("rope_theta").get<double>();
+    c.rope_type = j.at("rope_type").get<std::string>();
+    c.rope_factor = j.at("rope_factor").get<double>();
+    c.rope_low_freq_factor = j.at("rope_low_freq_factor").get<double>();
+    c.rope_high_freq_factor = j.at("rope_high_freq_factor").get<double>();
+    c.rope_original_max_positions = j.at("rope_original_max_positions").get<int64_t>();
+    c.max_positions = j.at("max_positions").get<int64_t>();
+  }
   return c;
 }
 
@@ -75,7 +105,14 @@ void check_model(const fsdp::dcp::CheckpointInfo& info, const GPTConfig& cfg, co
   std::vector<std::string> differ, absent, extra;
   std::unordered_set<std::string> mine;
   {
-    GPT model(cfg);  // only its names and shapes are used (train() reseeds the generator before its own)
+    // Only its names and shapes are used (train() reseeds the generator before its own). Llama: on the meta device
+    // (deferred_init), as an 8B model would not fit.
+    std::shared_ptr<torch::nn::Module> model;
+    if (cfg.is_llama()) {
+      model = fsdp::deferred_init([&] { return Llama(cfg); }).ptr();
+    } else {
+      model = GPT(cfg).ptr();
+    }
     auto check = [&](const std::string& name, const torch::Tensor& t) {
       const std::string key = fsdp::kModelPrefix + name;
       mine.insert(key);
@@ -106,6 +143,19 @@ void check_model(const fsdp::dcp::CheckpointInfo& info, const GPTConfig& cfg, co
                      (more ? ", and " + std::to_string(more) + " more difference" + (more > 1 ? "s" : "") : "") +
                      " (" + models + "). Fix: resume with the model options of the checkpoint (--model, --n-layer, "
                      "--n-head, --n-embd, --block-size, --tie-weights), or start a new run in another --ckpt-dir");
+  }
+  // Same shapes can still be another model: another architecture, or Llama's key/value heads, norm epsilon or RoPE.
+  // (Dropout and the training window change no parameter and are the run's to choose.)
+  auto arithmetic = [](const GPTConfig& c) {
+    auto j = model_json(c);
+    j.erase("dropout");
+    j.erase("block_size");
+    return j;
+  };
+  if (saved.arch != cfg.arch || (cfg.is_llama() && arithmetic(saved) != arithmetic(cfg))) {
+    throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models + "; saved " +
+                     arithmetic(saved).dump() + ", this run " + arithmetic(cfg).dump() + "). Fix: resume with the "
+                     "model options of the checkpoint, or start a new run in another --ckpt-dir");
   }
   if (saved.n_head != cfg.n_head || saved.tie_weights != cfg.tie_weights || saved.vocab_size != cfg.vocab_size) {
     throw UsageError(who + ": the checkpoint " + path + " holds another model (" + models +

@@ -97,11 +97,12 @@ CLI::Validator resume_value() {
       "", "");
 }
 
-void add_flags(CLI::App& app, Options& o) {
+CLI::Option* add_flags(CLI::App& app, Options& o) {
   std::string presets;
   for (const auto& n : preset_names()) presets += (presets.empty() ? "" : "|") + n;
   auto* g = app.add_option_group("Model");
-  g->add_option("--model", o.model, "Preset: " + presets)->capture_default_str();
+  auto* model_flag = g->add_option("--model", o.model, "Preset: " + presets + " (llama-*: the Llama "
+                                   "architecture, model_llama.h)")->capture_default_str();
   g->add_option("--n-layer", o.n_layer, "Transformer blocks (overrides the preset)")->check(integer_at_least<int64_t>(1));
   g->add_option("--n-head", o.n_head, "Attention heads (overrides the preset)")->check(integer_at_least<int64_t>(1));
   g->add_option("--n-embd", o.n_embd, "Embedding width, a multiple of --n-head (overrides the preset)")
@@ -109,7 +110,26 @@ void add_flags(CLI::App& app, Options& o) {
   g->add_option("--block-size", o.block_size, "Context length in bytes (overrides the preset)")
       ->check(integer_at_least<int64_t>(1));
   g->add_option("--dropout", o.dropout, "Dropout probability (Default: 0)")->check(number_in(0, false, 1, true));
-  g->add_option("--tie-weights", o.tie_weights, "Share the embedding and head weights")->capture_default_str();
+  g->add_option("--tie-weights", o.tie_weights, "Share the embedding and head weights (Default: the preset's: true "
+                "for GPT-2, false for Llama)");
+  g->add_option("--init-from", o.init_from,
+                "A Hugging Face model folder (config.json + model.safetensors or its index and shards, as "
+                "save_pretrained writes; LlamaForCausalLM or GPT2LMHeadModel): the model's shape from config.json, "
+                "its weights loaded into the shards (each rank reads its own rows). Unsupported config fields are "
+                "refused by name. A resume (--resume, a restart) loads the checkpoint instead");
+  g->add_option("--export-hf", o.export_hf,
+                "After training, write the model as a Hugging Face folder DIR (config.json + model.safetensors, fp32) "
+                "that transformers' from_pretrained loads");
+  g->add_option("--export-max-file-mb", o.export_max_file_mb,
+                "--export-hf: split the weights into files of at most this many MiB (a larger tensor alone in its "
+                "file), listed by model.safetensors.index.json")
+      ->capture_default_str()->check(number_in(0, true));
+  g->add_option("--logits-tokens", o.logits_tokens,
+                "A safetensors file holding int64 \"tokens\" [B, T]: their logits are computed after initialisation "
+                "(and --init-from or a resume) and after training, and written to --dump-logits");
+  g->add_option("--dump-logits", o.dump_logits,
+                "Write the fp32 logits of --logits-tokens to FILE (safetensors: \"logits_init\" before the first "
+                "step, \"logits\" after the last; rank 0)");
   g->add_option("--model-impl", o.model_impl,
                 "How the model's code meets FSDP (the same GPT, parameter names, weights and losses either way): "
                 "holder (model.h: blocks declared as fsdp::FSDPModule<Block>, FSDP runs around each call) or "
@@ -279,6 +299,7 @@ void add_flags(CLI::App& app, Options& o) {
       if (opt->get_expected_max() == 1) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     }
   }
+  return model_flag;
 }
 
 }  // namespace
@@ -287,9 +308,10 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   CLI::App app{"train_gpt: trains a GPT-2-style byte-level language model on English text with FSDP2 (libfsdp).\n"
                "Launch: fsdprun --standalone --nproc-per-node N -- train_gpt [OPTIONS]\n"
                "Token shards for --data-shards: train_gpt tokenize --help"};
-  add_flags(app, o);
+  CLI::Option* model_flag = add_flags(app, o);
   try {
     app.parse(argc, argv);
+    o.model_given = model_flag->count() > 0;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     // One line, like every other usage error (CLI11 adds "Run with --help ..." on a second line).

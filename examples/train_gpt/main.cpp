@@ -22,6 +22,8 @@
 //   tokenizer.h           --tokenizer: bytes or SentencePiece (its C++ library); the model's vocab_size
 //   token_shards.h        --data-shards: llm.c token files by mmap; `train_gpt tokenize` writes them
 //   sft.h                 --sft: prompt/response JSONL, prompt masked; the loss over the global unmasked tokens
+//   model_llama.h         the Llama architecture (--model llama-*, --init-from a Hugging Face Llama folder)
+//   hf.h/.cpp             Hugging Face folders in and out: --init-from, --export-hf, --dump-logits
 //   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
 //                         takes unchanged, as PyTorch's does
 
@@ -31,6 +33,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <optional>
@@ -44,9 +47,11 @@
 #include "data.h"
 #include "evaluate.h"
 #include "fsdp/fsdp.h"
+#include "hf.h"
 #include "interop.h"
 #include "memory_estimate.h"
 #include "model.h"
+#include "model_llama.h"
 #include "model_plain.h"
 #include "optimizer.h"
 #include "options.h"
@@ -238,6 +243,13 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   report.say("model built" + std::string(sharded_init ? " sharded (deferred_init)" : " in full") + ": peak RSS +" +
              std::to_string(std::lround(peak_rss_mb() - rss_before)) + " MiB over the " +
              std::to_string(std::lround(rss_before)) + " MiB before construction (rank " + std::to_string(rank) + ")");
+  // --init-from: the Hugging Face weights, read straight into the shards (a resume loads its checkpoint instead).
+  if (!o.init_from.empty() && !plan.resume) {
+    const auto t_load = Clock::now();
+    const int64_t bytes = load_hf_weights(*model, s.cfg, o.init_from);
+    report.say("init-from: " + o.init_from + " loaded in " + fmt("%.2f", seconds_since(t_load)) + " s (" +
+               fmt("%.1f", static_cast<double>(bytes) / (1 << 20)) + " MiB read by rank " + std::to_string(rank) + ")");
+  }
   std::optional<BatchRecorder> recorder;
   if (!o.dump_batches.empty()) recorder.emplace(o.dump_batches);
   torch::optim::AdamW optimizer = make_adamw(groups, o);
@@ -261,6 +273,12 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
     start_step = r.step;
     report.restore_first_eval(r.first_eval);
     report.say(r.message);
+  }
+  // --logits-tokens: the logits before the first step of this run (after --init-from or the resume).
+  torch::Tensor logit_tokens, logits_init;
+  if (!o.logits_tokens.empty()) {
+    logit_tokens = read_logits_tokens(o.logits_tokens, s.cfg);
+    logits_init = logits_of(model, logit_tokens, device);
   }
   report.open_metrics(plan.resume ? start_step : -1);
   if (mesh->ndim() > 1) {  // FSDP's and TP's collectives run on the mesh's dims, not on the world group
@@ -304,6 +322,21 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   report.end_of_training(last_step);
   const double wall = seconds_since(t_train);
   if (recorder) recorder->write(rank, o.grad_accum_steps, run_description(s, world, start_step));
+  if (logit_tokens.defined()) {
+    auto logits = logits_of(model, logit_tokens, device);
+    if (rank == 0) fsdp::dcp::save_file({{"logits_init", logits_init}, {"logits", logits}}, o.dump_logits);
+  }
+  if (!o.export_hf.empty()) {  // a Hugging Face folder of the trained model (the source's config.json fields kept)
+    const auto t_export = Clock::now();
+    nlohmann::json base = nullptr;
+    if (!o.init_from.empty()) {
+      std::ifstream in(o.init_from + "/config.json");
+      if (in) base = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (base.is_discarded()) base = nullptr;
+    }
+    export_hf(*model, s.cfg, o.export_hf, base, static_cast<int64_t>(o.export_max_file_mb * (1 << 20)), *pg);
+    report.say("export-hf: " + o.export_hf + " written in " + fmt("%.2f", seconds_since(t_export)) + " s");
+  }
   // The sample: every rank runs the forwards, rank 0 prints.
   std::string sample;
   if (o.sample_tokens > 0) sample = generate(model, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg, *s.tokenizer);
@@ -355,7 +388,10 @@ int run(int argc, char** argv) {
   }
   auto pg = make_process_group(launched, cuda);
   // --model-impl: the same run with either model code (model.h or model_plain.h).
-  const int rc = o.model_impl == "plain" ? train<PlainGPT>(s, plan, pg) : train<fsdp::FSDPModule<GPT>>(s, plan, pg);
+  // The architecture (--model llama-*, or --init-from's config.json) picks the model; the trainer is the same.
+  const bool plain = o.model_impl == "plain";
+  const int rc = s.cfg.is_llama() ? (plain ? train<PlainLlama>(s, plan, pg) : train<fsdp::FSDPModule<Llama>>(s, plan, pg))
+                                  : (plain ? train<PlainGPT>(s, plan, pg) : train<fsdp::FSDPModule<GPT>>(s, plan, pg));
   // Before exit: a NCCL group left to static destruction can crash the exit (after CUDA's teardown).
   fsdp::destroy_process_group(pg);
   return rc;

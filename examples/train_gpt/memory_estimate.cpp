@@ -6,6 +6,7 @@
 
 #include "fsdp/fsdp.h"
 #include "model.h"
+#include "model_llama.h"
 
 namespace train_gpt {
 namespace {
@@ -38,6 +39,31 @@ fsdp::ActivationProfile gpt_activation_profile(const GPTConfig& c, int64_t batch
   return p;
 }
 
+/// The same for Llama (model_llama.cpp's forward), B x T x C elements in the compute dtype e unless said otherwise:
+///   per layer: its input 1 (the residual) and the fp32 upcast of each RMSNorm's input (2 x 4/e) with the normed
+///     value and the norm's output (2 x 2), q 1 and k, v 2 x KV/H (before and after RoPE: x 2), SDPA's output 1,
+///     the residual sum 1, the MLP's gate, silu(gate), up and their product 4 x I/C; fp32 stats: the norms' rsqrt
+///     (2 x B x T) and SDPA's logsumexp (B x H x T);
+///   selective-op: the input 1, q, k, v after RoPE, SDPA's output and logsumexp, the gate and up outputs 2 x I/C;
+///   the rest: the last layer's output and the final norm's (as per layer: 1 + 4/e + 2), the logits B x T x V in e
+///     and log_softmax's fp32 output; backward temporaries as GPT's, with the MLP's 3 x I/C + 2.
+fsdp::ActivationProfile llama_activation_profile(const GPTConfig& c, int64_t batch, int64_t e) {
+  const int64_t B = batch, T = c.block_size, C = c.n_embd, H = c.n_head, V = c.vocab_size;
+  const int64_t I = c.mlp_width(), KV = c.kv_heads() * c.head_dim();
+  const int64_t bt = B * T;
+  const int64_t norm = bt * C * 4 + 2 * bt * C * e + bt * 4;  // fp32 input, normed and scaled output, rsqrt
+  const int64_t qkv = bt * (C + 2 * KV) * e;
+  fsdp::ActivationProfile p;
+  p.blocks = c.n_layer;
+  p.block_saved = bt * C * e + 2 * norm + 2 * qkv + bt * C * e + bt * C * e + 4 * bt * I * e + B * H * T * 4;
+  p.block_input = bt * C * e;
+  p.block_selective = bt * C * e + qkv + bt * C * e + B * H * T * 4 + 2 * bt * I * e;
+  p.other_saved = bt * C * e + norm + B * T * V * e + B * T * V * 4;
+  p.head_backward_temporary = 2 * B * T * V * 4;
+  p.block_backward_temporary = (3 * bt * I + 2 * bt * C) * e;
+  return p;
+}
+
 /// --activation-checkpointing as the estimator's mode.
 fsdp::ActivationCheckpointing activation_checkpointing(const std::string& mode) {
   using Mode = fsdp::ActivationCheckpointing::Mode;
@@ -63,11 +89,24 @@ int64_t cpu_runtime_overhead_bytes(torch::ScalarType compute) {
 /// unsharded from forward to backward).
 void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
   const Options& o = s.opts;
-  auto model = fsdp::deferred_init([&] { return GPT(s.cfg); });  // meta tensors: sizes and dtypes only
+  // Meta tensors: sizes and dtypes only (an 8B or 70B Llama allocates nothing).
+  std::shared_ptr<torch::nn::Module> model;
+  if (s.cfg.is_llama()) {
+    model = fsdp::deferred_init([&] { return Llama(s.cfg); }).ptr();
+  } else {
+    model = fsdp::deferred_init([&] { return GPT(s.cfg); }).ptr();
+  }
   std::vector<std::string> sharded = {""};  // forward order: the root (embeddings) first, then the blocks
-  for (int64_t i = 0; i < s.cfg.n_layer; ++i) sharded.push_back("h." + std::to_string(i));
+  // Llama untied: the embedding and the head are groups of their own (parallelize.cpp), the head kept gathered.
+  const bool llama_own_groups = s.cfg.is_llama() && !s.cfg.tie_weights;
+  if (llama_own_groups) sharded.push_back("model.embed_tokens");
+  for (int64_t i = 0; i < s.cfg.n_layer; ++i) {
+    sharded.push_back((s.cfg.is_llama() ? "model.layers." : "h.") + std::to_string(i));
+  }
+  if (llama_own_groups) sharded.push_back("lm_head");
   auto groups = fsdp::shard_groups(*model, sharded);
   groups[0].reshard_after_forward = false;  // the root's default
+  if (llama_own_groups) groups.back().reshard_after_forward = false;
   fsdp::MemoryEstimateOptions eo;
   eo.world_size = world;
   eo.reshard_after_forward = o.reshard_after_forward != "false";  // N (a slice kept) counts as true
@@ -79,7 +118,8 @@ void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
   eo.device_is_cpu = !cuda;
   eo.optimizer_bytes_per_element = 8.0;  // AdamW: exp_avg + exp_avg_sq in fp32
   const int64_t e = static_cast<int64_t>(c10::elementSize(s.parallel.param_dtype));
-  eo.activation_bytes = fsdp::activation_peak_bytes(gpt_activation_profile(s.cfg, o.batch_size, e),
+  eo.activation_bytes = fsdp::activation_peak_bytes(s.cfg.is_llama() ? llama_activation_profile(s.cfg, o.batch_size, e)
+                                                                     : gpt_activation_profile(s.cfg, o.batch_size, e),
                                                    activation_checkpointing(o.activation_checkpointing));
   eo.runtime_overhead_bytes = cuda ? 0 : cpu_runtime_overhead_bytes(s.parallel.param_dtype);
   const auto est = fsdp::estimate_memory(fsdp::param_infos(*model), groups, eo);

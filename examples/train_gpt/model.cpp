@@ -28,6 +28,24 @@ const std::map<std::string, GPTConfig>& presets() {
     // state and gradients - built sharded (fsdp::deferred_init), each rank holds 1/N (issue 14).
     c.n_layer = 24, c.n_head = 16, c.n_embd = 1024, c.block_size = 256;
     m["large"] = c;
+    // Llama (model_llama.h): RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head.
+    GPTConfig l;
+    l.arch = "llama", l.tie_weights = false;
+    // Tests: 2 layers, 4 heads sharing 2 key/value heads, an MLP width that is no multiple of the width.
+    l.n_layer = 2, l.n_head = 4, l.n_kv_head = 2, l.n_embd = 32, l.intermediate_size = 88, l.block_size = 32;
+    m["llama-tiny"] = l;
+    // Benchmarks on this machine: 151M parameters over bytes (24 x 768, 12 heads, 4 key/value heads, MLP 2048).
+    l.n_layer = 24, l.n_head = 12, l.n_kv_head = 4, l.n_embd = 768, l.intermediate_size = 2048, l.block_size = 512;
+    m["llama-150m"] = l;
+    // Llama 3.1 8B and 70B (meta-llama/Llama-3.1-8B's and -70B's config.json): for --estimate-memory and GPU
+    // runs (no weights are built by --estimate-memory: meta tensors only). Context 8192 (Llama 3's original).
+    l.vocab_size = 128256, l.n_layer = 32, l.n_head = 32, l.n_kv_head = 8, l.n_embd = 4096;
+    l.intermediate_size = 14336, l.block_size = 8192, l.max_positions = 131072, l.rope_theta = 500000.0;
+    l.rope_type = "llama3", l.rope_factor = 8.0, l.rope_low_freq_factor = 1.0, l.rope_high_freq_factor = 4.0;
+    l.rope_original_max_positions = 8192;
+    m["llama3-8b"] = l;
+    l.n_layer = 80, l.n_head = 64, l.n_kv_head = 8, l.n_embd = 8192, l.intermediate_size = 28672;
+    m["llama3-70b"] = l;
     return m;
   }();
   return p;
@@ -44,7 +62,8 @@ torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
-  static const std::vector<std::string> names = {"tiny", "small", "medium", "gpt2-small", "large"};
+  static const std::vector<std::string> names = {"tiny",       "small",      "medium",    "gpt2-small", "large",
+                                                  "llama-tiny", "llama-150m", "llama3-8b", "llama3-70b"};
   return names;
 }
 
@@ -76,12 +95,35 @@ void validate(const GPTConfig& cfg) {
   if (!(cfg.dropout >= 0.0 && cfg.dropout < 1.0)) {  // written so that NaN fails too
     throw std::invalid_argument("--dropout=" + std::to_string(cfg.dropout) + " must be in [0, 1)");
   }
+  if (cfg.arch != "gpt2" && cfg.arch != "llama") {
+    throw std::invalid_argument("model architecture '" + cfg.arch + "' is not supported: expected gpt2 or llama");
+  }
+  if (!cfg.is_llama()) return;
+  if (cfg.n_head % cfg.kv_heads() != 0) {
+    throw std::invalid_argument("num_key_value_heads=" + std::to_string(cfg.kv_heads()) +
+                                " does not divide num_attention_heads=" + std::to_string(cfg.n_head) +
+                                ": each key/value head serves n_head / n_kv_head query heads");
+  }
+  if (cfg.head_dim() % 2 != 0) {
+    throw std::invalid_argument("head_dim=" + std::to_string(cfg.head_dim()) +
+                                " is odd: rotary embeddings rotate pairs of dims. Fix: an even n_embd / n_head");
+  }
+  if (cfg.rope_type != "default" && cfg.rope_type != "llama3") {
+    throw std::invalid_argument("rope type '" + cfg.rope_type + "' is not supported: expected default or llama3");
+  }
+  if (!(cfg.norm_eps > 0.0) || !(cfg.rope_theta > 0.0)) {
+    throw std::invalid_argument("rms_norm_eps and rope_theta must be > 0");
+  }
 }
 
 std::string describe(const GPTConfig& cfg) {
   std::ostringstream os;
-  os << cfg.n_layer << (cfg.n_layer == 1 ? " layer, " : " layers, ") << cfg.n_head << " heads, " << cfg.n_embd << " dims, context "
-     << cfg.block_size << ", vocab " << cfg.vocab_size << (cfg.tie_weights ? ", tied head" : ", untied head");
+  if (cfg.is_llama()) os << "Llama: ";
+  os << cfg.n_layer << (cfg.n_layer == 1 ? " layer, " : " layers, ") << cfg.n_head << " heads, ";
+  if (cfg.is_llama()) os << cfg.kv_heads() << " key/value heads, MLP " << cfg.mlp_width() << ", ";
+  os << cfg.n_embd << " dims, context " << cfg.block_size << ", vocab " << cfg.vocab_size
+     << (cfg.tie_weights ? ", tied head" : ", untied head");
+  if (cfg.is_llama() && cfg.rope_type != "default") os << ", rope " << cfg.rope_type;
   if (cfg.dropout > 0) os << ", dropout " << cfg.dropout;
   return os.str();
 }

@@ -20,15 +20,31 @@
 
 namespace train_gpt {
 
-/// Shape of the model. Byte-level tokens: vocab_size 256 covers any UTF-8 text.
+/// Shape of the model: GPT-2 (arch "gpt2", model.h) or Llama (arch "llama", model_llama.h). Byte-level
+/// tokens by default: vocab_size 256 covers any UTF-8 text. The Llama-only fields are ignored for GPT-2.
 struct GPTConfig {
+  std::string arch = "gpt2";  ///< "gpt2" (GPT, PlainGPT) or "llama" (Llama)
   int64_t vocab_size = 256;
-  int64_t block_size = 128;  ///< context length (tokens)
+  int64_t block_size = 128;  ///< context length (tokens): GPT-2's learned positions; Llama's training window
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
   double dropout = 0.0;
-  bool tie_weights = true;  ///< lm_head.weight is wte.weight
+  bool tie_weights = true;  ///< lm_head.weight is wte.weight (Llama: model.embed_tokens.weight)
+  // Llama only (Hugging Face LlamaConfig's names in the comments).
+  int64_t n_kv_head = 0;           ///< num_key_value_heads (grouped-query attention); 0: n_head
+  int64_t intermediate_size = 0;   ///< the SwiGLU MLP's width; 0: 4 * n_embd
+  double norm_eps = 1e-5;          ///< rms_norm_eps (GPT-2: layer_norm_epsilon, fixed at 1e-5)
+  double rope_theta = 10000.0;     ///< the RoPE base
+  std::string rope_type = "default";  ///< "default" (none) or "llama3" (Llama 3.1's frequency scaling)
+  double rope_factor = 8.0, rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0;  ///< llama3 scaling
+  int64_t rope_original_max_positions = 8192;  ///< llama3: original_max_position_embeddings
+  int64_t max_positions = 0;  ///< max_position_embeddings for config.json; 0: block_size
+
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t mlp_width() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
+  int64_t head_dim() const { return n_embd / n_head; }
+  bool is_llama() const { return arch == "llama"; }
 };
 
 /// Names of the presets, smallest first ("tiny" is for tests).

@@ -5,14 +5,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <regex>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 #include <torch/cuda.h>
 
 #include "token_shards.h"
+#include "hf.h"
 
 namespace train_gpt {
 
@@ -30,6 +33,32 @@ std::string one_line(std::string text) {
 /// The model shape: the preset with the explicit flags applied. Throws UsageError.
 GPTConfig model_config(const Options& o) {
   GPTConfig cfg;
+  if (!o.init_from.empty()) {
+    // The shape is the Hugging Face folder's: flags that would change it are refused, not silently ignored.
+    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--model", o.model_given},
+                                      {"--n-layer", o.n_layer.has_value()}, {"--n-head", o.n_head.has_value()},
+                                      {"--n-embd", o.n_embd.has_value()}, {"--tie-weights", o.tie_weights.has_value()}}) {
+      if (given) {
+        throw UsageError(std::string(flag) + " with --init-from " + o.init_from + ": the model's shape comes from its "
+                         "config.json. Fix: drop " + flag);
+      }
+    }
+    cfg = read_hf_config(o.init_from);
+    if (o.block_size) {
+      if (!cfg.is_llama() && *o.block_size != cfg.block_size) {
+        throw UsageError("--block-size " + std::to_string(*o.block_size) + " with --init-from a GPT-2 folder: its "
+                         "learned positions fix the context at n_positions=" + std::to_string(cfg.block_size) +
+                         ". Fix: drop --block-size");
+      }
+      cfg.block_size = *o.block_size;  // Llama: the training window (RoPE has no table to outgrow)
+    }
+    if (o.dropout) cfg.dropout = *o.dropout;
+    if (cfg.vocab_size < 256) {
+      throw UsageError("--init-from " + o.init_from + ": config.json: vocab_size=" + std::to_string(cfg.vocab_size) +
+                       " is smaller than the 256 byte values the training text is tokenised into");
+    }
+    return cfg;
+  }
   try {
     cfg = preset(o.model);
     if (o.n_layer) cfg.n_layer = *o.n_layer;
@@ -37,7 +66,7 @@ GPTConfig model_config(const Options& o) {
     if (o.n_embd) cfg.n_embd = *o.n_embd;
     if (o.block_size) cfg.block_size = *o.block_size;
     if (o.dropout) cfg.dropout = *o.dropout;
-    cfg.tie_weights = o.tie_weights;
+    if (o.tie_weights) cfg.tie_weights = *o.tie_weights;
     validate(cfg);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
@@ -87,6 +116,21 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                      "code, whose blocks are checkpointed from the ops on their parameters (no call to re-run), which "
                      "only the non-reentrant form can do; use --checkpoint-impl no_reentrant (PyTorch's "
                      "recommendation, the default)");
+  }
+  if (cfg.is_llama()) {
+    // Tensor parallelism exists for GPT-2 only (model.h, model_plain.h).
+    if (o.tp > 1) {
+      throw UsageError("--tp " + std::to_string(o.tp) + " with a Llama model: tensor parallelism is implemented for "
+                       "GPT-2 only (fully_shard, HSDP and --data-parallel replicate work for Llama). Fix: --tp 1");
+    }
+  }
+  if ((o.logits_tokens.empty()) != (o.dump_logits.empty())) {
+    throw UsageError("--logits-tokens and --dump-logits go together: the tokens to evaluate and the file for their "
+                     "logits. Fix: give both or neither");
+  }
+  if (!o.init_from.empty() && !o.save_init.empty()) {
+    throw UsageError("--save-init with --init-from: --save-init writes the random initial weights, which --init-from "
+                     "replaces. Fix: drop --save-init (the Hugging Face folder holds the initial weights)");
   }
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;
@@ -166,6 +210,14 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
                      ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");
   }
+  if (!o.export_hf.empty()) {  // now, on every rank, rather than after training on rank 0 alone
+    std::error_code ec;
+    std::filesystem::create_directories(o.export_hf, ec);
+    if (!std::filesystem::is_directory(o.export_hf) || access(o.export_hf.c_str(), W_OK) != 0) {
+      throw UsageError("--export-hf " + o.export_hf + " cannot be created or written" +
+                       (ec ? ": " + ec.message() : "") + ". Fix: a writable directory");
+    }
+  }
 
   const int64_t T = cfg.block_size;
   // Token shards, SFT examples, or text through a tokenizer (token_shards.h); byte-level text below.
@@ -195,6 +247,9 @@ void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   // The data-parallel ranks (a TP group shares its batch): rank / tp of world / tp.
   const int data_world = env.world_size / o.tp;
   const int64_t global_batch = o.batch_size * data_world;
+  // --estimate-memory trains nothing: the model and the world size matter, not whether the text fills their
+  // batches (an estimate for 512 ranks runs on a small corpus).
+  if (o.estimate_memory) return;
   if (s.train.size() < global_batch) {
     DistributedSampler(s.train.size(), o.batch_size, env.rank / o.tp, data_world, o.seed);  // throws the message
   }

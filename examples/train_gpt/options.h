@@ -35,7 +35,14 @@ struct Options {
   std::string model = "small";
   std::optional<int64_t> n_layer, n_head, n_embd, block_size;
   std::optional<double> dropout;
-  bool tie_weights = true;
+  std::optional<bool> tie_weights;  // unset: the preset's (GPT presets tied, Llama presets untied)
+  bool model_given = false;  // --model was on the command line (refused with --init-from)
+  // Hugging Face in and out (hf.h).
+  std::string init_from;  // a Hugging Face folder: its config.json is the model shape, its safetensors the weights
+  std::string export_hf;  // write the trained model here as a Hugging Face folder (config.json + safetensors)
+  double export_max_file_mb = 4096;  // --export-hf: split the safetensors above this many MiB (with an index)
+  std::string logits_tokens;  // safetensors file with int64 "tokens" [B, T]
+  std::string dump_logits;    // write the logits of --logits-tokens after initialisation and after training here
   std::string model_impl = "holder";  // holder: GPT (model.h); plain: PlainGPT, the unchanged model (model_plain.h)
   // Data.
   std::vector<std::string> data;  // empty: the default corpus

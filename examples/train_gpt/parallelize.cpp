@@ -143,6 +143,54 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
   fsdp::fully_shard(model, opts);
 }
 
+void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    if (auto options = block_checkpoint_options(p, static_cast<int64_t>(i))) fsdp::checkpoint_wrapper(model->blocks[i], *options);
+  }
+  const auto dp_mesh = fsdp_mesh(mesh, p);
+  if (p.replicate) {
+    const auto ropts = replicate_options(dp_mesh, p);
+    for (auto& block : model->blocks) fsdp::replicate(block, ropts);
+    fsdp::replicate(model, ropts);
+    return;
+  }
+  const auto opts = shard_options(dp_mesh, p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  // Untied, the embedding and the head are groups of their own (torchtitan's parallelize_llama): the embedding is
+  // freed after its forward; the head, used first in backward, stays gathered (reshard_after_forward false). Tied,
+  // they are one parameter, which must live in one group: the root's.
+  const bool own_groups = !model->cfg.tie_weights;
+  if (own_groups) fsdp::fully_shard(model->embed, block_opts);
+  for (auto& block : model->blocks) fsdp::fully_shard(block, block_opts);  // the decoder layers, bottom-up
+  if (own_groups) fsdp::fully_shard(model->head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
+  fsdp::fully_shard(model, opts);  // the root last: the final norm (and a tied embedding and head)
+}
+
+void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  auto layers = model->model->layers;
+  for (int64_t i = 0; i < static_cast<int64_t>(layers->size()); ++i) {
+    if (auto options = block_checkpoint_options(p, i)) fsdp::checkpoint_wrapper(layers[i], *options);
+  }
+  const auto dp_mesh = fsdp_mesh(mesh, p);
+  if (p.replicate) {
+    const auto ropts = replicate_options(dp_mesh, p);
+    for (auto& layer : *layers) fsdp::replicate(layer, ropts);
+    fsdp::replicate(model, ropts);
+    return;
+  }
+  const auto opts = shard_options(dp_mesh, p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  const bool own_groups = !model->cfg.tie_weights;  // as for Llama above
+  if (own_groups) fsdp::fully_shard(model->model->embed_tokens, block_opts);
+  for (auto& layer : *layers) fsdp::fully_shard(layer, block_opts);  // the ModuleList's shared_ptrs
+  if (own_groups) fsdp::fully_shard(model->lm_head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
+  fsdp::fully_shard(model, opts);
+}
+
 void parallelize(PlainGPT& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
   // The blocks are called by the model's own forward: checkpoint_wrapper on an unchanged module checkpoints it from

@@ -7,6 +7,7 @@
 
 #include "fsdp/fsdp.h"
 #include "model.h"
+#include "model_llama.h"
 #include "model_plain.h"
 
 namespace train_gpt {
@@ -82,6 +83,17 @@ fsdp::SelectiveCheckpointContexts selective_op_policy();
 
 /// Steps 1 and 2: fully_shard on each block, bottom-up, then on the root.
 void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// The same for Llama (model_llama.h), with the same options, in torchtitan's layout: untied, model.embed_tokens a
+/// group, each decoder layer (model.layers.N) a group (activation checkpointing per layer first), lm_head a group
+/// kept gathered from forward to backward, then the root (model.norm; tied, also the embedding and the head, one
+/// parameter, which must stay in one group). No tensor parallelism (refused in options.cpp).
+/// Example: `parallelize(model, mesh, s.parallel)` for a fsdp::FSDPModule<Llama> built on every rank alike.
+void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// The same for the unchanged Llama (--model-impl plain): fully_shard on each element of model.layers, then the
+/// root, exactly as PyTorch users write it; activation checkpointing by checkpoint_wrapper on the unchanged layers.
+void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same

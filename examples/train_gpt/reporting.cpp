@@ -43,6 +43,14 @@ double peak_gpu_mem_mb(const torch::Device& device) {
 }
 
 double flops_per_token(const GPTConfig& c, int64_t num_params) {
+  if (c.is_llama()) {
+    // torchtitan's Llama count (get_num_flop_per_token): 6 x the parameters that multiply (an untied embedding is
+    // a lookup, not a matmul: left out; tied, it is the head and counts), plus attention's scores and weighted sum,
+    // 12 x layers x heads x head_dim x sequence (query heads: grouped key/value heads save no FLOPs there).
+    const int64_t embedding = c.tie_weights ? 0 : c.vocab_size * c.n_embd;
+    return 6.0 * static_cast<double>(num_params - embedding) +
+           12.0 * static_cast<double>(c.n_layer * c.n_head * c.head_dim() * c.block_size);
+  }
   return 6.0 * static_cast<double>(num_params) +
          12.0 * static_cast<double>(c.n_layer * c.n_embd * c.block_size);
 }
@@ -175,7 +183,7 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
   os << "train_gpt: " << world << " rank" << (world > 1 ? "s" : "") << " x " << torch::get_num_threads()
      << " thread" << (torch::get_num_threads() > 1 ? "s" : "") << " (" << pg_->backend()->getBackendName()
      << " on " << device_.str() << ")\n"
-     << "model: " << o_.model << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
+     << "model: " << (o_.init_from.empty() ? o_.model : "--init-from " + o_.init_from) << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
      << "M parameters, " << (s_.parallel.replicate ? "replicated (fsdp::replicate)" : "sharded") << " over "
      << world << " rank" << (world > 1 ? "s" : "")
      << (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1

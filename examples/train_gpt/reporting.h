@@ -26,6 +26,8 @@ double peak_gpu_mem_mb(const torch::Device& device);
 /// Model FLOPs per trained token (forward and backward): 6 per parameter (PaLM's appendix B, the
 /// embeddings' lookups included as matmuls for simplicity) plus the attention scores and values,
 /// 12 * layers * width * context (6 * 2 matmuls of T x d per token, causal masking not discounted).
+/// Llama (cfg.arch "llama"): torchtitan's count, 6 x (parameters - an untied embedding: a lookup) + 12 x layers x
+/// heads x head_dim x context.
 double flops_per_token(const GPTConfig& c, int64_t num_params);
 /// `bytes` as printable UTF-8: a byte-level model can emit ill-formed sequences and control bytes,
 /// which become U+FFFD (newlines and tabs stay).
