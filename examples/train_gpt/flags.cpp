@@ -143,7 +143,8 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
   g->add_option("--val-fraction", o.val_fraction, "Fraction of the text held out for evaluation")
       ->capture_default_str()->check(number_in(0.001, false, 0.5));
   g->add_option("--tokenizer", o.tokenizer, "SentencePiece .model (scripts/train_tokenizer.sh): the text, --sft and "
-                "the sample are encoded and decoded with it, and the model's vocabulary is its (Default: bytes)");
+                "the sample are encoded and decoded with it, and the model's vocabulary is its; `bytes`: byte ids "
+                "(Default: --init-from DIR's tokenizer.model when it has one, else bytes)");
   g->add_option("--vocab-size", o.vocab_size, "The model's vocabulary, at least the tokenizer's (e.g. padded to a "
                 "multiple of 64) (Default: the tokenizer's; presets keep theirs)")->check(integer_at_least<int64_t>(1));
   g->add_option("--data-shards", o.data_shards, "Pre-tokenized llm.c token files (train_gpt tokenize): a directory of "

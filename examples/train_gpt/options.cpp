@@ -196,6 +196,29 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
 
 }  // namespace
 
+/// The tokenizer file of this run ("" for bytes): --tokenizer FILE; `--tokenizer bytes` for byte ids on
+/// purpose; else, with --init-from DIR, the folder's own SentencePiece model (DIR/tokenizer.model, as Llama 2
+/// and Mistral folders ship it). A folder whose tokenizer train_gpt cannot read (tokenizer.json or
+/// vocab.json: Hugging Face tokenizers' BPE, Llama 3's and GPT-2's) is refused: byte ids would feed its
+/// model other tokens than the ones it learnt. Throws UsageError naming the file and the fix.
+static std::string tokenizer_of_run(const Options& o) {
+  if (o.tokenizer == "bytes") return "";
+  if (!o.tokenizer.empty() || o.init_from.empty()) return o.tokenizer;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path dir(o.init_from);
+  if (fs::is_regular_file(dir / "tokenizer.model", ec)) return (dir / "tokenizer.model").string();
+  for (const char* name : {"tokenizer.json", "vocab.json"}) {
+    if (fs::is_regular_file(dir / name, ec)) {
+      throw UsageError("--init-from " + o.init_from + ": the folder's tokenizer is " + name + " (Hugging Face " +
+                       "tokenizers), which train_gpt does not read, and training on byte ids would feed this model " +
+                       "other tokens than the ones it learnt. Fix: --tokenizer FILE.model (a SentencePiece model " +
+                       "with the same ids), or --tokenizer bytes to train on byte ids anyway");
+    }
+  }
+  return "";  // a folder with weights only: byte ids (the model's first 256)
+}
+
 /// The splits are large enough for one global batch and one evaluation batch; sets s.eval_batches.
 /// Throws UsageError.
 static void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env);
@@ -203,8 +226,11 @@ static void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env);
 RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   GPTConfig cfg = model_config(o);
   // The tokenizer sets the vocabulary (tokenizer.h); bytes keep every preset's as it is.
-  const auto tokenizer = load_tokenizer(o.tokenizer);
-  if (!o.tokenizer.empty() || o.vocab_size) cfg.vocab_size = apply_tokenizer_vocab(cfg.vocab_size, o.vocab_size, *tokenizer);
+  const std::string tokenizer_path = tokenizer_of_run(o);
+  const auto tokenizer = load_tokenizer(tokenizer_path);
+  if (!tokenizer_path.empty() || o.vocab_size) {
+    cfg.vocab_size = apply_tokenizer_vocab(cfg.vocab_size, o.vocab_size, *tokenizer);
+  }
   const ParallelOptions parallel = parallel_options(o, cfg, env.world_size);
   if (o.min_lr > o.lr) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
@@ -221,7 +247,7 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
 
   const int64_t T = cfg.block_size;
   // Token shards, SFT examples, or text through a tokenizer (token_shards.h); byte-level text below.
-  if (!o.data_shards.empty() || !o.sft.empty() || !o.tokenizer.empty()) {
+  if (!o.data_shards.empty() || !o.sft.empty() || !tokenizer_path.empty()) {
     auto d = load_tokenized_data(o.data_shards, o.sft, o.data, *tokenizer, T, cfg.vocab_size, o.val_fraction);
     RunSetup s{o, cfg, parallel, std::move(d.train), std::move(d.val), 0, d.name, d.bytes, tokenizer, d.masked_targets};
     check_data_size(s, env);

@@ -293,3 +293,33 @@ def test_sft_malformed_line_is_refused_with_its_number(tmp_path):
         p = run(base(tmp_path, "--sft", data, "--steps", "1"), nproc=None, timeout=60)
         assert p.returncode == 2, show(p)
         assert f"bad.jsonl: line 5 {why}" in p.stderr or (f"line 5 " in p.stderr and why in p.stderr), show(p)
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. --init-from DIR picks the folder's own SentencePiece model (DIR/tokenizer.model, as Llama 2 and Mistral folders
+#    ship it); a folder whose tokenizer train_gpt cannot read (tokenizer.json) is refused unless --tokenizer says
+#    what to use (`bytes` included).
+def test_init_from_uses_the_folders_tokenizer_or_refuses_one_it_cannot_read(tokenizer, text_files, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (requirements.txt)")
+    import torch
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    args = ["--init-from", folder, "--data", *text_files, "--steps", "2", "--batch-size", "2", "--block-size", "32",
+            "--threads", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+    shutil.copy(tokenizer, folder / "tokenizer.model")
+    p = run(args, timeout=180)
+    assert p.returncode == 0, show(p)
+    assert "sentencepiece" in p.stdout and str(folder / "tokenizer.model") in p.stdout, show(p)
+    (folder / "tokenizer.model").unlink()
+    (folder / "tokenizer.json").write_text("{}")
+    p = run(args, timeout=180)
+    assert p.returncode != 0, show(p)
+    assert "the folder's tokenizer is tokenizer.json" in p.stderr + p.stdout, show(p)
+    assert "--tokenizer bytes" in p.stderr + p.stdout, show(p)
+    p = run(args + ["--tokenizer", "bytes"], timeout=180)
+    assert p.returncode == 0, show(p)
+    assert "sentencepiece" not in p.stdout, show(p)
