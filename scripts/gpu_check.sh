@@ -21,6 +21,9 @@ skip_build=0
 # Dry runs without a GPU (not for the real check): FSDP_GPU_CHECK_DEVICE=cpu FSDP_GPU_CHECK_MODEL=tiny
 # FSDP_GPU_CHECK_BATCH=4 run the same phases on the CPU with a small model.
 dev="${FSDP_GPU_CHECK_DEVICE:-cuda}" model="${FSDP_GPU_CHECK_MODEL:-gpt2-small}" batch="${FSDP_GPU_CHECK_BATCH:-16}"
+# The Llama phase (issue 33): preset, context and batch (dry runs: FSDP_GPU_CHECK_LLAMA=llama-tiny ..._CONTEXT=32).
+llama="${FSDP_GPU_CHECK_LLAMA:-llama-150m}" llama_context="${FSDP_GPU_CHECK_LLAMA_CONTEXT:-2048}"
+llama_batch="${FSDP_GPU_CHECK_LLAMA_BATCH:-8}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -174,8 +177,20 @@ if [ $build_ok = 1 ]; then
   cat "$out/compare.log" | tail -20
   cat "$out/compare.jsonl"
   phase compare_fsdp2 "$([ $rc = 0 ] && echo passed || echo failed)" $(( $(date +%s) - t )) "exit $rc"
+  report "$@"
+
+  # ---- 5. train_gpt: the Llama preset, bf16, context 2048: MFU (goal >= 0.40 on one H200) ---------------
+  t=$(date +%s)
+  say "train_llama: $llama bf16 on $dev, context $llama_context, batch $llama_batch"
+  timeout "$(lim 90)" "$build/bin/train_gpt" --device "$dev" --model "$llama" --mixed-precision bf16 \
+    --batch-size "$llama_batch" --block-size "$llama_context" --steps 40 --lr 1e-3 --min-lr 1e-4 --warmup-steps 5 --log-every 5 \
+    --eval-every 0 --eval-batches 1 --sample-tokens 0 --no-progress --metrics "$out/train_llama_metrics.jsonl" \
+    --data "${data[@]}" > "$out/train_llama.log" 2>&1
+  rc=$?
+  grep -vE "^$" "$out/train_llama.log" | tail -12
+  phase train_llama "$([ $rc = 0 ] && echo passed || echo failed)" $(( $(date +%s) - t )) "exit $rc"
 else
-  for p in cuda_tests train_gpt compare_fsdp2; do phase "$p" skipped 0 "the build failed"; done
+  for p in cuda_tests train_gpt compare_fsdp2 train_llama; do phase "$p" skipped 0 "the build failed"; done
 fi
 
 report "$@"

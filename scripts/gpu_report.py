@@ -112,6 +112,12 @@ def markdown(path):
                      f"({'fell' if g['loss_fell'] else 'DID NOT FALL'}); {fmt(g['step_ms'], '.1f')} ms/step, "
                      f"{fmt(g['tokens_per_s'], '.0f')} tokens/s, MFU {fmt(g['mfu'], '.3f')}, peak GPU "
                      f"{fmt(g['peak_gpu_mem_mb'], '.0f')} MiB")
+    g = r.get("train_llama")
+    if g:
+        lines.append(f"train_gpt Llama bf16, {g['steps']} steps: loss {fmt(g['first_loss'], '.3f')} -> "
+                     f"{fmt(g['last_loss'], '.3f')}; {fmt(g['step_ms'], '.1f')} ms/step, "
+                     f"{fmt(g['tokens_per_s'], '.0f')} tokens/s, MFU {fmt(g['mfu'], '.3f')}, peak GPU "
+                     f"{fmt(g['peak_gpu_mem_mb'], '.0f')} MiB")
     lines += ["", "| config | ours ms | PyTorch ms | ratio | ours tok/s | PyTorch tok/s | ours MFU | PyTorch MFU "
               "| ours GPU MiB | PyTorch GPU MiB | ratio | max abs dloss | (LibTorch math) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -144,6 +150,7 @@ def main():
     report["phases"] = phases
     report["tests"] = tests_summary(out / "cuda_tests") or tests_summary(out / "cuda_tests.json")
     report["train_gpt"] = train_summary(out / "train_metrics.jsonl")
+    report["train_llama"] = train_summary(out / "train_llama_metrics.jsonl")
     compare = read_jsonl(out / "compare.jsonl")
     report["compare_fsdp2"] = compare
     bf16 = next((r for r in compare if "bf16" in r.get("config", "")), None)
@@ -159,6 +166,9 @@ def main():
         goals["fp32_max_abs_loss_diff"] = {"value": fp32["max_abs_loss_diff"], "goal": "<= 1e-5 over 20 steps",
                                            "met": fp32["max_abs_loss_diff"] <= 1e-5,
                                            "same_math": fp32.get("max_abs_loss_diff_libtorch_math")}
+    if report["train_llama"] and report["train_llama"].get("mfu") is not None:
+        mfu = report["train_llama"]["mfu"]
+        goals["llama_bf16_mfu"] = {"value": mfu, "goal": ">= 0.40 on one H200", "met": mfu >= 0.40}
     report["goals"] = goals
     expected = {"build", "cuda_tests", "train_gpt", "compare_fsdp2"}
     done = {p["phase"]: p["status"] for p in phases}
@@ -173,6 +183,8 @@ def main():
         "train_loss_fell": report["train_gpt"]["loss_fell"] if report["train_gpt"] else None,
         "train_step_ms": report["train_gpt"]["step_ms"] if report["train_gpt"] else None,
         "train_mfu": report["train_gpt"]["mfu"] if report["train_gpt"] else None,
+        "llama_step_ms": report["train_llama"]["step_ms"] if report["train_llama"] else None,
+        "llama_mfu": report["train_llama"]["mfu"] if report["train_llama"] else None,
         "goals": {k: v.get("met") for k, v in goals.items() if "met" in v},
         "all_passed": report["all_passed"],
     }
