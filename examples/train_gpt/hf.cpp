@@ -1,5 +1,7 @@
 #include "hf.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -322,6 +324,33 @@ int64_t load_hf_weights(torch::nn::Module& model, const GPTConfig& cfg, const st
   } catch (const c10::Error& e) {
     throw UsageError("--init-from " + dir + ": " + one_line(e.what_without_backtrace()));
   }
+}
+
+std::vector<std::string> copy_tokenizer_files(const std::string& init_from, const std::string& tokenizer,
+                                              const std::string& out_dir) {
+  std::vector<std::pair<fs::path, std::string>> copies;  // from, name in out_dir
+  std::error_code ec;
+  if (!init_from.empty()) {
+    for (const char* name : {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                             "generation_config.json"}) {
+      if (fs::is_regular_file(fs::path(init_from) / name, ec)) copies.emplace_back(fs::path(init_from) / name, name);
+    }
+  }
+  // An explicit --tokenizer is what the run encoded with: it replaces the folder's.
+  if (!tokenizer.empty() && tokenizer != "bytes") {
+    copies.erase(std::remove_if(copies.begin(), copies.end(), [](const auto& c) { return c.second == "tokenizer.model"; }),
+                 copies.end());
+    copies.emplace_back(tokenizer, "tokenizer.model");
+  }
+  std::vector<std::string> names;
+  for (const auto& [from, name] : copies) {
+    const fs::path to = fs::path(out_dir) / name;
+    if (fs::equivalent(from, to, ec)) continue;  // exporting into the --init-from folder itself
+    fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+    if (ec) throw UsageError("--export-hf " + out_dir + ": cannot copy " + from.string() + ": " + ec.message());
+    names.push_back(name);
+  }
+  return names;
 }
 
 void export_hf(const torch::nn::Module& model, const GPTConfig& cfg, const std::string& out_dir,

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -65,6 +66,14 @@ int64_t load_hf_weights(torch::nn::Module& model, const GPTConfig& cfg, const st
 /// written. Example: `export_hf(*model, cfg, "out/hf", nullptr, 0, *pg)`.
 void export_hf(const torch::nn::Module& model, const GPTConfig& cfg, const std::string& out_dir,
                const nlohmann::json& base, int64_t max_file_bytes, fsdp::ProcessGroup& pg);
+
+/// Copies the run's tokenizer next to an export, so that the folder generates text as it is: the Hugging Face
+/// tokenizer files of `init_from` (tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+/// generation_config.json; those present), and `tokenizer` (--tokenizer FILE.model, "" or "bytes": none) as
+/// tokenizer.model. Rank 0 only. Returns the names copied. Throws UsageError naming a file that cannot be copied.
+/// Example: `copy_tokenizer_files(o.init_from, o.tokenizer, o.export_hf)`.
+std::vector<std::string> copy_tokenizer_files(const std::string& init_from, const std::string& tokenizer,
+                                              const std::string& out_dir);
 
 /// --logits-tokens FILE: the int64 tensor "tokens" [B, T] of the safetensors file FILE (written by e.g.
 /// safetensors.torch.save_file). Throws UsageError when it is missing, of another dtype or rank, or longer than

@@ -335,7 +335,12 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
       if (base.is_discarded()) base = nullptr;
     }
     export_hf(*model, s.cfg, o.export_hf, base, static_cast<int64_t>(o.export_max_file_mb * (1 << 20)), *pg);
-    report.say("export-hf: " + o.export_hf + " written in " + fmt("%.2f", seconds_since(t_export)) + " s");
+    std::string copied;
+    if (rank == 0) {
+      for (const auto& name : copy_tokenizer_files(o.init_from, o.tokenizer, o.export_hf)) copied += " " + name;
+    }
+    report.say("export-hf: " + o.export_hf + " written in " + fmt("%.2f", seconds_since(t_export)) + " s" +
+               (copied.empty() ? "" : "; tokenizer files:" + copied));
   }
   // The sample: every rank runs the forwards, rank 0 prints.
   std::string sample;

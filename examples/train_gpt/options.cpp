@@ -282,7 +282,7 @@ void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   s.eval_batches = std::min(o.eval_batches, s.val.size() / global_batch);
   if (s.eval_batches == 0) {
     throw UsageError("the validation split has " + std::to_string(s.val.size()) + " windows of " +
-                     std::to_string(T + 1) + " bytes but one evaluation batch needs --batch-size(" +
+                     std::to_string(T + 1) + " tokens but one evaluation batch needs --batch-size(" +
                      std::to_string(o.batch_size) + ") x data-parallel ranks(" + std::to_string(data_world) +
                      ") = " + std::to_string(global_batch) + ": more ranks than batches. Fix: more text, a larger "
                      "--val-fraction, a smaller --batch-size or --block-size, or fewer ranks");

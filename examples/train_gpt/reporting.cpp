@@ -193,7 +193,7 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
              : std::string())
      << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"
      << "data: " << s_.data_name << ", " << s_.data_bytes << " bytes: train " << s_.train.size()
-     << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " bytes; "
+     << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " tokens; "
      << steps_per_epoch << " steps per epoch\n"
      << "batch: " << o_.batch_size << " x " << s_.cfg.block_size << " tokens x " << o_.grad_accum_steps
      << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << world / s_.parallel.tp

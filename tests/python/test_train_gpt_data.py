@@ -311,9 +311,13 @@ def test_init_from_uses_the_folders_tokenizer_or_refuses_one_it_cannot_read(toke
     args = ["--init-from", folder, "--data", *text_files, "--steps", "2", "--batch-size", "2", "--block-size", "32",
             "--threads", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
     shutil.copy(tokenizer, folder / "tokenizer.model")
-    p = run(args, timeout=180)
+    p = run(args + ["--export-hf", tmp_path / "out"], timeout=180)
     assert p.returncode == 0, show(p)
     assert "sentencepiece" in p.stdout and str(folder / "tokenizer.model") in p.stdout, show(p)
+    # The export carries the tokenizer it was trained with (and the folder's generation_config.json).
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == Path(tokenizer).read_bytes()
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    assert "tokenizer files: tokenizer.model generation_config.json" in p.stdout, show(p)
     (folder / "tokenizer.model").unlink()
     (folder / "tokenizer.json").write_text("{}")
     p = run(args, timeout=180)
