@@ -29,6 +29,17 @@ Timings on a shared machine are noisy: the load average is printed with the resu
 PyTorch's fully_shard on NCCL), by default on 1 rank (--nproc 1), the GPT-2-small preset (12 x 768, 12 heads,
 context 1024) in bf16 (timing: step ms, tokens/s, MFU, peak GPU memory from the CUDA caching allocator) and in
 fp32 (loss parity over 20 steps). No floors; runs start without waiting for an idle CPU.
+
+--model llama-* on the CPU (issue 33): the Llama presets, fp32 and bf16 (reshard_after_forward true), --batch-size
+sequences per rank (default 1) of --block-size tokens (default: the preset's); PyTorch's side is transformers' own
+LlamaForCausalLM under fully_shard (gpt_twin.py picks it from the --save-init file). Besides step time and memory:
+tokens/s (global batch), the model FLOPs per token (train_gpt's count, reporting.cpp: torchtitan's 6 x (parameters -
+the untied embedding) + 12 x layers x heads x head_dim x context), the model GFLOP/s and the MFU against
+--cpu-peak-gflops (the machine's dense GEMM rate in fp32 / bf16; train_gpt reports MFU on CUDA only), both sides with
+the same count.
+
+    .venv/bin/python bench/compare_fsdp2.py --model llama-150m --batch-size 1 --block-size 256 --steps 7 \
+        --warmup-steps 2 --repeats 2 --no-floor --max-reruns 1     # docs/BENCHMARKS.md, "Llama vs PyTorch FSDP2"
 """
 
 import argparse
@@ -160,6 +171,13 @@ class Config:
                 "--reshard-after-forward", self.reshard, "--steps", str(self.steps), *self.extra]
 
 
+def llama_configs(model, batch, block_size=None, steps=None):
+    """--model llama-* on the CPU: fp32 (also the parity stretch, same math) and bf16, reshard_after_forward true."""
+    extra = ["--block-size", str(block_size)] if block_size else []
+    return [Config(f"{model} {precision}", model, batch, precision, "true", steps or 8, list(extra))
+            for precision in ("fp32", "bf16")]
+
+
 def single_configs(device, steps=None, batch=16, model="gpt2-small"):
     """--device cuda (or --single): one preset, bf16 for the timing, fp32 for the loss parity (20 steps)."""
     return [Config(f"{model} bf16 {device}", model, batch, "bf16", "true", steps or 30, ["--device", device]),
@@ -273,11 +291,12 @@ class Samples:
     bytes_ratio_to_min: list = field(default_factory=list)  # train_gpt: that / FSDP's minimum
     minor_faults: list = field(default_factory=list)        # rank 0's minor page faults, per timed step
 
-    def add(self, rows, skip):
+    def add(self, rows, skip, peak=True):
         ms = [r["step_ms"] for r in rows if r["step"] > skip]
         self.step_ms += ms
         self.run_medians.append(statistics.median(ms))
-        self.peak_mb.append(rows[-1]["peak_rss_mb"])
+        if peak:
+            self.peak_mb.append(rows[-1]["peak_rss_mb"])
         self.peak_gpu_mb.append(rows[-1].get("peak_gpu_mem_mb") or 0.0)
         self.mfu += [r["mfu"] for r in rows if r["step"] > skip and r.get("mfu") is not None]
         for key, dest in (("bytes_per_step", self.bytes_per_step), ("bytes_ratio_to_min", self.bytes_ratio_to_min),
@@ -366,8 +385,10 @@ def bench_config(cfg, args, data, work):
             runs, noisy = measured(f"{cfg.name}: {name}", lambda: fn(rep), args)
             disturbed += noisy
             s = samples.setdefault(name, Samples())
+            # Ours' first run writes --save-init, for which train_gpt builds the model in full (the other runs
+            # build it sharded, deferred_init): its peak RSS is left out when there are other runs.
             for rows in runs:
-                s.add(rows, skip)
+                s.add(rows, skip, peak=not (name == "ours" and rep == 0 and reps > 1))
             log(f"  {cfg.name}: {name} run {rep + 1}/{reps}: "
                 f"{statistics.median([m for rows in runs for m in rows_ms(rows, skip)]):.1f} ms/step, "
                 f"peak {max(rows[-1]['peak_rss_mb'] for rows in runs):.0f} MiB")
@@ -407,6 +428,8 @@ def bench_config(cfg, args, data, work):
         "torch_floor_ratio": round(t / samples["torch_floor"].median_ms(), 3) if "torch_floor" in samples else None,
         "ours_1rank_step_ms": ms("ours_1rank"),
         "torch_1rank_step_ms": ms("torch_1rank"),
+        "ours_peak_rss_runs_mb": [round(m) for m in samples["ours"].peak_mb],
+        "torch_peak_rss_runs_mb": [round(m) for m in samples["torch"].peak_mb],
         "ours_run_medians_ms": [round(m, 2) for m in samples["ours"].run_medians],
         "torch_run_medians_ms": [round(m, 2) for m in samples["torch"].run_medians],
         "ranks": n, "threads_per_rank": args.threads, "steps": cfg.steps, "timed_steps": cfg.steps - skip,
@@ -427,11 +450,40 @@ def bench_config(cfg, args, data, work):
         })
         for side, ms_ in (("ours", o), ("torch", t)):
             row[f"{side}_tokens_per_s"] = round(cfg.batch_size * n * BLOCK_SIZE.get(cfg.model, 0) * 1e3 / ms_, 1)
+    if cfg.model.startswith("llama") and DEVICE == "cpu":
+        # Throughput with train_gpt's FLOP count; the same tokens per step on both sides.
+        block = int(cfg.extra[cfg.extra.index("--block-size") + 1]) if "--block-size" in cfg.extra else BLOCK_SIZE[cfg.model]
+        fpt = llama_flops_per_token(init, block)
+        peak = args.cpu_peak_gflops[1 if cfg.precision == "bf16" else 0] * 1e9
+        row.update({"block_size": block, "flops_per_token": fpt, "cpu_peak_gflops": peak / 1e9})
+        for side, ms_ in (("ours", o), ("torch", t)):
+            tps = cfg.batch_size * n * block * 1e3 / ms_
+            row[f"{side}_tokens_per_s"] = round(tps, 1)
+            row[f"{side}_model_gflops"] = round(fpt * tps / 1e9, 2)
+            row[f"{side}_mfu"] = round(fpt * tps / peak, 4)
     return row
 
 
+def llama_flops_per_token(init, block):
+    """train_gpt's flops_per_token for a Llama (examples/train_gpt/reporting.cpp, torchtitan's count): 6 x (the
+    distinct parameters - an untied embedding, a lookup) + 12 x layers x heads x head_dim x context; the shape
+    from the --save-init file (n_head from its metadata, the rest from the tensors)."""
+    from math import prod
+
+    from safetensors import safe_open
+    with safe_open(init, framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        n_head = int(f.metadata()["n_head"])
+    params = sum(prod(v) for v in shapes.values())
+    vocab, width = shapes["model.embed_tokens.weight"]
+    embedding = vocab * width if "lm_head.weight" in shapes else 0
+    layers = len({k.split(".")[2] for k in shapes if k.startswith("model.layers.")})
+    return 6.0 * (params - embedding) + 12.0 * layers * n_head * (width // n_head) * block
+
+
 # Context length of the presets (tokens per sequence), for tokens/s (examples/train_gpt/model.cpp).
-BLOCK_SIZE = {"tiny": 32, "small": 128, "medium": 256, "gpt2-small": 1024, "wide": 32}
+BLOCK_SIZE = {"tiny": 32, "small": 128, "medium": 256, "gpt2-small": 1024, "wide": 32, "llama-tiny": 32,
+              "llama-150m": 512}
 
 
 def rows_ms(rows, skip):
@@ -463,6 +515,12 @@ def print_table(rows, load_before, load_after):
         print(f"{'':<20} wire: {f(r['bytes_per_step'] and r['bytes_per_step'] / 2**20, '.2f')} MiB/step sent by "
               f"rank 0, {f(r['bytes_ratio_to_min'], '.3f')} x FSDP's minimum; minor faults/step: ours "
               f"{f(r['minor_faults_per_step'], '.0f')}, torch {f(r['torch_minor_faults_per_step'], '.0f')}")
+        if "ours_model_gflops" in r:
+            print(f"{'':<20} throughput: tokens/s ours {r['ours_tokens_per_s']:.1f} / torch {r['torch_tokens_per_s']:.1f}; "
+                  f"model GFLOP/s ours {r['ours_model_gflops']:.1f} / torch {r['torch_model_gflops']:.1f} "
+                  f"({r['flops_per_token']:.4g} FLOP per token); MFU ours {r['ours_mfu']:.3f} / torch "
+                  f"{r['torch_mfu']:.3f} (of {r['cpu_peak_gflops']:.0f} GFLOP/s); peak RSS per run ours "
+                  f"{r['ours_peak_rss_runs_mb']} / torch {r['torch_peak_rss_runs_mb']} MiB")
         if "ours_peak_gpu_mem_mb" in r:
             print(f"{'':<20} GPU: peak ours {r['ours_peak_gpu_mem_mb']:.0f} MiB / torch {r['torch_peak_gpu_mem_mb']:.0f} "
                   f"MiB (ratio {f(r['gpu_mem_ratio'], '.2f')}); tokens/s ours {r['ours_tokens_per_s']:.0f} / torch "
@@ -517,8 +575,16 @@ def main():
     ap.add_argument("--keep", help="keep the runs' files (weights, batches, metrics) in this directory")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: both sides on the GPU with NCCL, GPT-2-small bf16 + fp32 (default --nproc 1)")
-    ap.add_argument("--batch-size", type=int, default=16, help="--device cuda: sequences per rank per step")
-    ap.add_argument("--model", default="gpt2-small", help="--device cuda: train_gpt preset")
+    ap.add_argument("--batch-size", type=int, help="--device cuda: sequences per rank per step (default 16); "
+                                                  "--model llama-* on the CPU: the same (default 1)")
+    ap.add_argument("--model", default="gpt2-small",
+                    help="--device cuda: train_gpt preset; on the CPU, a llama-* preset (llama-tiny, llama-150m) "
+                         "compares the Llama (fp32 and bf16) against transformers' LlamaForCausalLM under FSDP2")
+    ap.add_argument("--block-size", type=int, help="--model llama-*: the context (default: the preset's)")
+    ap.add_argument("--cpu-peak-gflops", type=float, nargs=2, default=[193.0, 407.0], metavar=("FP32", "BF16"),
+                    help="--model llama-*: the machine's peak GFLOP/s in fp32 and bf16 for the MFU (default 193 407: "
+                         "this machine's dense GEMM rate, torch.matmul 3072^3 on one thread, best of 4, measured "
+                         "2026-12-05: 96.5 and 203.5 GFLOP/s, x 2 cores)")
     ap.add_argument("--single", action="store_true",
                     help="the --device cuda layout (one --model, bf16 timing + fp32 parity) on --device cpu: "
                          "a dry run of scripts/gpu_check.sh without a GPU")
@@ -545,8 +611,15 @@ def main():
             sys.exit(f"compare_fsdp2: {BUILD / 'bin' / b} is missing: cmake --build {BUILD} --target {b}")
 
     single = DEVICE == "cuda" or args.single
-    all_cfgs = (single_configs(DEVICE, args.steps, args.batch_size, args.model) if single
-                else configs(args.quick, args.steps))
+    llama = not single and args.model.startswith("llama")
+    if args.batch_size is None:
+        args.batch_size = 1 if llama else 16
+    if single:
+        all_cfgs = single_configs(DEVICE, args.steps, args.batch_size, args.model)
+    elif llama:
+        all_cfgs = llama_configs(args.model, args.batch_size, args.block_size, args.steps)
+    else:
+        all_cfgs = configs(args.quick, args.steps)
     todo = [c for c in all_cfgs if not args.configs or re.search(args.configs, c.name)]
     if not todo:
         sys.exit(f"compare_fsdp2: no config matches {args.configs!r}")

@@ -19,6 +19,16 @@ What makes the two runs identical (examples/train_gpt/{model,parallelize,optimiz
     AdamW (betas and eps from run.json; weight decay on dim >= 2 only), warmup + cosine learning rate,
     zero_grad(set_to_none), the loss all-reduced (SUM / world) -- the step time covers exactly that.
 
+--arch llama (picked automatically: a --save-init file of a Llama, whose parameters carry Hugging Face's
+LlamaForCausalLM names, model.embed_tokens.weight, ...): the model is transformers' own LlamaForCausalLM
+(attn_implementation "sdpa", fp32 weights) loaded from the same file; its config from --hf-config (a config.json,
+e.g. what train_gpt --export-hf writes) when given, else from the file: the shapes (key/value heads from k_proj,
+the MLP width from gate_proj) and train_gpt's defaults for what the shapes do not say (rms_norm_eps 1e-5, rope
+theta 10000, no rope scaling: the llama-tiny and llama-150m presets'). Its fully_shard groups are train_gpt's
+(examples/train_gpt/parallelize.cpp, torchtitan's layout): untied, model.model.embed_tokens a group, each decoder
+layer model.model.layers[i] a group, lm_head a group with reshard_after_forward False, then the root (the final
+norm); tied, the layers then the root.
+
 --math torch (default) is what a PyTorch user writes: torch.optim.AdamW and torch.nn.utils' clipping on
 DTensors. --math libtorch replays the arithmetic of LibTorch's C++ AdamW and of fsdp::clip_grad_norm_
 operation by operation (on the local shards), to separate "different formulas" from "different results":
@@ -138,6 +148,98 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+# ---- Llama: transformers' LlamaForCausalLM (train_gpt --model llama-*, examples/train_gpt/model_llama.h) --------
+
+LLAMA_KEY = "model.embed_tokens.weight"  # Hugging Face's name, as train_gpt's Llama names its parameters
+
+
+def llama_config(path, hf_config=None):
+    """transformers' LlamaConfig of the Llama in train_gpt --save-init FILE: config.json's fields (hf_config: a
+    path) when given, else the shapes in the file, and for the rest GPTConfig's fields in the file's metadata
+    (norm_eps, rope_theta, rope_type, rope_factor, ...: train_gpt --save-init records them for a Llama)
+    or else GPTConfig's defaults (rms_norm_eps 1e-5, rope theta 10000, rope type default: the llama-tiny and
+    llama-150m presets'); fp32, SDPA attention, no KV cache. Exits naming a missing tensor."""
+    import transformers
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        keys = set(f.keys())
+
+        def shape(name):
+            if name not in keys:
+                sys.exit(f"gpt_twin: {path} has no tensor {name}: not a train_gpt Llama")
+            return list(f.get_slice(name).get_shape())
+        vocab, hidden = shape(LLAMA_KEY)
+        n_layer = len({k.split(".")[2] for k in keys if k.startswith("model.layers.")})
+        n_head = int(meta.get("n_head", 0))
+        if n_head <= 0:
+            sys.exit(f"gpt_twin: {path} has no n_head in its metadata: expected a file written by train_gpt --save-init")
+        head_dim = hidden // n_head
+        kv_heads = shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim
+        intermediate = shape("model.layers.0.mlp.gate_proj.weight")[0]
+        tied = "lm_head.weight" not in keys
+    if hf_config:
+        cfg = transformers.LlamaConfig.from_dict(json.loads(Path(hf_config).read_text()))
+        want = {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": n_layer, "num_attention_heads": n_head,
+                "num_key_value_heads": kv_heads, "intermediate_size": intermediate, "tie_word_embeddings": tied}
+        wrong = {k: (getattr(cfg, k), v) for k, v in want.items() if getattr(cfg, k) != v}
+        if wrong:
+            sys.exit(f"gpt_twin: {hf_config} does not describe {path}: (config, file) {wrong}")
+    else:
+        # GPTConfig's fields where the metadata has them (train_gpt may record them), else GPTConfig's defaults.
+        rope = {"rope_type": meta.get("rope_type", "default"), "rope_theta": float(meta.get("rope_theta", 10000.0))}
+        if rope["rope_type"] == "llama3":
+            rope.update(factor=float(meta.get("rope_factor", 8.0)),
+                        low_freq_factor=float(meta.get("rope_low_freq_factor", 1.0)),
+                        high_freq_factor=float(meta.get("rope_high_freq_factor", 4.0)),
+                        original_max_position_embeddings=int(meta.get("rope_original_max_positions", 8192)))
+        max_positions = int(meta.get("max_positions", 0)) or int(meta.get("block_size", 2048))
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=n_layer,
+            num_attention_heads=n_head, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=max_positions, rms_norm_eps=float(meta.get("norm_eps", 1e-5)),
+            rope_parameters=rope, tie_word_embeddings=tied, attention_dropout=float(meta.get("dropout", 0.0)),
+            attention_bias=False, mlp_bias=False, hidden_act="silu")
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def load_llama(path, hf_config=None):
+    """transformers' LlamaForCausalLM of train_gpt --save-init FILE (a Llama), every parameter from the file."""
+    import transformers
+    cfg = llama_config(path, hf_config)
+    torch.manual_seed(0)  # the random initialisation is overwritten below; seeded only to be deterministic
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    names = {n: p for n, p in model.named_parameters()}  # a tied head once, as model.embed_tokens.weight
+    with safe_open(path, framework="pt") as f:
+        if set(names) != set(f.keys()):
+            sys.exit(f"gpt_twin: {path} does not match LlamaForCausalLM: only in the file "
+                     f"{sorted(set(f.keys()) - set(names))}, only in the model {sorted(set(names) - set(f.keys()))}")
+        with torch.no_grad():
+            for name, p in names.items():
+                t = f.get_tensor(name)
+                if t.shape != p.shape:
+                    sys.exit(f"gpt_twin: {name} is {list(t.shape)} in {path}, {list(p.shape)} in the model")
+                p.copy_(t)
+    model.train()
+    return model, cfg
+
+
+def is_llama_file(path):
+    with safe_open(path, framework="pt") as f:
+        return (f.metadata() or {}).get("arch") == "llama" or LLAMA_KEY in set(f.keys())
+
+
+def blocks_of(model):
+    """The ModuleList of the units of sharding: GPT's h, Llama's model.layers."""
+    return model.model.layers if hasattr(model, "model") else model.h
+
+
+def logits_of(model, x):
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
 
 
 def load_model(path):
@@ -314,10 +416,11 @@ def apply_activation_checkpointing(model, mode):
         return create_selective_checkpoint_contexts(policy)
 
     every = int(mode.split(":")[1]) if mode.startswith("layer:") else 1
-    for i, block in enumerate(model.h):
+    blocks = blocks_of(model)
+    for i, block in enumerate(blocks):
         if (i + 1) % every == 0:
             kwargs = {"context_fn": selective_context} if mode == "selective-op" else {}
-            model.h[i] = checkpoint_wrapper(block, **kwargs)
+            blocks[i] = checkpoint_wrapper(block, **kwargs)
 
 
 def main():
@@ -335,6 +438,11 @@ def main():
     ap.add_argument("--metrics", help="JSON lines, one per step (rank 0)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu (Gloo) or cuda (each rank on cuda:LOCAL_RANK, NCCL)")
+    ap.add_argument("--arch", choices=["auto", "gpt2", "llama"], default="auto",
+                    help="auto (default): llama when the --init file holds Hugging Face Llama names "
+                         "(model.embed_tokens.weight), else train_gpt's GPT")
+    ap.add_argument("--hf-config", help="--arch llama: a Hugging Face config.json for the model (default: the shapes "
+                                        "of the --init file and train_gpt's defaults for eps and RoPE)")
     args = ap.parse_args()
 
     batches_dir = Path(args.batches)
@@ -377,7 +485,8 @@ def main():
         sys.exit(f"gpt_twin: --steps {steps} exceeds the {batches.size(0)} recorded steps")
     accum = batches.size(1)
 
-    model, cfg = load_model(args.init)
+    arch = args.arch if args.arch != "auto" else ("llama" if is_llama_file(args.init) else "gpt2")
+    model, cfg = load_llama(args.init, args.hf_config) if arch == "llama" else load_model(args.init)
     model.to(device)
     # train_gpt --freeze REGEX [--frozen-dtype bf16]: frozen before sharding (a bf16 one beside fp32 weights makes
     # a group of two dtypes: FSDP2 all-gathers it as bytes).
@@ -408,7 +517,7 @@ def main():
         if data_parallel == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
             mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("replicate",))
-            for block in model.h:
+            for block in blocks_of(model):
                 replicate(block, mesh=mesh, mp_policy=policy)
             replicate(model, mesh=mesh, mp_policy=policy)
         else:
@@ -430,8 +539,16 @@ def main():
                     return Shard(shard_dim) if p.dim() == 2 and p.size(shard_dim) % shard_size == 0 else None
 
                 placement = {"shard_placement_fn": placement_fn}
-            for block in model.h:
+            # Llama, untied: the embedding and the head are groups of their own, as train_gpt's parallelize()
+            # (torchtitan's layout): the embedding resharded after forward as the layers, the head kept gathered.
+            own_groups = arch == "llama" and not cfg.tie_word_embeddings
+            if own_groups:
+                fully_shard(model.model.embed_tokens, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                            **placement)
+            for block in blocks_of(model):
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, **placement)
+            if own_groups:
+                fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False, mp_policy=policy, **placement)
             # the root last; its default: no reshard after forward
             fully_shard(model, mesh=mesh, mp_policy=policy, **placement)
         # fully_shard replaced the parameters by DTensors: regroup by name.
@@ -451,8 +568,8 @@ def main():
     def forward(x):
         if args.no_shard and mp == "bf16":
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                return model(x)
-        return model(x)
+                return logits_of(model, x)
+        return logits_of(model, x)
 
     out = open(args.metrics, "w") if args.metrics and rank == 0 else None
     for step in range(1, steps + 1):

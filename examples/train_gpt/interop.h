@@ -38,13 +38,22 @@ inline void save_initial_weights(const torch::nn::Module& model, const GPTConfig
   for (const auto& p : model.named_parameters()) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace(p.key(), p.value());
   }
+  std::map<std::string, std::string> meta = {
+      {"format", "pt"}, {"producer", "train_gpt"}, {"vocab_size", std::to_string(c.vocab_size)},
+      {"block_size", std::to_string(c.block_size)}, {"n_layer", std::to_string(c.n_layer)},
+      {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
+      {"dropout", fmt("%.17g", c.dropout)}, {"tie_weights", c.tie_weights ? "true" : "false"}, {"arch", c.arch}};
+  if (c.is_llama()) {  // what the shapes do not say (GPTConfig's names; bench/gpt_twin.py reads them)
+    meta.insert({{"n_kv_head", std::to_string(c.kv_heads())}, {"intermediate_size", std::to_string(c.mlp_width())},
+                 {"norm_eps", fmt("%.17g", c.norm_eps)}, {"rope_theta", fmt("%.17g", c.rope_theta)},
+                 {"rope_type", c.rope_type}, {"rope_factor", fmt("%.17g", c.rope_factor)},
+                 {"rope_low_freq_factor", fmt("%.17g", c.rope_low_freq_factor)},
+                 {"rope_high_freq_factor", fmt("%.17g", c.rope_high_freq_factor)},
+                 {"rope_original_max_positions", std::to_string(c.rope_original_max_positions)},
+                 {"max_positions", std::to_string(c.max_positions > 0 ? c.max_positions : c.block_size)}});
+  }
   try {
-    fsdp::dcp::save_file(
-        tensors, path,
-        {{"format", "pt"}, {"producer", "train_gpt"}, {"vocab_size", std::to_string(c.vocab_size)},
-         {"block_size", std::to_string(c.block_size)}, {"n_layer", std::to_string(c.n_layer)},
-         {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
-         {"dropout", fmt("%.17g", c.dropout)}, {"tie_weights", c.tie_weights ? "true" : "false"}});
+    fsdp::dcp::save_file(tensors, path, meta);
   } catch (const c10::Error& e) {
     throw UsageError("--save-init " + path + " cannot be written: " + one_line(e.what_without_backtrace()));
   }
