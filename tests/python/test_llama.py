@@ -92,10 +92,11 @@ def train_args(text_files, folder, tokens, out, steps, *extra):
             "--export-hf", out / "export", *extra]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+# 3 ranks: shards of uneven size (Llama's 64-wide rows and 32-row k/v projections, GPT-2's 32-wide rows, over 3).
+@pytest.mark.parametrize("nproc", [1, 2, 3])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_init_from_hf_matches_transformers_and_export_loads(arch, nproc, folders, text_files, tmp_path):
-    """--init-from gives transformers' logits (1 and 2 ranks); 10 steps later, --export-hf loads in transformers and
+    """--init-from gives transformers' logits (1, 2 and 3 ranks); 10 steps later, --export-hf loads in transformers and
     gives ours. The Llama export is split (--export-max-file-mb) to exercise the index."""
     extra = ["--block-size", "32"] if arch == "llama" else []
     if arch == "llama":
