@@ -212,19 +212,25 @@ def load_llama(path, hf_config=None):
     cfg = llama_config(path, hf_config)
     torch.manual_seed(0)  # the random initialisation is overwritten below; seeded only to be deterministic
     model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
-    names = {n: p for n, p in model.named_parameters()}  # a tied head once, as model.embed_tokens.weight
     with safe_open(path, framework="pt") as f:
-        if set(names) != set(f.keys()):
-            sys.exit(f"gpt_twin: {path} does not match LlamaForCausalLM: only in the file "
-                     f"{sorted(set(f.keys()) - set(names))}, only in the model {sorted(set(names) - set(f.keys()))}")
-        with torch.no_grad():
-            for name, p in names.items():
-                t = f.get_tensor(name)
-                if t.shape != p.shape:
-                    sys.exit(f"gpt_twin: {name} is {list(t.shape)} in {path}, {list(p.shape)} in the model")
-                p.copy_(t)
+        copy_parameters(model, f, path)  # a tied head once, as model.embed_tokens.weight
     model.train()
     return model, cfg
+
+
+def copy_parameters(model, f, path):
+    """Every parameter of `model` (named_parameters(): a tied one once) from the open safetensors file `f`, which
+    holds exactly those names and shapes (else the twin exits naming the difference)."""
+    names = dict(model.named_parameters())
+    if set(names) != set(f.keys()):
+        sys.exit(f"gpt_twin: {path} does not match {type(model).__name__}: only in the file "
+                 f"{sorted(set(f.keys()) - set(names))}, only in the model {sorted(set(names) - set(f.keys()))}")
+    with torch.no_grad():
+        for name, p in names.items():
+            t = f.get_tensor(name)
+            if t.shape != p.shape:
+                sys.exit(f"gpt_twin: {name} is {list(t.shape)} in {path}, {list(p.shape)} in the model")
+            p.copy_(t)
 
 
 def is_llama_file(path):
@@ -252,16 +258,7 @@ def load_model(path):
                      "expected a file written by train_gpt --save-init")
         cfg = Config(meta)
         model = GPT(cfg)
-        names = dict(model.named_parameters())  # a tied weight once, as wte.weight (as train_gpt writes it)
-        if set(names) != set(f.keys()):
-            sys.exit(f"gpt_twin: {path} does not match the model: only in the file {sorted(set(f.keys()) - set(names))}, "
-                     f"only in the model {sorted(set(names) - set(f.keys()))}")
-        with torch.no_grad():
-            for name, p in names.items():
-                t = f.get_tensor(name)
-                if t.shape != p.shape:
-                    sys.exit(f"gpt_twin: {name} is {list(t.shape)} in {path}, {list(p.shape)} in the model")
-                p.copy_(t)
+        copy_parameters(model, f, path)  # a tied weight once, as wte.weight (as train_gpt writes it)
     return model, cfg
 
 

@@ -7,13 +7,12 @@ trained by scripts/train_tokenizer.sh (spm_train, BPE, byte fallback).
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from fsdp_testing import REPO, TRAIN_GPT, clean_env, licence_texts, show
+from fsdp_testing import TRAIN_GPT, clean_env, licence_texts, show
 
 BINARIES = (TRAIN_GPT,)
 
@@ -30,25 +29,6 @@ def sentencepiece():
     except ImportError:  # requirements.txt installs it; scripts/setup.sh makes .venv from it
         pytest.skip("the Python package sentencepiece is not installed (pip install -r requirements.txt)")
     return spm
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A 1000-piece BPE model trained on the licence texts by scripts/train_tokenizer.sh."""
-    d = tmp_path_factory.mktemp("tok")
-    if not shutil.which("spm_train"):  # scripts/setup.sh installs it (Debian package sentencepiece)
-        pytest.skip("spm_train is not installed (apt-get install sentencepiece; scripts/setup.sh does)")
-    p = subprocess.run([str(REPO / "scripts" / "train_tokenizer.sh"), str(d / "lic"), "1000", *licence_texts()],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, show(p)
-    # A train_gpt built where CMake found no libsentencepiece-dev refuses --tokenizer, saying so.
-    (d / "empty.bin").write_bytes((20240520).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(1016))
-    p = subprocess.run([str(TRAIN_GPT), "tokenize", "--tokenizer", str(d / "lic.model"), "--decode", str(d / "empty.bin")],
-                       env=clean_env(), capture_output=True, text=True, timeout=60)
-    if "built without SentencePiece" in p.stderr:
-        pytest.skip("train_gpt was built without SentencePiece (apt-get install libsentencepiece-dev, then rebuild)")
-    assert p.returncode == 0, show(p)
-    return d / "lic.model"
 
 
 def tokenize(*args, timeout=120):

@@ -15,29 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_testing import (BUILD, FSDP_CKPT, FSDPRUN, REPO, RTOL, TRAIN_GPT, assert_close, clean_env, eval_losses,
+from fsdp_testing import (BUILD, FSDP_CKPT, FSDPRUN, RTOL, TRAIN_GPT, assert_close, clean_env, eval_losses,
                           grad_norms, licence_texts, metrics, run, show, train_losses)
 
 BINARIES = (FSDPRUN, TRAIN_GPT, FSDP_CKPT)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A 1000-piece BPE model of the licence texts (scripts/train_tokenizer.sh)."""
-    d = tmp_path_factory.mktemp("tok")
-    if not shutil.which("spm_train"):  # scripts/setup.sh installs it (Debian package sentencepiece)
-        pytest.skip("spm_train is not installed (apt-get install sentencepiece; scripts/setup.sh does)")
-    p = subprocess.run([str(REPO / "scripts" / "train_tokenizer.sh"), str(d / "lic"), "1000", *licence_texts()],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, show(p)
-    # A train_gpt built where CMake found no libsentencepiece-dev refuses --tokenizer, saying so.
-    (d / "empty.bin").write_bytes((20240520).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(1016))
-    p = subprocess.run([str(TRAIN_GPT), "tokenize", "--tokenizer", str(d / "lic.model"), "--decode", str(d / "empty.bin")],
-                       env=clean_env(), capture_output=True, text=True, timeout=60)
-    if "built without SentencePiece" in p.stderr:
-        pytest.skip("train_gpt was built without SentencePiece (apt-get install libsentencepiece-dev, then rebuild)")
-    assert p.returncode == 0, show(p)
-    return d / "lic.model"
 
 
 def base(tmp_path, *extra, name="m.jsonl"):
