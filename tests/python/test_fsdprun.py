@@ -179,6 +179,23 @@ def test_failure_stops_group(marker):
     assert procs_with_marker(marker) == []
 
 
+def test_failure_lets_every_rank_report_before_stopping(marker):
+    """A fault that hits every rank: the first to fail does not get the others SIGTERMed before they say it
+    in their own words (fsdprun waits 2 s after the first failure; CI once lost a rank's message that way).
+    A rank still running after the 2 s is stopped, and is reported as stopped."""
+    script = ('if [ "$RANK" = 0 ]; then echo "rank zero breaks first" >&2; exit 3; fi; '
+              'if [ "$RANK" = 1 ]; then sleep 0.7; echo "rank one breaks too" >&2; exit 4; fi; sleep 60')
+    p = fsdprun(["--standalone", "--nproc-per-node", "3", "sh", "-c", script], marker, timeout=30)
+    assert p.returncode == 1, show(p)
+    assert 2 <= p.elapsed < 10, show(p)
+    lines = rank_lines(p.stderr)
+    assert "rank zero breaks first" in lines[0] and "rank one breaks too" in lines[1], show(p)
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)", p.stderr), show(p)  # the root cause is the first
+    assert re.search(r"rank 1 \(local_rank 1\): exitcode 4\b", p.stderr), show(p)
+    assert re.search(r"rank 2 \(local_rank 2\): exitcode -15 \(SIGTERM\), after fsdprun began stopping", p.stderr), show(p)
+    assert procs_with_marker(marker) == []
+
+
 def test_failure_kills_stubborn_workers(marker):
     """Workers (and their children) that ignore SIGTERM get SIGKILL after the shutdown timeout."""
     script = 'trap "" TERM; if [ "$RANK" = 0 ]; then sleep 0.5; kill -USR1 $$; fi; sleep 60'

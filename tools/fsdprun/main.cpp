@@ -19,7 +19,8 @@
 //    prefixed as torchrun's --tee does: `[default0]:` (role name + local rank; the template can be
 //    changed with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, e.g. '[${role_name}${rank}]:'). With
 //    --log-dir, also to DIR/<run_id>_XXXXXX/attempt_<k>/<local_rank>/{stdout,stderr}.log;
-//  * on the first failure (non-zero exit or death by signal) stops the other workers (SIGTERM, SIGKILL
+//  * on the first failure (non-zero exit or death by signal) stops the other workers 2 s later (so that
+//    a fault hitting every rank is reported by each; torchrun stops them at once) (SIGTERM, SIGKILL
 //    after --shutdown-timeout, default 30 s) and restarts the whole group up to --max-restarts times;
 //    then exits 1 with a summary naming the failed rank, its exit code (-N for signal N, as torchrun)
 //    or signal, the message it left in TORCHELASTIC_ERROR_FILE ({"message": ...}) and its last stderr

@@ -297,6 +297,7 @@ class Supervisor {
       poll_once();
       const bool no_children = reap();
       check_peers();
+      check_failure_grace();
       bool all_exited = std::all_of(a_.workers.begin(), a_.workers.end(), [](const Worker& w) { return w.exited; });
       if (all_exited) {
         if (no_children) break;
@@ -320,26 +321,33 @@ class Supervisor {
     stopping_ = true;
   }
   /// Multi-node: another node failed or was lost (plan.peer_check, also while stopping: it carries this
-  /// node's heartbeat). This node's workers are stopped kPeerFailureGrace later, not at once: a fault
-  /// that hits every host (a wrong GLOO_SOCKET_IFNAME, a bad flag) then makes this node's workers fail
-  /// with their own message too, instead of being stopped before they could say it.
+  /// node's heartbeat). Stopping waits kFailureGrace, as for a local failure (reap()).
   void check_peers() {
     if (!plan_.peer_check) return;
     std::string why = plan_.peer_check();
-    if (stopping_) return;
-    if (!why.empty() && !peer_failed_) {
-      peer_failed_ = true;
-      peer_stop_at_ = Clock::now() + kPeerFailureGrace;
+    if (stopping_ || failure_seen_) return;
+    if (!why.empty()) {
       a_.stopped_for = why;
-    }
-    if (peer_failed_ && Clock::now() >= peer_stop_at_) {
-      warn(a_.stopped_for + ": stopping this node's workers");
-      stop(SIGTERM);
+      begin_failure_grace();
     }
   }
-  static constexpr std::chrono::milliseconds kPeerFailureGrace{2000};
-  bool peer_failed_ = false;
-  Clock::time_point peer_stop_at_{};
+  /// A failure (a worker of this node, or another node) stops this node's workers kFailureGrace later,
+  /// not at once: a fault that hits every rank (a wrong GLOO_SOCKET_IFNAME, a bad flag, a collective's
+  /// joint verdict) then makes every worker fail with its own message, instead of being SIGTERMed by
+  /// the launcher before it could say it. Workers that still run after it (e.g. blocked in a
+  /// collective with a dead peer) are stopped then.
+  static constexpr std::chrono::milliseconds kFailureGrace{2000};
+  void begin_failure_grace() {
+    failure_seen_ = true;
+    stop_at_ = Clock::now() + kFailureGrace;
+  }
+  void check_failure_grace() {
+    if (!failure_seen_ || stopping_ || Clock::now() < stop_at_) return;
+    if (a_.root < 0) warn(a_.stopped_for + ": stopping this node's workers");
+    stop(SIGTERM);
+  }
+  bool failure_seen_ = false;
+  Clock::time_point stop_at_ = Clock::time_point::max();
   void kill_all() {
     for (auto& w : a_.workers) signal_worker(w, SIGKILL);
     killed_ = true;
@@ -359,7 +367,7 @@ class Supervisor {
       }
     }
     // SIGCHLD and the forwarded signals wake us through the self-pipe; deadlines through the timeout.
-    auto wake = std::min({kill_at_, give_up_, Clock::now() + std::chrono::seconds(1)});
+    auto wake = std::min({kill_at_, give_up_, stop_at_, Clock::now() + std::chrono::seconds(1)});
     auto timeout_ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count() + 1;
     ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long>(timeout_ms, 0)));
     if (fds[0].revents & POLLIN) read_signals();
@@ -400,9 +408,9 @@ class Supervisor {
         w.exitcode = WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
         w.time = now_str();
         w.stopped_by_us = stopping_;
-        if (w.exitcode != 0 && !stopping_) {
+        if (w.exitcode != 0 && !stopping_ && a_.root < 0) {
           a_.root = static_cast<int>(i);
-          stop(SIGTERM);
+          if (!failure_seen_) begin_failure_grace();
           if (plan_.on_failure)
             plan_.on_failure("rank " + std::to_string(w.rank) + " (local_rank " + std::to_string(w.local_rank) +
                              ") ended with " + describe_exit(w.exitcode));
