@@ -210,6 +210,21 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
   add_integer(g, "--tp", o.tp, "Tensor-parallel ranks: each block's heads and MLP columns split across them; "
               "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
   add_integer(g, "--dp-replicate", o.dp_replicate, "HSDP: replicas of the FSDP group (Default: 1)", int(1));
+  add_integer(g, "--pp", o.pp, "Pipeline-parallel ranks: the blocks split into --pp x --stages-per-rank stages, "
+              "each fully_shard'ed over its data-parallel ranks; WORLD_SIZE = --pp x FSDP ranks (Default: 1)", int(1));
+  g->add_option("--pp-schedule", o.pp_schedule,
+                "With --pp: the pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, "
+                "interleaved-zero-bubble or zbv-zero-bubble")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble"}));
+  g->add_option("--pp-microbatches", o.pp_microbatches,
+                "With --pp: microbatches per step, each --batch-size / M sequences (Default: the number of stages, "
+                "--pp x --stages-per-rank)")
+      ->check(integer_at_least<int>(1));
+  g->add_option("--stages-per-rank", o.stages_per_rank,
+                "With --pp: pipeline stages per pipeline rank (Default: 2 for interleaved-1f1b, "
+                "interleaved-zero-bubble and zbv-zero-bubble, else 1)")
+      ->check(integer_at_least<int>(1));
   g->add_option("--data-parallel", o.data_parallel,
                 "fully_shard (shard parameters, gradients and optimizer state over the data-parallel ranks) or "
                 "replicate (every rank keeps the whole model; gradients all-reduced per block: fsdp::replicate, "

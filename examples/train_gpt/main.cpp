@@ -24,6 +24,7 @@
 //   sft.h                 --sft: prompt/response JSONL, prompt masked; the loss over the global unmasked tokens
 //   model_llama.h         the Llama architecture (--model llama-*, --init-from a Hugging Face Llama folder)
 //   hf.h/.cpp             Hugging Face folders in and out: --init-from, --export-hf, --dump-logits
+//   pipeline.h/.cpp       --pp: pipeline parallelism (stages of the model, a schedule, FSDP inside each stage)
 //   model_plain.h         the same model without any libfsdp type (--model-impl plain): what fully_shard
 //                         takes unchanged, as PyTorch's does
 
@@ -56,6 +57,7 @@
 #include "optimizer.h"
 #include "options.h"
 #include "parallelize.h"
+#include "pipeline.h"
 #include "reporting.h"
 #include "sft.h"
 #include "token_shards.h"
@@ -392,6 +394,12 @@ int run(int argc, char** argv) {
     return 0;
   }
   auto pg = make_process_group(launched, cuda);
+  if (s.parallel.pp > 1) {  // --pp: the pipelined trainer (pipeline.h), GPT-2 holder model only (options.cpp)
+    if (!cuda) keep_freed_memory();
+    const int rc = train_pipelined(s, pg);
+    fsdp::destroy_process_group(pg);
+    return rc;
+  }
   // --model-impl: the same run with either model code (model.h or model_plain.h).
   // The architecture (--model llama-*, or --init-from's config.json) picks the model; the trainer is the same.
   const bool plain = o.model_impl == "plain";

@@ -1,5 +1,6 @@
 #include "model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -241,6 +242,50 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   for (auto& b : blocks) x = b(x);     // through FSDP: unshard before, reshard after each block
   if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
   return lm_head(ln_f(x));             // [B, T, vocab]
+}
+
+// ---- Pipeline stages (--pp) --------------------------------------------------------------------------
+
+std::pair<int64_t, int64_t> stage_layers(int64_t n_layer, int stage, int num_stages) {
+  const int64_t base = n_layer / num_stages, extra = n_layer % num_stages;
+  const int64_t begin = stage * base + std::min<int64_t>(stage, extra);
+  return {begin, begin + base + (stage < extra ? 1 : 0)};
+}
+
+GPTStageImpl::GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last)
+    : block_size(model.cfg.block_size) {
+  TORCH_CHECK(!model.cfg.tie_weights || (is_first && is_last), "GPTStage: tied weights (lm_head.weight is wte.weight) "
+              "cannot be split over stages: build the model with tie_weights false");
+  TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= model.cfg.n_layer, "GPTStage: blocks [",
+              first_layer, ", ", end_layer, ") out of the model's ", model.cfg.n_layer);
+  // Registration order as GPTImpl's, so that parameters() lists them in the whole model's order.
+  if (is_first) {
+    wte = register_module("wte", model.wte);
+    wpe = register_module("wpe", model.wpe);
+    drop = register_module("drop", model.drop);
+  }
+  h = register_module("h", torch::nn::ModuleDict());
+  for (int64_t i = first_layer; i < end_layer; ++i) {
+    blocks.push_back(model.blocks[i]);
+    h->insert(std::to_string(i), model.blocks[i].ptr());
+  }
+  if (is_last) {
+    ln_f = register_module("ln_f", model.ln_f);
+    lm_head = register_module("lm_head", model.lm_head);
+  }
+}
+
+torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
+  torch::Tensor x = input;
+  if (wte) {  // as GPTImpl::forward
+    const auto T = x.size(1);
+    TORCH_CHECK(T <= block_size, "GPTStage: sequence of ", T, " tokens exceeds the context of ", block_size);
+    auto pos = torch::arange(T, x.options());
+    x = drop(wte(x) + wpe(pos));
+  }
+  for (auto& b : blocks) x = b(x);  // through FSDP: unshard before, reshard after each block
+  if (lm_head) x = lm_head(ln_f(x));
+  return x;
 }
 
 }  // namespace train_gpt

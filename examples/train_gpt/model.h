@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -140,5 +141,32 @@ struct GPTImpl : torch::nn::Module {
   int64_t num_params_ = 0;
 };
 TORCH_MODULE(GPT);
+
+/// The blocks [begin, end) of `n_layer` that pipeline stage `stage` of `num_stages` holds: an even split,
+/// the first n_layer % num_stages stages one block more (torchtitan's default split of the layers).
+std::pair<int64_t, int64_t> stage_layers(int64_t n_layer, int stage, int num_stages);
+
+/// One pipeline stage of a GPT (--pp, pipeline.h): the model's own modules (shared, not copied) of blocks
+/// [first_layer, end_layer), with the embeddings (wte, wpe) on the first stage and the final LayerNorm and
+/// the head (ln_f, lm_head) on the last. Its parameters keep the whole model's names ("h.5.attn.c_attn.weight"
+/// stays that, wte and ln_f keep theirs), so a stage's state dict and optimizer keys are the unpipelined
+/// model's. forward maps one tensor to one: token ids [B, T] -> hidden states [B, T, C] on the first stage,
+/// hidden states -> hidden states in between, -> logits [B, T, vocab] on the last (all three on one stage
+/// when it is both). Untied weights only: a tied wte/lm_head would span the first and the last stage.
+struct GPTStageImpl : torch::nn::Module {
+  GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};  // first stage only
+  torch::nn::Dropout drop{nullptr};
+  /// The blocks under their index in the whole model ("h.5"): a ModuleDict keyed "5", not a ModuleList,
+  /// which would renumber them from 0.
+  torch::nn::ModuleDict h;
+  std::vector<fsdp::FSDPModule<Block>> blocks;  // the same modules, called through FSDP
+  torch::nn::LayerNorm ln_f{nullptr};  // last stage only
+  LMHead lm_head{nullptr};             // last stage only
+  int64_t block_size;
+};
+TORCH_MODULE(GPTStage);
 
 }  // namespace train_gpt

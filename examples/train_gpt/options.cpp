@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include <torch/cuda.h>
 
+#include "fsdp/pipelining/schedules.h"
 #include "token_shards.h"
 #include "hf.h"
 
@@ -100,6 +101,86 @@ fsdp::ReshardAfterForward parse_reshard_after_forward(const std::string& s, int 
 
 namespace {
 
+/// --pp > 1 (pipeline.h): the layout checks, here, before any rank talks to another, each naming its flag.
+/// Sets p.pp, p.pp_schedule, p.stages_per_rank and p.pp_microbatches (defaults resolved). Throws UsageError.
+void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_size, ParallelOptions& p) {
+  const std::string pp = "--pp " + std::to_string(o.pp);
+  // What the pipelined trainer (pipeline.cpp) does not do yet: refused by name rather than run wrongly.
+  const std::vector<std::pair<bool, std::string>> unsupported = {
+      {cfg.is_llama(), "a Llama model (--model llama-*, --init-from): the stages are built for GPT-2 only"},
+      {o.model_impl == "plain", "--model-impl plain: the stages are built from the holder model. Fix: --model-impl holder"},
+      {cfg.tie_weights, "tied weights (lm_head.weight is wte.weight, the preset's default): the embedding lives on the "
+                        "first stage and the head on the last. Fix: --tie-weights false"},
+      {o.tp > 1 || o.dp_replicate > 1 || o.data_parallel == "replicate",
+       "--tp, --dp-replicate or --data-parallel replicate: only pp x dp_shard (fully_shard) meshes are built. Fix: drop them"},
+      {o.grad_accum_steps > 1, "--grad-accum-steps " + std::to_string(o.grad_accum_steps) + ": the pipeline's "
+                               "microbatches are the accumulation. Fix: --pp-microbatches (and a larger --batch-size)"},
+      {o.mixed_precision == "fp16", "--mixed-precision fp16 (the loss scaler does not see the pipeline's losses). Fix: bf16"},
+      {!o.sft.empty(), "--sft (its token-normalised loss is not the schedule's mean of microbatch means)"},
+      {o.no_shard, "--no-shard"},
+      {!o.ckpt_dir.empty() || !o.resume.empty(), "--ckpt-dir/--resume: checkpoints of pipelined runs are not written "
+                                                 "yet. Fix: drop --ckpt-dir and --resume, or --pp 1"},
+      {!o.init_from.empty() || !o.export_hf.empty() || !o.save_init.empty() || !o.dump_batches.empty() ||
+           !o.logits_tokens.empty() || o.estimate_memory,
+       "--init-from, --export-hf, --save-init, --dump-batches, --logits-tokens and --estimate-memory (they need the "
+       "whole model on one rank). Fix: drop them, or --pp 1"},
+      {o.activation_checkpointing != "none" || o.activation_offload,
+       "--activation-checkpointing and --activation-offload (not tested with the pipeline's split backward yet)"},
+  };
+  for (const auto& [bad, what] : unsupported) {
+    if (bad) throw UsageError(pp + " does not support " + what);
+  }
+  p.pp = o.pp;
+  p.pp_schedule = o.pp_schedule;
+  const bool multi_stage = o.pp_schedule == "interleaved-1f1b" || o.pp_schedule == "interleaved-zero-bubble" ||
+                           o.pp_schedule == "zbv-zero-bubble";
+  p.stages_per_rank = o.stages_per_rank > 0 ? o.stages_per_rank : (multi_stage ? 2 : 1);
+  const std::string v = "--stages-per-rank " + std::to_string(p.stages_per_rank);
+  if (!multi_stage && p.stages_per_rank != 1) {
+    throw UsageError(v + " with --pp-schedule " + o.pp_schedule + ": that schedule runs one stage per pipeline rank. "
+                     "Fix: --stages-per-rank 1, or --pp-schedule interleaved-1f1b");
+  }
+  if (o.pp_schedule == "zbv-zero-bubble" && p.stages_per_rank != 2) {
+    throw UsageError(v + " with --pp-schedule zbv-zero-bubble: the V runs exactly 2 stages per rank (rank r holds "
+                     "stages r and 2 x pp - 1 - r). Fix: --stages-per-rank 2");
+  }
+  if (world_size % o.pp != 0) {
+    throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by " + pp + ": the ranks form "
+                     "a pp x dp_shard mesh. Fix: a --pp that divides the number of ranks");
+  }
+  const int stages = p.num_stages();
+  if (stages > cfg.n_layer) {
+    throw UsageError(pp + " x " + v + " = " + std::to_string(stages) + " stages, but the model has " +
+                     std::to_string(cfg.n_layer) + " transformer blocks (--n-layer): every stage needs one. Fix: "
+                     "fewer stages or --n-layer >= " + std::to_string(stages));
+  }
+  p.pp_microbatches = o.pp_microbatches > 0 ? o.pp_microbatches : stages;
+  const std::string m = "--pp-microbatches " + std::to_string(p.pp_microbatches);
+  if (o.batch_size % p.pp_microbatches != 0) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is not divisible by " + m +
+                     (o.pp_microbatches > 0 ? "" : " (the default: one per stage)") + ": each microbatch takes "
+                     "--batch-size / M sequences. Fix: a --batch-size that is a multiple of it, or another "
+                     "--pp-microbatches");
+  }
+  // The schedules' own conditions (schedules.cpp), as PyTorch's.
+  if (o.pp_schedule == "1f1b" && p.pp_microbatches < stages) {
+    throw UsageError(m + " with --pp-schedule 1f1b on " + std::to_string(stages) + " stages: 1F1B needs at least "
+                     "one microbatch per stage. Fix: --pp-microbatches >= " + std::to_string(stages));
+  }
+  if (o.pp_schedule.rfind("interleaved", 0) == 0) {
+    const int rounds = std::max(1, p.pp_microbatches / o.pp);
+    if (p.pp_microbatches % rounds != 0) {
+      throw UsageError(m + " with --pp-schedule " + o.pp_schedule + ": must be a multiple of the rounds max(1, M / "
+                       "--pp) = " + std::to_string(rounds) + " (PyTorch's rule). Fix: a multiple of " + pp);
+    }
+  }
+  try {
+    fsdp::pipelining::stage_ids_this_rank(o.pp_schedule, 0, o.pp, stages);
+  } catch (const c10::Error& e) {
+    throw UsageError(pp + ", --pp-schedule " + o.pp_schedule + ", " + v + ": " + e.what_without_backtrace());
+  }
+}
+
 /// The compute dtype and the sharding of the blocks, from the flags. Throws UsageError.
 ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int world_size) {
   ParallelOptions p;
@@ -165,8 +246,14 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                      "or --dp-replicate (got --tp " + std::to_string(o.tp) + ", --dp-replicate " +
                      std::to_string(o.dp_replicate) + "). Fix: drop them, or use --data-parallel fully_shard");
   }
-  const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate;
-  if (world_size % tp_x_rep != 0) {
+  if (o.pp > 1) {
+    check_pipeline_options(o, cfg, world_size, p);
+  } else if (o.pp_microbatches > 0 || o.stages_per_rank > 0) {
+    throw UsageError(std::string(o.pp_microbatches > 0 ? "--pp-microbatches" : "--stages-per-rank") +
+                     " needs --pp > 1 (pipeline parallelism). Fix: add --pp N or drop it");
+  }
+  const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate * p.pp;
+  if (o.pp == 1 && world_size % tp_x_rep != 0) {
     throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by --dp-replicate(" +
                      std::to_string(o.dp_replicate) + ") x --tp(" + std::to_string(o.tp) + ") = " +
                      std::to_string(tp_x_rep) + ": the ranks form a dp_replicate x dp_shard x tp mesh. Fix: a " +
@@ -270,14 +357,16 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
 void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   const Options& o = s.opts;
   const int64_t T = s.cfg.block_size;
-  // The data-parallel ranks (a TP group shares its batch): rank / tp of world / tp.
-  const int data_world = env.world_size / o.tp;
+  // The data-parallel ranks (a TP group and a pipeline share their batch): rank / tp of world / tp, or the
+  // dp_shard coordinate of a (pp, dp_shard) mesh.
+  const int data_world = s.parallel.data_ranks(env.world_size);
+  const int data_rank = s.parallel.pp > 1 ? env.rank % data_world : env.rank / o.tp;
   const int64_t global_batch = o.batch_size * data_world;
   // --estimate-memory trains nothing: the model and the world size matter, not whether the text fills their
   // batches (an estimate for 512 ranks runs on a small corpus).
   if (o.estimate_memory) return;
   if (s.train.size() < global_batch) {
-    DistributedSampler(s.train.size(), o.batch_size, env.rank / o.tp, data_world, o.seed);  // throws the message
+    DistributedSampler(s.train.size(), o.batch_size, data_rank, data_world, o.seed);  // throws the message
   }
   s.eval_batches = std::min(o.eval_batches, s.val.size() / global_batch);
   if (s.eval_batches == 0) {

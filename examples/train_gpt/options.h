@@ -78,6 +78,12 @@ struct Options {
   std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)
   bool reduce_scatter_each_microbatch = false;  // accumulate sharded sums; HSDP: all-reduce on the last only
   bool keep_unsharded = false;  // set_reshard_after_backward(false) but on the last microbatch: no re-gathers
+  // Pipeline parallelism (issue 34; pipeline.h): WORLD_SIZE = --pp x FSDP ranks; each pipeline rank holds
+  // --stages-per-rank stages of n_layer / stages blocks, fully_shard'ed over its data-parallel ranks.
+  int pp = 1;
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved-1f1b | interleaved-zero-bubble | zbv-zero-bubble
+  int pp_microbatches = 0;           // 0: the number of stages (--pp x --stages-per-rank)
+  int stages_per_rank = 0;           // 0: 2 for the interleaved and ZBV schedules, else 1
   int threads = 0;  // 0 = leave LibTorch's default (OMP_NUM_THREADS; fsdprun/torchrun set 1)
   // Output.
   int64_t log_every = 10;

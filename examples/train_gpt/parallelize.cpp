@@ -67,6 +67,9 @@ int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p) {
 }
 
 fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p) {
+  // Pipeline parallelism leads (torchtitan's order, pp outermost): the ranks of one pipeline position are
+  // contiguous, pp rank r holds global ranks [r x dp_shard, (r + 1) x dp_shard).
+  if (p.pp > 1) return fsdp::init_device_mesh(device, {p.pp, p.dp_shard}, {"pp", "dp_shard"});
   if (p.tp == 1 && p.dp_replicate == 1) return fsdp::init_device_mesh(device, {world});
   return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.tp}, {"dp_replicate", "dp_shard", "tp"});
 }
@@ -141,6 +144,14 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
   for (auto& block : model->blocks) fsdp::fully_shard(block, block_opts);
   // 2. The root last (its default reshard_after_forward: false).
   fsdp::fully_shard(model, opts);
+}
+
+void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  const auto opts = shard_options(fsdp_mesh(mesh, p), p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  for (auto& block : stage->blocks) fsdp::fully_shard(block, block_opts);
+  fsdp::fully_shard(stage, opts);  // the stage's root last: wte/wpe and/or ln_f/lm_head (none on a middle stage)
 }
 
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {

@@ -22,6 +22,13 @@ struct ParallelOptions {
   int tp = 1;             ///< tensor-parallel ranks (the mesh's "tp" dim)
   int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
   int dp_shard = 1;       ///< FSDP ranks (the mesh's "dp_shard" dim)
+  int pp = 1;             ///< pipeline ranks (the mesh's leading "pp" dim; pipeline.h)
+  std::string pp_schedule = "1f1b";  ///< --pp-schedule
+  int pp_microbatches = 1;   ///< microbatches per step and data-parallel rank (resolved: never 0)
+  int stages_per_rank = 1;   ///< pipeline stages per pp rank (resolved: never 0)
+  int num_stages() const { return pp * stages_per_rank; }
+  /// The ranks that draw different batches: the FSDP (and HSDP) ranks, not the TP or PP ranks of one batch.
+  int data_ranks(int world) const { return world / (tp * pp); }
   bool sequence_parallel = false;
   bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
   std::optional<torch::ScalarType> all_gather_dtype;  ///< LowPrecisionAllGather of the weight matrices
@@ -36,8 +43,8 @@ struct ParallelOptions {
 /// none matches (a typo would silently train everything).
 int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p);
 
-/// The device mesh of a run: 1-D over every rank for FSDP alone, else (dp_replicate, dp_shard, tp) with
-/// those names (sizes of 1 allowed). Collective over the world.
+/// The device mesh of a run: 1-D over every rank for FSDP alone, (pp, dp_shard) with --pp > 1, else
+/// (dp_replicate, dp_shard, tp) with those names (sizes of 1 allowed). Collective over the world.
 fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p);
 /// FSDP's mesh: the whole 1-D mesh, mesh["dp_shard"], or the (dp_replicate, dp_shard) slice for HSDP.
 fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
@@ -94,6 +101,11 @@ void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh
 /// The same for the unchanged Llama (--model-impl plain): fully_shard on each element of model.layers, then the
 /// root, exactly as PyTorch users write it; activation checkpointing by checkpoint_wrapper on the unchanged layers.
 void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+
+/// The same for one pipeline stage (--pp, pipeline.h) over the mesh's dp_shard dim: fully_shard on each of
+/// the stage's blocks, then on the stage (its embeddings and/or final norm and head), as apply_fsdp does for
+/// the whole model. Each stage is an FSDP root of its own; the schedule drives its gradient sync.
+void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same

@@ -166,7 +166,8 @@ Reporter::Reporter(const RunSetup& s, int64_t num_params, fsdp::ProcessGroupPtr 
       device_(pg_->device()),
       main_rank_(pg_->rank() == 0),
       num_params_(num_params),
-      tokens_per_step_(s.opts.batch_size * s.cfg.block_size * s.opts.grad_accum_steps),
+      // A pipeline's pp ranks share one batch: each rank's share is 1 / pp of it (tok/s/rank, MFU).
+      tokens_per_step_(s.opts.batch_size * s.cfg.block_size * s.opts.grad_accum_steps / s.parallel.pp),
       flops_per_token_(flops_per_token(s.cfg, num_params)),
       bar_(main_rank_ && !s.opts.no_progress && isatty(STDOUT_FILENO), s.opts.steps) {
   mark_interval();
@@ -191,14 +192,17 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
                    std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +
                    (s_.parallel.sequence_parallel ? ", sequence parallel)" : ")")
              : std::string())
+     << (s_.parallel.pp > 1 ? " (pp " + std::to_string(s_.parallel.pp) + " x dp " + std::to_string(s_.parallel.dp_shard) + ")"
+                            : std::string())
      << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"
      << "data: " << s_.data_name << ", " << s_.data_bytes << " bytes: train " << s_.train.size()
      << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " tokens; "
      << steps_per_epoch << " steps per epoch\n"
      << "batch: " << o_.batch_size << " x " << s_.cfg.block_size << " tokens x " << o_.grad_accum_steps
-     << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << world / s_.parallel.tp
+     << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << s_.parallel.data_ranks(world)
      << (s_.parallel.tp > 1 ? " data-parallel ranks (x " + std::to_string(s_.parallel.tp) + " tensor-parallel)"
-                            : std::string(" ranks"))
+         : s_.parallel.pp > 1 ? " data-parallel ranks (x " + std::to_string(s_.parallel.pp) + " pipeline-parallel)"
+                              : std::string(" ranks"))
      << " = " << tokens_per_step_ * (world / s_.parallel.tp) << " tokens per step\n"
      << "optim: AdamW lr " << fmt("%.2e", o_.lr) << " -> " << fmt("%.2e", o_.min_lr) << " (warmup "
      << o_.warmup_steps << ", cosine), weight decay " << o_.weight_decay << ", clip "

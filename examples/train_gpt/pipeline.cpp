@@ -1,0 +1,254 @@
+// train_gpt --pp N: see pipeline.h for the layout, the step, the loss and the clipping.
+#include "pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "evaluate.h"
+#include "fsdp/pipelining/schedules.h"
+#include "fsdp/pipelining/stage.h"
+#include "model.h"
+#include "optimizer.h"
+#include "parallelize.h"
+#include "reporting.h"
+
+namespace train_gpt {
+namespace {
+
+/// This rank's part of a pipelined GPT, and the forward through every stage for evaluation and sampling.
+/// Shaped like a model holder (`model->eval()`, `model->cfg`, `model(x)`), so generate() (evaluate.h)
+/// samples from it unchanged.
+class PipelinedGPT {
+ public:
+  PipelinedGPT(const GPTConfig& cfg, std::vector<fsdp::FSDPModule<GPTStage>> stages, std::vector<int> stage_ids,
+               std::vector<int> owner, fsdp::ProcessGroupPtr pp_group, torch::Device device)
+      : cfg(cfg), stages_(std::move(stages)), stage_ids_(std::move(stage_ids)), owner_(std::move(owner)),
+        pp_(std::move(pp_group)), device_(device) {}
+
+  PipelinedGPT* operator->() { return this; }
+  void eval() {
+    for (auto& s : stages_) s->eval();
+  }
+  void train() {
+    for (auto& s : stages_) s->train();
+  }
+
+  /// Logits [B, T, vocab] of `idx` on every rank of the pipeline: the stages run in order, each on the rank
+  /// holding it; an output crosses to the next stage's rank by a broadcast over the pp group (its dtype
+  /// and shape first), so no rank needs to know another's shapes. Collective over the pp group (and each
+  /// stage's forward over its dp group). Without gradients: evaluation and sampling only.
+  torch::Tensor operator()(const torch::Tensor& idx) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor x = idx.to(device_);
+    const int num_stages = static_cast<int>(owner_.size());
+    for (int id = 0; id < num_stages; ++id) {
+      if (owner_[id] == pp_->rank()) x = local(id)(x);
+      // The next stage on the same rank (the V's turn at the last rank) needs no message.
+      if (id + 1 < num_stages && owner_[id + 1] == owner_[id]) continue;
+      x = broadcast_from(owner_[id], x);
+    }
+    return x;
+  }
+
+  std::vector<fsdp::FSDPModule<GPTStage>>& stages() { return stages_; }
+
+  GPTConfig cfg;
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  // none: generate() asks (no sequence parallelism with --pp)
+
+ private:
+  fsdp::FSDPModule<GPTStage>& local(int id) {
+    for (size_t i = 0; i < stage_ids_.size(); ++i) {
+      if (stage_ids_[i] == id) return stages_[i];
+    }
+    TORCH_CHECK(false, "PipelinedGPT: stage ", id, " is not on pp rank ", pp_->rank());
+  }
+
+  /// `x` of pp rank `src` on every pp rank: a header {dtype, dims, sizes...} then the data.
+  torch::Tensor broadcast_from(int src, const torch::Tensor& x) {
+    constexpr int64_t kWords = 8;
+    auto header = torch::zeros({kWords}, torch::TensorOptions(torch::kLong).device(device_));
+    if (pp_->rank() == src) {
+      TORCH_CHECK(x.dim() + 2 <= kWords, "PipelinedGPT: a stage output of ", x.dim(), " dims");
+      std::vector<int64_t> h = {static_cast<int64_t>(x.scalar_type()), x.dim()};
+      for (auto d : x.sizes()) h.push_back(d);
+      h.resize(kWords, 0);
+      header.copy_(torch::tensor(h, torch::kLong));
+    }
+    fsdp::broadcast(header, src, *pp_);
+    const auto h = header.cpu();
+    const auto dtype = static_cast<c10::ScalarType>(h[0].item<int64_t>());
+    std::vector<int64_t> sizes;
+    for (int64_t d = 0; d < h[1].item<int64_t>(); ++d) sizes.push_back(h[2 + d].item<int64_t>());
+    torch::Tensor out = pp_->rank() == src ? x.contiguous() : torch::empty(sizes, torch::TensorOptions(dtype).device(device_));
+    fsdp::broadcast(out, src, *pp_);
+    return out;
+  }
+
+  std::vector<fsdp::FSDPModule<GPTStage>> stages_;
+  std::vector<int> stage_ids_;  // this rank's stages, in the order of stages_
+  std::vector<int> owner_;      // per stage: the pp rank holding it
+  fsdp::ProcessGroupPtr pp_;
+  torch::Device device_;
+};
+
+/// Mean loss over the evaluation batches of the validation split, as evaluate() (evaluate.h) with the
+/// data split over the dp_shard ranks (the ranks of a pipeline evaluate the same windows). Collective.
+double evaluate_pipelined(PipelinedGPT& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+                          int dp_rank, int dp, fsdp::ProcessGroup& world) {
+  model.eval();
+  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(world.device()));
+  for (int64_t b = 0; b < num_batches; ++b) {
+    auto [x, y] = val.get(eval_indices(b, batch_size, dp_rank, dp));
+    sum += lm_loss(model(x), y.to(world.device())).to(torch::kDouble);
+  }
+  // Every rank holds its pipeline's loss: the mean over the world is the mean over the dp ranks.
+  fsdp::all_reduce(sum, world, fsdp::ReduceOp::SUM);
+  model.train();
+  return sum.item<double>() / static_cast<double>(num_batches * world.size());
+}
+
+std::string join(const std::vector<int>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out;
+}
+
+}  // namespace
+
+int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+  const Options& o = s.opts;
+  const ParallelOptions& p = s.parallel;
+  const int world = pg->size();
+  if (o.threads > 0) torch::set_num_threads(o.threads);
+  const torch::Device device = pg->device();
+  auto mesh = make_mesh(device.type(), world, p);  // (pp, dp_shard)
+  const auto pp_group = mesh->get_group("pp");
+  const int pp_rank = static_cast<int>(mesh->get_local_rank(0)), dp_rank = static_cast<int>(mesh->get_local_rank(1));
+  const int dp = p.dp_shard, num_stages = p.num_stages();
+
+  // Every rank builds the whole model from one seed (the weights of --pp 1, whose deferred_init gives the
+  // eager values) and keeps its stages' modules; the rest is freed with `model` below.
+  torch::manual_seed(o.seed);
+  GPT model(s.cfg);
+  const int64_t num_params = model->num_params();
+  const std::vector<int> my_ids = fsdp::pipelining::stage_ids_this_rank(p.pp_schedule, pp_rank, p.pp, num_stages);
+  std::vector<int> owner(num_stages, -1);
+  for (int r = 0; r < p.pp; ++r) {
+    for (int id : fsdp::pipelining::stage_ids_this_rank(p.pp_schedule, r, p.pp, num_stages)) owner[id] = r;
+  }
+  std::vector<fsdp::FSDPModule<GPTStage>> stages;
+  for (int id : my_ids) {
+    const auto [begin, end] = stage_layers(s.cfg.n_layer, id, num_stages);
+    stages.emplace_back(GPTStage(*model, begin, end, id == 0, id == num_stages - 1));
+  }
+  model = nullptr;
+  DecayGroups groups;  // on the full shapes, before sharding (as decay_groups(*model) for --pp 1)
+  std::vector<torch::Tensor> params;
+  for (auto& st : stages) {
+    const DecayGroups g = decay_groups(*st);
+    groups.decay.insert(groups.decay.end(), g.decay.begin(), g.decay.end());
+    groups.no_decay.insert(groups.no_decay.end(), g.no_decay.begin(), g.no_decay.end());
+    if (device.is_cuda() && !o.cpu_offload) st->to(device);
+    parallelize(st, mesh, p);
+    for (const auto& t : unique_parameters(*st)) params.push_back(t);
+  }
+
+  // The schedule over this rank's stages; each stage is called through its FSDP holder (hooks).
+  std::vector<std::unique_ptr<fsdp::pipelining::PipelineStage>> pipeline_stages;
+  std::vector<fsdp::pipelining::PipelineStage*> stage_ptrs;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    pipeline_stages.push_back(std::make_unique<fsdp::pipelining::PipelineStage>(
+        stages[i].ptr(), [st = stages[i]](const torch::Tensor& x) mutable { return st(x); }, my_ids[i], num_stages,
+        device, pp_group));
+    stage_ptrs.push_back(pipeline_stages.back().get());
+  }
+  // The loss of --pp 1 (the mean over the microbatch's tokens); the schedule averages the microbatches.
+  auto schedule = fsdp::pipelining::make_schedule(p.pp_schedule, stage_ptrs, p.pp_microbatches,
+                                                  [](const torch::Tensor& logits, const torch::Tensor& y) {
+                                                    return lm_loss(logits, y);
+                                                  });
+  const bool has_last = owner[num_stages - 1] == pp_rank;
+  PipelinedGPT pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
+
+  torch::optim::AdamW optimizer = make_adamw(groups, o);
+  const bool foreach_optimizer = o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda());
+  DistributedSampler sampler(s.train.size(), o.batch_size, dp_rank, dp, o.seed);
+  Reporter report(s, num_params, pg);
+  report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, foreach_optimizer);
+  {
+    std::ostringstream os;
+    os << "pipeline: pp " << p.pp << " x dp " << dp << ", schedule " << p.pp_schedule << ", " << p.pp_microbatches
+       << " microbatches of " << o.batch_size / p.pp_microbatches << " sequences, " << num_stages << " stages (";
+    for (int id = 0; id < num_stages; ++id) {
+      const auto [begin, end] = stage_layers(s.cfg.n_layer, id, num_stages);
+      os << (id ? "; " : "") << "stage " << id << ": h." << begin << (end - begin > 1 ? "-" + std::to_string(end - 1) : "")
+         << (id == 0 ? " + embeddings" : "") << (id == num_stages - 1 ? " + ln_f, lm_head" : "") << " on pp rank "
+         << owner[id];
+    }
+    os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << join(my_ids);
+    report.say(os.str());
+  }
+  report.open_metrics(-1);
+  report.watch_groups({{"pp", pp_group}, {"dp_shard", mesh->get_group("dp_shard")}});
+  auto run_eval = [&](int64_t step) {
+    const double loss = evaluate_pipelined(pipelined, s.val, s.eval_batches, o.batch_size, dp_rank, dp, *pg);
+    report.eval(step, loss);
+    return loss;
+  };
+  report.initial_metrics(run_eval(0));
+
+  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  const auto t_train = Clock::now();
+  const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
+  for (int64_t step = 1; step <= last_step; ++step) {
+    const auto t0 = Clock::now();
+    const double lr = lr_at(step, o);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    auto [x, y] = s.train.get(sampler.next());
+    x = x.to(device);
+    y = y.to(device);
+    std::vector<torch::Tensor> losses;
+    schedule->step(x, y, &losses);  // x is read on stage 0's rank, y on the last stage's
+    auto loss_sum = torch::zeros({1}, torch::TensorOptions().device(device));
+    if (has_last) loss_sum += torch::stack(losses).mean();  // the batch's mean: the mean of equal microbatches' means
+    // This rank's stages' norm over its dp group (max_norm inf: nothing clipped yet), with the loss summed over
+    // the dp group in the same collective; then [norm^2, loss] summed over the pipeline: the whole model's norm
+    // and the global batch's loss (the ranks without the last stage add 0).
+    const auto stage_norm = fsdp::clip_grad_norm_(params, std::numeric_limits<double>::infinity(), 2.0, false, nullptr,
+                                                  loss_sum);
+    auto packed = torch::cat({stage_norm.to(torch::kFloat32).pow(2).reshape({1}), loss_sum});
+    fsdp::all_reduce(packed, *pp_group, fsdp::ReduceOp::SUM);
+    const auto total_norm = packed[0].sqrt();
+    // PyTorch's clip coefficient, the same on every rank.
+    const auto coef = torch::clamp_max(max_norm / (total_norm + 1e-6), 1.0);
+    if (o.clip_grad > 0) {
+      for (auto& t : params) {
+        if (t.grad().defined()) t.grad().mul_(coef);
+      }
+    }
+    if (foreach_optimizer) {
+      foreach_adamw_step(optimizer);
+    } else {
+      optimizer.step();
+    }
+    optimizer.zero_grad();
+    const double loss = packed[1].item<double>() / dp;
+    report.step(step, lr, loss, total_norm.item<double>(), seconds_since(t0), [&] { return run_eval(step); });
+  }
+  report.end_of_training(last_step);
+  const double wall = seconds_since(t_train);
+  std::string sample;
+  if (o.sample_tokens > 0) {
+    sample = generate(pipelined, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg, *s.tokenizer);
+  }
+  report.summary(0, last_step, wall, sample);
+  return 0;
+}
+
+}  // namespace train_gpt

@@ -1,0 +1,40 @@
+// train_gpt --pp N: pipeline parallelism (torch.distributed.pipelining through fsdp::pipelining), composed
+// with FSDP over the data-parallel ranks, as torchtitan's pipeline_llm + parallelize.
+//
+// Layout. The mesh is (pp, dp_shard), pp outermost: WORLD_SIZE = --pp x dp. The model's blocks split into
+// num_stages = --pp x --stages-per-rank stages (stage_layers: even, the first stages one block more when
+// they do not divide); stage 0 also holds wte and wpe, the last stage ln_f and lm_head. Pipeline rank r
+// holds the stages fsdp::pipelining::stage_ids_this_rank gives for --pp-schedule (r, r + pp, ... for the
+// looped schedules; r and 2 pp - 1 - r for zbv-zero-bubble). Each stage is a GPTStage (model.h) sharing the
+// whole model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
+// dp_shard dim exactly as parallelize() shards the whole model (per block, then the stage's root).
+//
+// A step. Every rank of one pipeline (one dp coordinate) draws the same --batch-size sequences; the
+// schedule splits them into --pp-microbatches microbatches, runs its order of forwards and backwards, and
+// scales the gradients by 1 / microbatches, so the gradients are those of the batch's mean loss: the
+// --pp 1 run's with the same global batch (tests/python/test_train_gpt_pp.py compares the losses).
+// The loss lives on the last stage's rank: the step's loss (the mean of its microbatches' means) is
+// summed over the data-parallel ranks with the gradient norm's collective and then over the pipeline
+// ranks (the others contribute 0), so every rank logs and records the same loss.
+// Gradient clipping: each rank's norm of its stages' gradients over its dp group (fsdp::clip_grad_norm_
+// with max_norm inf: no clipping yet), squared and summed over the pp group, is the whole model's norm;
+// every rank then scales its gradients by the same min(1, max_norm / (norm + 1e-6)), PyTorch's coefficient.
+// Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
+// output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
+//
+// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): tied weights,
+// Llama, --model-impl plain, --tp, --dp-replicate, --data-parallel replicate, --grad-accum-steps,
+// fp16, --sft, checkpoints (--ckpt-dir/--resume), --init-from/--export-hf and the other whole-model
+// flags, activation checkpointing and offload.
+#pragma once
+
+#include "fsdp/fsdp.h"
+#include "options.h"
+
+namespace train_gpt {
+
+/// Trains with pipeline parallelism (s.parallel.pp > 1) on the world `pg`: the banner, the loop of
+/// schedule steps, evaluations, the summary and the sample, as train() in main.cpp. Returns the exit code.
+int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg);
+
+}  // namespace train_gpt

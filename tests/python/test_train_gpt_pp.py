@@ -1,0 +1,116 @@
+"""train_gpt with pipeline parallelism (--pp; issue 34 item 4; CTest labels pipeline, train_gpt).
+
+The tiny preset with 4 untied blocks (--n-layer 4 --tie-weights false: every stage needs a block, and a tied
+embedding and head would span the first and the last stage), fp32, a few AdamW steps through fsdprun. The
+global batch is the same as the reference's: --batch-size is per data-parallel rank and the ranks of a
+pipeline share it, so `--pp 2` on 2 ranks must train like `--pp 1` on 1 rank, and pp 2 x dp 2 on 4 ranks
+like `--pp 1` on 2 ranks: per step the training loss, the gradient norm (clipping is on: the norm is the
+whole model's, summed over the stages) and the evaluation losses within 1e-5 (relative; the pipeline sums
+the microbatches' gradients in another order). Every rank records the same loss (rank 0 holds no loss of its
+own: the last stage's is summed over the pipeline). Bad layouts fail before the rendezvous, naming the flag.
+
+FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
+"""
+
+import pytest
+
+from fsdp_testing import FSDPRUN, TRAIN_GPT, metrics, run, show
+
+BINARIES = (FSDPRUN, TRAIN_GPT)
+
+RTOL = 1e-5
+STEPS = 4
+# Each schedule with its stages per rank: 1 for the one-stage schedules, 2 for the interleaved and V ones.
+SCHEDULES = [
+    ("1f1b", []),
+    ("gpipe", []),
+    ("interleaved-1f1b", ["--stages-per-rank", "2"]),
+    ("zbv-zero-bubble", []),  # its default: 2 stages per rank
+]
+
+
+def args(text_files, tmp_path, name, *extra, steps=STEPS):
+    return ["--model", "tiny", "--n-layer", "4", "--tie-weights", "false", "--data", *text_files, "--seed", "7",
+            "--threads", "1", "--steps", str(steps), "--log-every", "1", "--eval-every", "2", "--eval-batches", "2",
+            "--warmup-steps", "2", "--sample-tokens", "0", "--batch-size", "4", "--no-progress",
+            "--metrics", tmp_path / f"{name}.jsonl", *extra]
+
+
+def by_step(path):
+    return {r["step"]: r for r in metrics(path)}
+
+
+def max_rel_diff(got, ref, what):
+    """The largest relative difference over the steps and keys; fails on a missing step or key."""
+    assert sorted(got) == sorted(ref), f"{what}: steps {sorted(got)} vs {sorted(ref)}"
+    worst = 0.0
+    for s in sorted(ref):
+        for k in ("loss", "eval_loss", "grad_norm"):
+            a, b = got[s].get(k), ref[s].get(k)
+            if b is None:
+                continue
+            assert a is not None, f"{what}: step {s} has no {k}"
+            worst = max(worst, abs(a - b) / abs(b))
+            assert abs(a - b) <= RTOL * abs(b), f"{what}: step {s} {k} {a} vs {b} (--pp 1)"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference(text_files, tmp_path_factory):
+    """--pp 1 with the same global batch: on 1 rank (for pp 2) and on 2 ranks (for pp 2 x dp 2)."""
+    d = tmp_path_factory.mktemp("pp1")
+    out = {}
+    for nproc in (1, 2):
+        p = run(args(text_files, d, f"ref{nproc}"), nproc=nproc)
+        assert p.returncode == 0, show(p)
+        out[nproc] = by_step(d / f"ref{nproc}.jsonl")
+    return out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("schedule,extra", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_pipeline_trains_like_pp1(text_files, tmp_path, reference, schedule, extra, nproc):
+    name = f"{schedule}_{nproc}"
+    p = run(args(text_files, tmp_path, name, "--pp", "2", "--pp-schedule", schedule, *extra), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    dp = nproc // 2
+    assert f"pp 2 x dp {dp}" in p.stdout and f"schedule {schedule}" in p.stdout, p.stdout[-2000:]
+    got = by_step(tmp_path / f"{name}.jsonl")
+    worst = max_rel_diff(got, reference[dp], name)
+    print(f"{name}: max relative difference to --pp 1 on {dp} rank(s): {worst:.3g}")
+
+
+def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
+    p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
+    assert p.returncode == 0, show(p)
+    worst = max_rel_diff(by_step(tmp_path / "izb.jsonl"), reference[1], "interleaved-zero-bubble")
+    print(f"interleaved-zero-bubble: max relative difference to --pp 1: {worst:.3g}")
+
+
+def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path, reference):
+    # 3 blocks over 2 stages (the first gets 2), 4 microbatches of one sequence.
+    ref = run(args(text_files, tmp_path, "ref3", "--n-layer", "3"), nproc=1)
+    assert ref.returncode == 0, show(ref)
+    p = run(args(text_files, tmp_path, "uneven", "--n-layer", "3", "--pp", "2", "--pp-microbatches", "4"), nproc=2)
+    assert p.returncode == 0, show(p)
+    assert "stage 0: h.0-1 + embeddings on pp rank 0; stage 1: h.2 + ln_f, lm_head on pp rank 1" in p.stdout, p.stdout
+    max_rel_diff(by_step(tmp_path / "uneven.jsonl"), by_step(tmp_path / "ref3.jsonl"), "uneven")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pp", "3"], "not divisible by --pp 3"),
+    (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "3"], "--n-layer"),
+    (["--pp", "2", "--batch-size", "3"], "--batch-size 3 is not divisible by --pp-microbatches 2"),
+    (["--pp", "2", "--pp-schedule", "1f1b", "--stages-per-rank", "2"], "--stages-per-rank 2 with --pp-schedule 1f1b"),
+    (["--pp", "2", "--pp-schedule", "zbv-zero-bubble", "--stages-per-rank", "1"], "Fix: --stages-per-rank 2"),
+    (["--pp", "2", "--pp-microbatches", "1"], "1F1B needs at least one microbatch per stage"),
+    (["--pp", "2", "--tie-weights", "true"], "Fix: --tie-weights false"),
+    (["--pp", "2", "--ckpt-dir", "ckpt"], "--ckpt-dir"),
+    (["--stages-per-rank", "2"], "--stages-per-rank needs --pp > 1"),
+])
+def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
+    p = run(args(text_files, tmp_path, "bad", *extra, steps=2), nproc=2, timeout=60)
+    assert p.returncode != 0, show(p)
+    assert message in p.stdout + p.stderr, show(p)
+    # Refused while parsing, before the rendezvous and the model: both ranks print it.
+    assert (p.stdout + p.stderr).count(message) >= 2, show(p)
