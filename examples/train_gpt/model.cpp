@@ -264,11 +264,12 @@ GPTStageImpl::GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t en
     wpe = register_module("wpe", model.wpe);
     drop = register_module("drop", model.drop);
   }
-  h = register_module("h", torch::nn::ModuleDict());
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> named;
   for (int64_t i = first_layer; i < end_layer; ++i) {
     blocks.push_back(model.blocks[i]);
-    h->insert(std::to_string(i), model.blocks[i].ptr());
+    named.emplace_back(std::to_string(i), model.blocks[i].ptr());
   }
+  h = register_module("h", torch::nn::ModuleDict(named));
   if (is_last) {
     ln_f = register_module("ln_f", model.ln_f);
     lm_head = register_module("lm_head", model.lm_head);

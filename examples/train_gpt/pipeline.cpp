@@ -112,7 +112,7 @@ double evaluate_pipelined(PipelinedGPT& model, const TokenWindows& val, int64_t 
   return sum.item<double>() / static_cast<double>(num_batches * world.size());
 }
 
-std::string join(const std::vector<int>& v) {
+std::string stage_list(const std::vector<int>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
   return out;
@@ -190,7 +190,7 @@ int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
          << (id == 0 ? " + embeddings" : "") << (id == num_stages - 1 ? " + ln_f, lm_head" : "") << " on pp rank "
          << owner[id];
     }
-    os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << join(my_ids);
+    os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << stage_list(my_ids);
     report.say(os.str());
   }
   report.open_metrics(-1);
