@@ -48,4 +48,38 @@ torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
   return lm_head(ln_f(x));  // [B, T, vocab]
 }
 
+PlainGPTStageImpl::PlainGPTStageImpl(const PlainGPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first,
+                                     bool is_last)
+    : block_size(model.cfg.block_size) {
+  TORCH_CHECK(!model.cfg.tie_weights || (is_first && is_last), "PlainGPTStage: tied weights (lm_head.weight is "
+              "wte.weight) cannot be split over stages: build the model with tie_weights false");
+  TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= model.cfg.n_layer, "PlainGPTStage: blocks [",
+              first_layer, ", ", end_layer, ") out of the model's ", model.cfg.n_layer);
+  if (is_first) {
+    wte = register_module("wte", model.wte);
+    wpe = register_module("wpe", model.wpe);
+    drop = register_module("drop", model.drop);
+  }
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> named;
+  for (int64_t i = first_layer; i < end_layer; ++i) named.emplace_back(std::to_string(i), model.h->ptr(i));
+  h = register_module("h", torch::nn::ModuleDict(named));
+  if (is_last) {
+    ln_f = register_module("ln_f", model.ln_f);
+    lm_head = register_module("lm_head", model.lm_head);
+  }
+}
+
+torch::Tensor PlainGPTStageImpl::forward(const torch::Tensor& input) {
+  torch::Tensor x = input;
+  if (wte) {  // as PlainGPTImpl::forward
+    const auto T = x.size(1);
+    TORCH_CHECK(T <= block_size, "PlainGPTStage: sequence of ", T, " tokens exceeds the context of ", block_size);
+    auto pos = torch::arange(T, x.options());
+    x = drop(wte(x) + wpe(pos));
+  }
+  for (const auto& block : h->values()) x = block->as<PlainBlock>()->forward(x);  // in index order (insertion)
+  if (lm_head) x = lm_head(ln_f(x));
+  return x;
+}
+
 }  // namespace train_gpt

@@ -52,4 +52,21 @@ struct PlainGPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(PlainGPT);
 
+/// One pipeline stage of a PlainGPT (--pp with --model-impl plain), as GPTStage (model.h): the model's own
+/// modules of blocks [first_layer, end_layer) under their whole-model names (a ModuleDict "h" keyed by the
+/// block's index), wte/wpe on the first stage, ln_f/lm_head on the last; the blocks are called as the model
+/// calls them (no libfsdp type: fully_shard follows them at tensor level).
+struct PlainGPTStageImpl : torch::nn::Module {
+  PlainGPTStageImpl(const PlainGPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleDict h;
+  torch::nn::LayerNorm ln_f{nullptr};
+  LMHead lm_head{nullptr};
+  int64_t block_size;
+};
+TORCH_MODULE(PlainGPTStage);
+
 }  // namespace train_gpt

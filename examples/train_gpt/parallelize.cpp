@@ -154,6 +154,14 @@ void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& m
   fsdp::fully_shard(stage, opts);  // the stage's root last: wte/wpe and/or ln_f/lm_head (none on a middle stage)
 }
 
+void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  const auto opts = shard_options(fsdp_mesh(mesh, p), p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  for (const auto& block : stage->h->values()) fsdp::fully_shard(block, block_opts);
+  fsdp::fully_shard(stage, opts);
+}
+
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
   for (size_t i = 0; i < model->blocks.size(); ++i) {

@@ -106,6 +106,9 @@ void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const Paral
 /// the stage's blocks, then on the stage (its embeddings and/or final norm and head), as apply_fsdp does for
 /// the whole model. Each stage is an FSDP root of its own; the schedule drives its gradient sync.
 void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+/// The same for a stage of the unchanged model (--model-impl plain): fully_shard on each block of the stage's
+/// "h", then on the stage.
+void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same

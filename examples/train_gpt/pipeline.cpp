@@ -13,6 +13,7 @@
 #include "fsdp/pipelining/schedules.h"
 #include "fsdp/pipelining/stage.h"
 #include "model.h"
+#include "model_plain.h"
 #include "optimizer.h"
 #include "parallelize.h"
 #include "reporting.h"
@@ -22,10 +23,11 @@ namespace {
 
 /// This rank's part of a pipelined GPT, and the forward through every stage for evaluation and sampling.
 /// Shaped like a model holder (`model->eval()`, `model->cfg`, `model(x)`), so generate() (evaluate.h)
-/// samples from it unchanged.
+/// samples from it unchanged. `Stage`: Stage (holder) or PlainGPTStage (plain).
+template <typename Stage>
 class PipelinedGPT {
  public:
-  PipelinedGPT(const GPTConfig& cfg, std::vector<fsdp::FSDPModule<GPTStage>> stages, std::vector<int> stage_ids,
+  PipelinedGPT(const GPTConfig& cfg, std::vector<Stage> stages, std::vector<int> stage_ids,
                std::vector<int> owner, fsdp::ProcessGroupPtr pp_group, torch::Device device)
       : cfg(cfg), stages_(std::move(stages)), stage_ids_(std::move(stage_ids)), owner_(std::move(owner)),
         pp_(std::move(pp_group)), device_(device) {}
@@ -55,13 +57,13 @@ class PipelinedGPT {
     return x;
   }
 
-  std::vector<fsdp::FSDPModule<GPTStage>>& stages() { return stages_; }
+  std::vector<Stage>& stages() { return stages_; }
 
   GPTConfig cfg;
   fsdp::DeviceMeshPtr sequence_parallel_mesh;  // none: generate() asks (no sequence parallelism with --pp)
 
  private:
-  fsdp::FSDPModule<GPTStage>& local(int id) {
+  Stage& local(int id) {
     for (size_t i = 0; i < stage_ids_.size(); ++i) {
       if (stage_ids_[i] == id) return stages_[i];
     }
@@ -89,7 +91,7 @@ class PipelinedGPT {
     return out;
   }
 
-  std::vector<fsdp::FSDPModule<GPTStage>> stages_;
+  std::vector<Stage> stages_;
   std::vector<int> stage_ids_;  // this rank's stages, in the order of stages_
   std::vector<int> owner_;      // per stage: the pp rank holding it
   fsdp::ProcessGroupPtr pp_;
@@ -98,7 +100,8 @@ class PipelinedGPT {
 
 /// Mean loss over the evaluation batches of the validation split, as evaluate() (evaluate.h) with the
 /// data split over the dp_shard ranks (the ranks of a pipeline evaluate the same windows). Collective.
-double evaluate_pipelined(PipelinedGPT& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+template <typename Stage>
+double evaluate_pipelined(PipelinedGPT<Stage>& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
                           int dp_rank, int dp, fsdp::ProcessGroup& world) {
   model.eval();
   auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(world.device()));
@@ -118,9 +121,10 @@ std::string stage_list(const std::vector<int>& v) {
   return out;
 }
 
-}  // namespace
-
-int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+/// train_pipelined for one model code: `Model` GPT with `Stage` fsdp::FSDPModule<GPTStage>, or PlainGPT with
+/// PlainGPTStage.
+template <typename Model, typename Stage>
+int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   const Options& o = s.opts;
   const ParallelOptions& p = s.parallel;
   const int world = pg->size();
@@ -134,17 +138,17 @@ int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   // Every rank builds the whole model from one seed (the weights of --pp 1, whose deferred_init gives the
   // eager values) and keeps its stages' modules; the rest is freed with `model` below.
   torch::manual_seed(o.seed);
-  GPT model(s.cfg);
+  Model model(s.cfg);
   const int64_t num_params = model->num_params();
   const std::vector<int> my_ids = fsdp::pipelining::stage_ids_this_rank(p.pp_schedule, pp_rank, p.pp, num_stages);
   std::vector<int> owner(num_stages, -1);
   for (int r = 0; r < p.pp; ++r) {
     for (int id : fsdp::pipelining::stage_ids_this_rank(p.pp_schedule, r, p.pp, num_stages)) owner[id] = r;
   }
-  std::vector<fsdp::FSDPModule<GPTStage>> stages;
+  std::vector<Stage> stages;
   for (int id : my_ids) {
     const auto [begin, end] = stage_layers(s.cfg.n_layer, id, num_stages);
-    stages.emplace_back(GPTStage(*model, begin, end, id == 0, id == num_stages - 1));
+    stages.emplace_back(Stage(*model, begin, end, id == 0, id == num_stages - 1));
   }
   model = nullptr;
   DecayGroups groups;  // on the full shapes, before sharding (as decay_groups(*model) for --pp 1)
@@ -173,7 +177,7 @@ int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
                                                     return lm_loss(logits, y);
                                                   });
   const bool has_last = owner[num_stages - 1] == pp_rank;
-  PipelinedGPT pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
+  PipelinedGPT<Stage> pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
 
   torch::optim::AdamW optimizer = make_adamw(groups, o);
   const bool foreach_optimizer = o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda());
@@ -249,6 +253,14 @@ int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   }
   report.summary(0, last_step, wall, sample);
   return 0;
+}
+
+}  // namespace
+
+int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+  // --model-impl: the same pipeline over either model code (model.h or model_plain.h).
+  if (s.opts.model_impl == "plain") return train_pipelined_as<PlainGPT, PlainGPTStage>(s, pg);
+  return train_pipelined_as<GPT, fsdp::FSDPModule<GPTStage>>(s, pg);
 }
 
 }  // namespace train_gpt

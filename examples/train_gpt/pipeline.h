@@ -5,8 +5,8 @@
 // num_stages = --pp x --stages-per-rank stages (stage_layers: even, the first stages one block more when
 // they do not divide); stage 0 also holds wte and wpe, the last stage ln_f and lm_head. Pipeline rank r
 // holds the stages fsdp::pipelining::stage_ids_this_rank gives for --pp-schedule (r, r + pp, ... for the
-// looped schedules; r and 2 pp - 1 - r for zbv-zero-bubble). Each stage is a GPTStage (model.h) sharing the
-// whole model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
+// looped schedules; r and 2 pp - 1 - r for zbv-zero-bubble). Each stage is a GPTStage (model.h; --model-impl
+// plain: a PlainGPTStage, model_plain.h) sharing the whole model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
 // dp_shard dim exactly as parallelize() shards the whole model (per block, then the stage's root).
 //
 // A step. Every rank of one pipeline (one dp coordinate) draws the same --batch-size sequences; the
@@ -23,7 +23,7 @@
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
 // Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): tied weights,
-// Llama, --model-impl plain, --tp, --dp-replicate, --data-parallel replicate, --grad-accum-steps,
+// Llama, --tp, --dp-replicate, --data-parallel replicate, --grad-accum-steps,
 // fp16, --sft, checkpoints (--ckpt-dir/--resume), --init-from/--export-hf and the other whole-model
 // flags, activation checkpointing and offload.
 #pragma once

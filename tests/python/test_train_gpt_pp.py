@@ -80,6 +80,18 @@ def test_pipeline_trains_like_pp1(text_files, tmp_path, reference, schedule, ext
     print(f"{name}: max relative difference to --pp 1 on {dp} rank(s): {worst:.3g}")
 
 
+@pytest.mark.parametrize("schedule,nproc", [("1f1b", 2), ("zbv-zero-bubble", 4)])
+def test_unchanged_model_pipeline_trains_like_pp1(text_files, tmp_path, reference, schedule, nproc):
+    # --model-impl plain: stages of the unchanged-LibTorch GPT (PlainGPTStage), fully_shard at tensor level.
+    name = f"plain_{schedule}_{nproc}"
+    p = run(args(text_files, tmp_path, name, "--model-impl", "plain", "--pp", "2", "--pp-schedule", schedule),
+            nproc=nproc)
+    assert p.returncode == 0, show(p)
+    assert "--model-impl plain" in p.stdout and f"pp 2 x dp {nproc // 2}" in p.stdout, p.stdout[-2000:]
+    worst = max_rel_diff(by_step(tmp_path / f"{name}.jsonl"), reference[nproc // 2], name)
+    print(f"{name}: max relative difference to --pp 1: {worst:.3g}")
+
+
 def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
     p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
     assert p.returncode == 0, show(p)
