@@ -254,8 +254,6 @@ std::pair<int64_t, int64_t> stage_layers(int64_t n_layer, int stage, int num_sta
 
 GPTStageImpl::GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last)
     : block_size(model.cfg.block_size) {
-  TORCH_CHECK(!model.cfg.tie_weights || (is_first && is_last), "GPTStage: tied weights (lm_head.weight is wte.weight) "
-              "cannot be split over stages: build the model with tie_weights false");
   TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= model.cfg.n_layer, "GPTStage: blocks [",
               first_layer, ", ", end_layer, ") out of the model's ", model.cfg.n_layer);
   // Registration order as GPTImpl's, so that parameters() lists them in the whole model's order.
@@ -272,8 +270,16 @@ GPTStageImpl::GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t en
   h = register_module("h", torch::nn::ModuleDict(named));
   if (is_last) {
     ln_f = register_module("ln_f", model.ln_f);
-    lm_head = register_module("lm_head", model.lm_head);
+    lm_head = register_module("lm_head", stage_head(model.cfg, model.lm_head, is_first));
   }
+}
+
+LMHead stage_head(const GPTConfig& cfg, const LMHead& head, bool is_first) {
+  if (!cfg.tie_weights || is_first) return head;
+  // [Note: tied weights across stages] A copy of the tied weight, a parameter of its own: the first stage's wte
+  // and this head live in different fully_shard roots (on different ranks, or both on rank 0 under ZBV), which
+  // cannot share one tensor. train_gpt keeps the copies equal by summing their gradients (pipeline.cpp).
+  return LMHead(cfg, head->weight.detach().clone());
 }
 
 torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {

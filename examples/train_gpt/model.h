@@ -146,13 +146,18 @@ TORCH_MODULE(GPT);
 /// the first n_layer % num_stages stages one block more (torchtitan's default split of the layers).
 std::pair<int64_t, int64_t> stage_layers(int64_t n_layer, int stage, int num_stages);
 
+/// The head of a last pipeline stage: `head` itself when untied or when the stage is also the first; tied, a
+/// new LMHead whose weight is a copy of the tied weight (a parameter of its own, same name lm_head.weight).
+LMHead stage_head(const GPTConfig& cfg, const LMHead& head, bool is_first);
+
 /// One pipeline stage of a GPT (--pp, pipeline.h): the model's own modules (shared, not copied) of blocks
 /// [first_layer, end_layer), with the embeddings (wte, wpe) on the first stage and the final LayerNorm and
 /// the head (ln_f, lm_head) on the last. Its parameters keep the whole model's names ("h.5.attn.c_attn.weight"
 /// stays that, wte and ln_f keep theirs), so a stage's state dict and optimizer keys are the unpipelined
 /// model's. forward maps one tensor to one: token ids [B, T] -> hidden states [B, T, C] on the first stage,
 /// hidden states -> hidden states in between, -> logits [B, T, vocab] on the last (all three on one stage
-/// when it is both). Untied weights only: a tied wte/lm_head would span the first and the last stage.
+/// when it is both). Tied weights: the last stage's lm_head.weight is a copy of wte.weight (stage_head), which
+/// the trainer keeps equal to the first stage's by summing their gradients (pipeline.h).
 struct GPTStageImpl : torch::nn::Module {
   GPTStageImpl(const GPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last);
   torch::Tensor forward(const torch::Tensor& x);

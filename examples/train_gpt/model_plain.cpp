@@ -51,8 +51,6 @@ torch::Tensor PlainGPTImpl::forward(const torch::Tensor& idx) {
 PlainGPTStageImpl::PlainGPTStageImpl(const PlainGPTImpl& model, int64_t first_layer, int64_t end_layer, bool is_first,
                                      bool is_last)
     : block_size(model.cfg.block_size) {
-  TORCH_CHECK(!model.cfg.tie_weights || (is_first && is_last), "PlainGPTStage: tied weights (lm_head.weight is "
-              "wte.weight) cannot be split over stages: build the model with tie_weights false");
   TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= model.cfg.n_layer, "PlainGPTStage: blocks [",
               first_layer, ", ", end_layer, ") out of the model's ", model.cfg.n_layer);
   if (is_first) {
@@ -65,7 +63,7 @@ PlainGPTStageImpl::PlainGPTStageImpl(const PlainGPTImpl& model, int64_t first_la
   h = register_module("h", torch::nn::ModuleDict(named));
   if (is_last) {
     ln_f = register_module("ln_f", model.ln_f);
-    lm_head = register_module("lm_head", model.lm_head);
+    lm_head = register_module("lm_head", stage_head(model.cfg, model.lm_head, is_first));  // tied: a copy
   }
 }
 

@@ -108,8 +108,6 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
   // What the pipelined trainer (pipeline.cpp) does not do yet: refused by name rather than run wrongly.
   const std::vector<std::pair<bool, std::string>> unsupported = {
       {cfg.is_llama(), "a Llama model (--model llama-*, --init-from): the stages are built for GPT-2 only"},
-      {cfg.tie_weights, "tied weights (lm_head.weight is wte.weight, the preset's default): the embedding lives on the "
-                        "first stage and the head on the last. Fix: --tie-weights false"},
       {o.tp > 1 || o.dp_replicate > 1 || o.data_parallel == "replicate",
        "--tp, --dp-replicate or --data-parallel replicate: only pp x dp_shard (fully_shard) meshes are built. Fix: drop them"},
       {o.grad_accum_steps > 1, "--grad-accum-steps " + std::to_string(o.grad_accum_steps) + ": the pipeline's "

@@ -115,6 +115,51 @@ double evaluate_pipelined(PipelinedGPT<Stage>& model, const TokenWindows& val, i
   return sum.item<double>() / static_cast<double>(num_batches * world.size());
 }
 
+/// [Note: tied weights across stages]
+/// With tied weights (wte.weight is lm_head.weight in the whole model) the first stage holds wte and the last
+/// stage a copy of the same weight as its head (stage_head, model.h). Both copies start equal; after each step's
+/// backward their (sharded) gradients are summed over the pp group, which is the whole model's gradient of the
+/// one tied weight, and each copy takes that sum: the same gradient, the same AdamW state and update, so the
+/// copies stay bitwise equal. Each rank of a pipeline holds the same rows of both (the same dp_shard
+/// coordinate), so their local shards have one shape, which the ranks holding neither learn once (a broadcast
+/// from the first stage's rank). The gradient norm counts the weight once (the head's copy is left out).
+struct TiedWeights {
+  torch::Tensor first, last;  // this rank's wte.weight / tied lm_head.weight (undefined where not held)
+  torch::Tensor buffer;       // the local shard's shape and dtype, on every pp rank
+
+  TiedWeights(const torch::Tensor& wte, const torch::Tensor& head, int src, fsdp::ProcessGroup& pp,
+              torch::Device device)
+      : first(wte), last(head) {
+    constexpr int64_t kWords = 4;  // dtype, rows, columns, dims
+    auto header = torch::zeros({kWords}, torch::TensorOptions(torch::kLong).device(device));
+    if (pp.rank() == src) {
+      TORCH_CHECK(first.defined() && first.dim() == 2, "tied weights: pp rank ", src, " lacks wte.weight");
+      header.copy_(torch::tensor({static_cast<int64_t>(first.scalar_type()), first.size(0), first.size(1), int64_t{2}}));
+    }
+    fsdp::broadcast(header, src, pp);
+    const auto h = header.cpu();
+    buffer = torch::zeros({h[1].item<int64_t>(), h[2].item<int64_t>()},
+                          torch::TensorOptions(static_cast<c10::ScalarType>(h[0].item<int64_t>())).device(device));
+  }
+
+  /// Sums the copies' gradients over the pipeline group and gives each copy the sum. Collective over pp.
+  void sum_gradients(fsdp::ProcessGroup& pp) {
+    buffer.zero_();
+    for (const auto* t : {&first, &last}) {
+      if (t->defined() && t->grad().defined()) buffer.add_(t->grad());
+    }
+    fsdp::all_reduce(buffer, pp, fsdp::ReduceOp::SUM);
+    for (auto* t : {&first, &last}) {
+      if (!t->defined()) continue;
+      if (t->grad().defined()) {
+        t->mutable_grad().copy_(buffer);
+      } else {
+        t->mutable_grad() = buffer.clone();
+      }
+    }
+  }
+};
+
 std::string stage_list(const std::vector<int>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
@@ -160,6 +205,25 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     if (device.is_cuda() && !o.cpu_offload) st->to(device);
     parallelize(st, mesh, p);
     for (const auto& t : unique_parameters(*st)) params.push_back(t);
+  }
+
+  // Tied weights: the copies on the first and the last stage ([Note: tied weights across stages]); the norm
+  // counts the weight once (the head's copy left out).
+  std::optional<TiedWeights> tied;
+  std::vector<torch::Tensor> norm_params = params;
+  if (s.cfg.tie_weights) {
+    torch::Tensor wte, head;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      if (my_ids[i] == 0) wte = stages[i]->wte->weight;
+      if (my_ids[i] == num_stages - 1) head = stages[i]->lm_head->weight;
+    }
+    tied.emplace(wte, head, owner[0], *pp_group, device);
+    if (head.defined()) {
+      norm_params.clear();
+      for (const auto& t : params) {
+        if (!t.is_same(head)) norm_params.push_back(t);
+      }
+    }
   }
 
   // The schedule over this rank's stages; each stage is called through its FSDP holder (hooks).
@@ -219,13 +283,14 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     y = y.to(device);
     std::vector<torch::Tensor> losses;
     schedule->step(x, y, &losses);  // x is read on stage 0's rank, y on the last stage's
+    if (tied) tied->sum_gradients(*pp_group);
     auto loss_sum = torch::zeros({1}, torch::TensorOptions().device(device));
     if (has_last) loss_sum += torch::stack(losses).mean();  // the batch's mean: the mean of equal microbatches' means
     // This rank's stages' norm over its dp group (max_norm inf: nothing clipped yet), with the loss summed over
     // the dp group in the same collective; then [norm^2, loss] summed over the pipeline: the whole model's norm
     // and the global batch's loss (the ranks without the last stage add 0).
-    const auto stage_norm = fsdp::clip_grad_norm_(params, std::numeric_limits<double>::infinity(), 2.0, false, nullptr,
-                                                  loss_sum);
+    const auto stage_norm = fsdp::clip_grad_norm_(norm_params, std::numeric_limits<double>::infinity(), 2.0, false,
+                                                  nullptr, loss_sum);
     auto packed = torch::cat({stage_norm.to(torch::kFloat32).pow(2).reshape({1}), loss_sum});
     fsdp::all_reduce(packed, *pp_group, fsdp::ReduceOp::SUM);
     const auto total_norm = packed[0].sqrt();

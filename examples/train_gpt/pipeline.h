@@ -19,13 +19,16 @@
 // Gradient clipping: each rank's norm of its stages' gradients over its dp group (fsdp::clip_grad_norm_
 // with max_norm inf: no clipping yet), squared and summed over the pp group, is the whole model's norm;
 // every rank then scales its gradients by the same min(1, max_norm / (norm + 1e-6)), PyTorch's coefficient.
+// Tied weights (the GPT presets' default): the last stage's head holds a copy of wte.weight whose gradient is
+// summed with the first stage's after each backward, so both copies take the same updates ([Note: tied
+// weights across stages] in pipeline.cpp).
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
-// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): tied weights,
-// Llama, --tp, --dp-replicate, --data-parallel replicate, --grad-accum-steps,
-// fp16, --sft, checkpoints (--ckpt-dir/--resume), --init-from/--export-hf and the other whole-model
-// flags, activation checkpointing and offload.
+// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): Llama, --tp,
+// --dp-replicate, --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
+// dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
+// activation checkpointing and offload.
 #pragma once
 
 #include "fsdp/fsdp.h"

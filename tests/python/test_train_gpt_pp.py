@@ -1,7 +1,7 @@
 """train_gpt with pipeline parallelism (--pp; issue 34 item 4; CTest labels pipeline, train_gpt).
 
-The tiny preset with 4 untied blocks (--n-layer 4 --tie-weights false: every stage needs a block, and a tied
-embedding and head would span the first and the last stage), fp32, a few AdamW steps through fsdprun. The
+The tiny preset with 4 blocks (--n-layer 4: every stage needs a block), untied (--tie-weights false) except in
+the tied-weights test (the head's copy on the last stage is kept equal to the first stage's wte), fp32, a few AdamW steps through fsdprun. The
 global batch is the same as the reference's: --batch-size is per data-parallel rank and the ranks of a
 pipeline share it, so `--pp 2` on 2 ranks must train like `--pp 1` on 1 rank, and pp 2 x dp 2 on 4 ranks
 like `--pp 1` on 2 ranks: per step the training loss, the gradient norm (clipping is on: the norm is the
@@ -92,6 +92,19 @@ def test_unchanged_model_pipeline_trains_like_pp1(text_files, tmp_path, referenc
     print(f"{name}: max relative difference to --pp 1: {worst:.3g}")
 
 
+@pytest.mark.parametrize("schedule,nproc", [("1f1b", 2), ("zbv-zero-bubble", 4)])
+def test_tied_weights_train_like_pp1(text_files, tmp_path, schedule, nproc):
+    # The preset's tied wte/lm_head: the last stage's head is a copy whose gradient is summed with wte's (under ZBV
+    # both on rank 0); the copies must stay equal for the losses to match --pp 1 (one tensor there).
+    tied = ["--tie-weights", "true"]
+    ref = run(args(text_files, tmp_path, "tied_ref", *tied), nproc=nproc // 2)
+    assert ref.returncode == 0, show(ref)
+    p = run(args(text_files, tmp_path, "tied", *tied, "--pp", "2", "--pp-schedule", schedule), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    worst = max_rel_diff(by_step(tmp_path / "tied.jsonl"), by_step(tmp_path / "tied_ref.jsonl"), f"tied {schedule}")
+    print(f"tied {schedule} on {nproc} ranks: max relative difference to --pp 1: {worst:.3g}")
+
+
 def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
     p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
     assert p.returncode == 0, show(p)
@@ -116,7 +129,7 @@ def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path
     (["--pp", "2", "--pp-schedule", "1f1b", "--stages-per-rank", "2"], "--stages-per-rank 2 with --pp-schedule 1f1b"),
     (["--pp", "2", "--pp-schedule", "zbv-zero-bubble", "--stages-per-rank", "1"], "Fix: --stages-per-rank 2"),
     (["--pp", "2", "--pp-microbatches", "1"], "1F1B needs at least one microbatch per stage"),
-    (["--pp", "2", "--tie-weights", "true"], "Fix: --tie-weights false"),
+    (["--pp", "2", "--tp", "2"], "--pp 2 does not support --tp"),
     (["--pp", "2", "--ckpt-dir", "ckpt"], "--ckpt-dir"),
     (["--stages-per-rank", "2"], "--stages-per-rank needs --pp > 1"),
 ])
