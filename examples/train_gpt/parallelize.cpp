@@ -147,6 +147,11 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 }
 
 void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  // Activation checkpointing by the block's index in the whole model (layer:K counts as for --pp 1).
+  const auto keys = stage->h->keys();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (auto options = block_checkpoint_options(p, std::stoll(keys[i]))) fsdp::checkpoint_wrapper(stage->blocks[i], *options);
+  }
   const auto opts = shard_options(fsdp_mesh(mesh, p), p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);
@@ -155,6 +160,9 @@ void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& m
 }
 
 void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  for (const auto& item : stage->h->items()) {
+    if (auto options = block_checkpoint_options(p, std::stoll(item.first))) fsdp::checkpoint_wrapper(item.second, *options);
+  }
   const auto opts = shard_options(fsdp_mesh(mesh, p), p);
   auto block_opts = opts;
   block_opts.reshard_after_forward(p.reshard_after_forward);

@@ -104,7 +104,8 @@ void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const Paral
 
 /// The same for one pipeline stage (--pp, pipeline.h) over the mesh's dp_shard dim: fully_shard on each of
 /// the stage's blocks, then on the stage (its embeddings and/or final norm and head), as apply_fsdp does for
-/// the whole model. Each stage is an FSDP root of its own; the schedule drives its gradient sync.
+/// the whole model, after activation checkpointing of its blocks (block_checkpoint_options by each block's index
+/// in the whole model). Each stage is an FSDP root of its own; the schedule drives its gradient sync.
 void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 /// The same for a stage of the unchanged model (--model-impl plain): fully_shard on each block of the stage's
 /// "h", then on the stage.

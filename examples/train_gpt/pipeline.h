@@ -28,7 +28,7 @@
 // Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): Llama, --tp,
 // --dp-replicate, --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
 // dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
-// activation checkpointing and offload.
+// --activation-offload.
 #pragma once
 
 #include "fsdp/fsdp.h"

@@ -105,6 +105,20 @@ def test_tied_weights_train_like_pp1(text_files, tmp_path, schedule, nproc):
     print(f"tied {schedule} on {nproc} ranks: max relative difference to --pp 1: {worst:.3g}")
 
 
+@pytest.mark.parametrize("impl,ac,schedule", [("holder", "full", "zbv-zero-bubble"),
+                                               ("plain", "selective-op", "interleaved-zero-bubble")])
+def test_activation_checkpointing_in_stages_trains_like_pp1(text_files, tmp_path, reference, impl, ac, schedule):
+    # Blocks recomputed in backward, also under the zero-bubble schedules' split backward (input gradient, then
+    # weight gradient later).
+    name = f"ac_{impl}_{schedule}"
+    p = run(args(text_files, tmp_path, name, "--model-impl", impl, "--activation-checkpointing", ac, "--pp", "2",
+                 "--pp-schedule", schedule), nproc=2)
+    assert p.returncode == 0, show(p)
+    assert f"activation checkpointing {ac}" in p.stdout, p.stdout[-2000:]
+    worst = max_rel_diff(by_step(tmp_path / f"{name}.jsonl"), reference[1], name)
+    print(f"{name}: max relative difference to --pp 1: {worst:.3g}")
+
+
 def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
     p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
     assert p.returncode == 0, show(p)
