@@ -247,8 +247,10 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   }
   if (o.pp > 1) {
     check_pipeline_options(o, cfg, world_size, p);
-  } else if (o.pp_microbatches > 0 || o.stages_per_rank > 0) {
-    throw UsageError(std::string(o.pp_microbatches > 0 ? "--pp-microbatches" : "--stages-per-rank") +
+  } else if (o.pp_microbatches > 0 || o.stages_per_rank > 0 || o.pp_schedule != Options().pp_schedule) {
+    // Without a pipeline they would be ignored silently.
+    throw UsageError(std::string(o.pp_microbatches > 0 ? "--pp-microbatches" : o.stages_per_rank > 0 ? "--stages-per-rank"
+                                                                                                 : "--pp-schedule") +
                      " needs --pp > 1 (pipeline parallelism). Fix: add --pp N or drop it");
   }
   const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate * p.pp;

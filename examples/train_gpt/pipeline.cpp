@@ -226,7 +226,8 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     }
   }
 
-  // The schedule over this rank's stages; each stage is called through its FSDP holder (hooks).
+  // The schedule over this rank's stages; each stage is called as `st(x)`: through its FSDPModule holder's hooks
+  // (holder), or directly (plain: fully_shard follows the unchanged modules at tensor level).
   std::vector<std::unique_ptr<fsdp::pipelining::PipelineStage>> pipeline_stages;
   std::vector<fsdp::pipelining::PipelineStage*> stage_ptrs;
   for (size_t i = 0; i < stages.size(); ++i) {
