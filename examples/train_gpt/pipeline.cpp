@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -160,6 +161,33 @@ struct TiedWeights {
   }
 };
 
+/// Checks that the stages' parameter names are the whole model's: every stage of the pipeline (built here on
+/// every rank, sharing the model's modules) names each of its parameters as `model` does, with the same tensor
+/// (or, for a tied head's copy, equal values), and together they hold every name of the model exactly once.
+/// A state dict of a stage then uses the unpipelined keys. Returns the number of names; throws c10::Error
+/// naming the first name that differs.
+template <typename Model, typename Stage>
+size_t check_stage_names(const Model& model, int num_stages) {
+  const auto whole = model->named_parameters();
+  std::map<std::string, int> seen;  // name -> stage
+  for (int id = 0; id < num_stages; ++id) {
+    const auto [begin, end] = stage_layers(model->cfg.n_layer, id, num_stages);
+    Stage stage(*model, begin, end, id == 0, id == num_stages - 1);
+    for (const auto& item : stage->named_parameters()) {
+      const torch::Tensor* w = whole.find(item.key());
+      TORCH_CHECK(w, "pipeline stage ", id, ": parameter '", item.key(), "' is not a name of the whole model");
+      TORCH_CHECK(w->is_same(item.value()) || torch::equal(*w, item.value()), "pipeline stage ", id, ": '", item.key(),
+                  "' is not the whole model's parameter of that name");
+      const auto [it, fresh] = seen.emplace(item.key(), id);
+      TORCH_CHECK(fresh, "pipeline stages ", it->second, " and ", id, " both hold '", item.key(), "'");
+    }
+  }
+  for (const auto& item : whole) {
+    TORCH_CHECK(seen.count(item.key()), "no pipeline stage holds the whole model's parameter '", item.key(), "'");
+  }
+  return seen.size();
+}
+
 std::string stage_list(const std::vector<int>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
@@ -185,6 +213,7 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   torch::manual_seed(o.seed);
   Model model(s.cfg);
   const int64_t num_params = model->num_params();
+  const size_t num_names = check_stage_names<Model, Stage>(model, num_stages);
   const std::vector<int> my_ids = fsdp::pipelining::stage_ids_this_rank(p.pp_schedule, pp_rank, p.pp, num_stages);
   std::vector<int> owner(num_stages, -1);
   for (int r = 0; r < p.pp; ++r) {
@@ -259,7 +288,8 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
          << (id == 0 ? " + embeddings" : "") << (id == num_stages - 1 ? " + ln_f, lm_head" : "") << " on pp rank "
          << owner[id];
     }
-    os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << stage_list(my_ids);
+    os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << stage_list(my_ids) << "; the stages' "
+       << num_names << " parameter names are the whole model's";
     report.say(os.str());
   }
   report.open_metrics(-1);

@@ -75,6 +75,9 @@ def test_pipeline_trains_like_pp1(text_files, tmp_path, reference, schedule, ext
     assert p.returncode == 0, show(p)
     dp = nproc // 2
     assert f"pp 2 x dp {dp}" in p.stdout and f"schedule {schedule}" in p.stdout, p.stdout[-2000:]
+    # Checked by train_gpt on every rank: each stage names its parameters as the whole model (4 blocks x 12 + wte,
+    # wpe, ln_f x 2, lm_head = 53), together exactly once.
+    assert "the stages' 53 parameter names are the whole model's" in p.stdout, p.stdout[-2000:]
     got = by_step(tmp_path / f"{name}.jsonl")
     worst = max_rel_diff(got, reference[dp], name)
     print(f"{name}: max relative difference to --pp 1 on {dp} rank(s): {worst:.3g}")
