@@ -289,9 +289,13 @@ torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
     TORCH_CHECK(T <= block_size, "GPTStage: sequence of ", T, " tokens exceeds the context of ", block_size);
     auto pos = torch::arange(T, x.options());
     x = drop(wte(x) + wpe(pos));
+    if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   }
   for (auto& b : blocks) x = b(x);  // through FSDP: unshard before, reshard after each block
-  if (lm_head) x = lm_head(ln_f(x));
+  if (lm_head) {
+    if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
+    x = lm_head(ln_f(x));
+  }
   return x;
 }
 

@@ -74,9 +74,13 @@ torch::Tensor PlainGPTStageImpl::forward(const torch::Tensor& input) {
     TORCH_CHECK(T <= block_size, "PlainGPTStage: sequence of ", T, " tokens exceeds the context of ", block_size);
     auto pos = torch::arange(T, x.options());
     x = drop(wte(x) + wpe(pos));
+    if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);
   }
   for (const auto& block : h->values()) x = block->as<PlainBlock>()->forward(x);  // in index order (insertion)
-  if (lm_head) x = lm_head(ln_f(x));
+  if (lm_head) {
+    if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
+    x = lm_head(ln_f(x));
+  }
   return x;
 }
 

@@ -66,6 +66,9 @@ struct PlainGPTStageImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   LMHead lm_head{nullptr};
   int64_t block_size;
+  /// --sequence-parallel (set by parallelize()): the first stage splits the residual stream along the sequence
+  /// after the embeddings, the stages pass their sequence shards on, the last gathers it before ln_f.
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;
 };
 TORCH_MODULE(PlainGPTStage);
 

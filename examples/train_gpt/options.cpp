@@ -108,8 +108,7 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
   // What the pipelined trainer (pipeline.cpp) does not do yet: refused by name rather than run wrongly.
   const std::vector<std::pair<bool, std::string>> unsupported = {
       {cfg.is_llama(), "a Llama model (--model llama-*, --init-from): the stages are built for GPT-2 only"},
-      {o.tp > 1 || o.dp_replicate > 1 || o.data_parallel == "replicate",
-       "--tp, --dp-replicate or --data-parallel replicate: only pp x dp_shard (fully_shard) meshes are built. Fix: drop them"},
+      {o.data_parallel == "replicate", "--data-parallel replicate: the stages are fully_shard'ed. Fix: drop it"},
       {o.grad_accum_steps > 1, "--grad-accum-steps " + std::to_string(o.grad_accum_steps) + ": the pipeline's "
                                "microbatches are the accumulation. Fix: --pp-microbatches (and a larger --batch-size)"},
       {o.mixed_precision == "fp16", "--mixed-precision fp16 (the loss scaler does not see the pipeline's losses). Fix: bf16"},
@@ -143,9 +142,12 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
     throw UsageError(v + " with --pp-schedule zbv-zero-bubble: the V runs exactly 2 stages per rank (rank r holds "
                      "stages r and 2 x pp - 1 - r). Fix: --stages-per-rank 2");
   }
-  if (world_size % o.pp != 0) {
-    throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by " + pp + ": the ranks form "
-                     "a pp x dp_shard mesh. Fix: a --pp that divides the number of ranks");
+  const int64_t others = static_cast<int64_t>(o.pp) * o.dp_replicate * o.tp;
+  if (world_size % others != 0) {
+    throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by " + pp + " x --dp-replicate(" +
+                     std::to_string(o.dp_replicate) + ") x --tp(" + std::to_string(o.tp) + ") = " + std::to_string(others) +
+                     ": the ranks form a pp x dp_replicate x dp_shard x tp mesh. Fix: a --pp (and --tp, --dp-replicate) "
+                     "whose product divides the number of ranks");
   }
   const int stages = p.num_stages();
   if (stages > cfg.n_layer) {

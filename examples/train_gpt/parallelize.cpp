@@ -69,7 +69,10 @@ int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p) {
 fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p) {
   // Pipeline parallelism leads (torchtitan's order, pp outermost): the ranks of one pipeline position are
   // contiguous, pp rank r holds global ranks [r x dp_shard, (r + 1) x dp_shard).
-  if (p.pp > 1) return fsdp::init_device_mesh(device, {p.pp, p.dp_shard}, {"pp", "dp_shard"});
+  // The other dims keep parallelize()'s names and order, so fsdp_mesh and apply_tp find theirs.
+  if (p.pp > 1) {
+    return fsdp::init_device_mesh(device, {p.pp, p.dp_replicate, p.dp_shard, p.tp}, {"pp", "dp_replicate", "dp_shard", "tp"});
+  }
   if (p.tp == 1 && p.dp_replicate == 1) return fsdp::init_device_mesh(device, {world});
   return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.tp}, {"dp_replicate", "dp_shard", "tp"});
 }
@@ -147,6 +150,11 @@ void apply_fsdp(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, c
 }
 
 void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (p.tp > 1) {  // the blocks' plan as for the whole model ("h.*.attn.c_attn" matches the stage's "h.5...")
+    torch::nn::ModuleList blocks;  // apply_tp's view of the stage's blocks (a temporary second parent)
+    for (const auto& b : stage->h->values()) blocks->push_back(b);
+    apply_tp(*stage, blocks, mesh, p, &stage->sequence_parallel_mesh);
+  }
   // Activation checkpointing by the block's index in the whole model (layer:K counts as for --pp 1).
   const auto keys = stage->h->keys();
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -160,6 +168,11 @@ void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& m
 }
 
 void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  if (p.tp > 1) {
+    torch::nn::ModuleList blocks;
+    for (const auto& b : stage->h->values()) blocks->push_back(b);
+    apply_tp(*stage, blocks, mesh, p, &stage->sequence_parallel_mesh);
+  }
   for (const auto& item : stage->h->items()) {
     if (auto options = block_checkpoint_options(p, std::stoll(item.first))) fsdp::checkpoint_wrapper(item.second, *options);
   }

@@ -203,10 +203,14 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   const int world = pg->size();
   if (o.threads > 0) torch::set_num_threads(o.threads);
   const torch::Device device = pg->device();
-  auto mesh = make_mesh(device.type(), world, p);  // (pp, dp_shard)
+  auto mesh = make_mesh(device.type(), world, p);  // (pp, dp_replicate, dp_shard, tp)
   const auto pp_group = mesh->get_group("pp");
-  const int pp_rank = static_cast<int>(mesh->get_local_rank(0)), dp_rank = static_cast<int>(mesh->get_local_rank(1));
-  const int dp = p.dp_shard, num_stages = p.num_stages();
+  const int pp_rank = static_cast<int>(mesh->get_local_rank(0));
+  // The data-parallel ranks (HSDP's replicas x FSDP's shards): the ranks of a pipeline and of a TP group share
+  // their batch, as check_data_size counts them.
+  const int dp = p.dp_replicate * p.dp_shard;
+  const int dp_rank = static_cast<int>(mesh->get_local_rank(1) * p.dp_shard + mesh->get_local_rank(2));
+  const int num_stages = p.num_stages();
 
   // Every rank builds the whole model from one seed (the weights of --pp 1, whose deferred_init gives the
   // eager values) and keeps its stages' modules; the rest is freed with `model` below.
@@ -272,6 +276,7 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
                                                   });
   const bool has_last = owner[num_stages - 1] == pp_rank;
   PipelinedGPT<Stage> pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
+  if (p.sequence_parallel) pipelined.sequence_parallel_mesh = (*mesh)["tp"];  // generate() pads to a multiple of tp
 
   torch::optim::AdamW optimizer = make_adamw(groups, o);
   const bool foreach_optimizer = o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda());
@@ -280,7 +285,7 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, foreach_optimizer);
   {
     std::ostringstream os;
-    os << "pipeline: pp " << p.pp << " x dp " << dp << ", schedule " << p.pp_schedule << ", " << p.pp_microbatches
+    os << "pipeline: " << pipeline_layout(p) << ", schedule " << p.pp_schedule << ", " << p.pp_microbatches
        << " microbatches of " << o.batch_size / p.pp_microbatches << " sequences, " << num_stages << " stages (";
     for (int id = 0; id < num_stages; ++id) {
       const auto [begin, end] = stage_layers(s.cfg.n_layer, id, num_stages);
@@ -293,7 +298,10 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     report.say(os.str());
   }
   report.open_metrics(-1);
-  report.watch_groups({{"pp", pp_group}, {"dp_shard", mesh->get_group("dp_shard")}});
+  report.watch_groups({{"pp", pp_group},
+                       {"dp_replicate", mesh->get_group("dp_replicate")},
+                       {"dp_shard", mesh->get_group("dp_shard")},
+                       {"tp", mesh->get_group("tp")}});
   auto run_eval = [&](int64_t step) {
     const double loss = evaluate_pipelined(pipelined, s.val, s.eval_batches, o.batch_size, dp_rank, dp, *pg);
     report.eval(step, loss);
@@ -322,6 +330,8 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     // and the global batch's loss (the ranks without the last stage add 0).
     const auto stage_norm = fsdp::clip_grad_norm_(norm_params, std::numeric_limits<double>::infinity(), 2.0, false,
                                                   nullptr, loss_sum);
+    // HSDP: the norm's group is the shard group; the replicas' losses are summed too (as train_step).
+    if (p.dp_replicate > 1) fsdp::all_reduce(loss_sum, *mesh->get_group("dp_replicate"), fsdp::ReduceOp::SUM);
     auto packed = torch::cat({stage_norm.to(torch::kFloat32).pow(2).reshape({1}), loss_sum});
     fsdp::all_reduce(packed, *pp_group, fsdp::ReduceOp::SUM);
     const auto total_norm = packed[0].sqrt();

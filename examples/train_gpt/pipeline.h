@@ -1,13 +1,15 @@
 // train_gpt --pp N: pipeline parallelism (torch.distributed.pipelining through fsdp::pipelining), composed
 // with FSDP over the data-parallel ranks, as torchtitan's pipeline_llm + parallelize.
 //
-// Layout. The mesh is (pp, dp_shard), pp outermost: WORLD_SIZE = --pp x dp. The model's blocks split into
+// Layout. The mesh is (pp, dp_replicate, dp_shard, tp), pp outermost: WORLD_SIZE = --pp x --dp-replicate x
+// FSDP ranks x --tp (sizes of 1 allowed). The model's blocks split into
 // num_stages = --pp x --stages-per-rank stages (stage_layers: even, the first stages one block more when
 // they do not divide); stage 0 also holds wte and wpe, the last stage ln_f and lm_head. Pipeline rank r
 // holds the stages fsdp::pipelining::stage_ids_this_rank gives for --pp-schedule (r, r + pp, ... for the
 // looped schedules; r and 2 pp - 1 - r for zbv-zero-bubble). Each stage is a GPTStage (model.h; --model-impl
 // plain: a PlainGPTStage, model_plain.h) sharing the whole model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
-// dp_shard dim exactly as parallelize() shards the whole model (per block, then the stage's root).
+// dp_shard dim (HSDP: the (dp_replicate, dp_shard) slice) exactly as parallelize() shards the whole model (per
+// block, then the stage's root), after --tp's plan on the stage's blocks (apply_tp).
 //
 // A step. Every rank of one pipeline (one dp coordinate) draws the same --batch-size sequences; the
 // schedule splits them into --pp-microbatches microbatches, runs its order of forwards and backwards, and
@@ -25,8 +27,8 @@
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
-// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): Llama, --tp,
-// --dp-replicate, --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
+// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): Llama,
+// --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
 // dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
 // --activation-offload.
 #pragma once

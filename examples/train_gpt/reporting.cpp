@@ -178,6 +178,16 @@ void Reporter::say(const std::string& line) {
   if (main_rank_) std::cout << line << std::endl;
 }
 
+std::string pipeline_layout(const ParallelOptions& p) {
+  std::string out = "pp " + std::to_string(p.pp) + " x dp " + std::to_string(p.dp_replicate * p.dp_shard);
+  if (p.tp > 1) out += " x tp " + std::to_string(p.tp);
+  if (p.dp_replicate > 1) {
+    out += ", dp = dp_replicate " + std::to_string(p.dp_replicate) + " x dp_shard " + std::to_string(p.dp_shard);
+  }
+  if (p.sequence_parallel) out += ", sequence parallel";
+  return out;
+}
+
 void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
   const int world = pg_->size();
   std::ostringstream os;
@@ -187,22 +197,23 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << "model: " << (o_.init_from.empty() ? o_.model : "--init-from " + o_.init_from) << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
      << "M parameters, " << (s_.parallel.replicate ? "replicated (fsdp::replicate)" : "sharded") << " over "
      << world << " rank" << (world > 1 ? "s" : "")
-     << (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1
+     << ((s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1) && s_.parallel.pp == 1
              ? " (dp_replicate x dp_shard x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
                    std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +
                    (s_.parallel.sequence_parallel ? ", sequence parallel)" : ")")
              : std::string())
-     << (s_.parallel.pp > 1 ? " (pp " + std::to_string(s_.parallel.pp) + " x dp " + std::to_string(s_.parallel.dp_shard) + ")"
-                            : std::string())
+     << (s_.parallel.pp > 1 ? " (" + pipeline_layout(s_.parallel) + ")" : std::string())
      << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"
      << "data: " << s_.data_name << ", " << s_.data_bytes << " bytes: train " << s_.train.size()
      << " windows, val " << s_.val.size() << " windows of " << s_.cfg.block_size + 1 << " tokens; "
      << steps_per_epoch << " steps per epoch\n"
      << "batch: " << o_.batch_size << " x " << s_.cfg.block_size << " tokens x " << o_.grad_accum_steps
      << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << s_.parallel.data_ranks(world)
-     << (s_.parallel.tp > 1 ? " data-parallel ranks (x " + std::to_string(s_.parallel.tp) + " tensor-parallel)"
-         : s_.parallel.pp > 1 ? " data-parallel ranks (x " + std::to_string(s_.parallel.pp) + " pipeline-parallel)"
-                              : std::string(" ranks"))
+     << (s_.parallel.tp > 1 || s_.parallel.pp > 1
+             ? " data-parallel ranks (x" +
+                   (s_.parallel.tp > 1 ? " " + std::to_string(s_.parallel.tp) + " tensor-parallel" : std::string()) +
+                   (s_.parallel.pp > 1 ? " " + std::to_string(s_.parallel.pp) + " pipeline-parallel" : std::string()) + ")"
+             : std::string(" ranks"))
      << " = " << tokens_per_step_ * (world / s_.parallel.tp) << " tokens per step\n"
      << "optim: AdamW lr " << fmt("%.2e", o_.lr) << " -> " << fmt("%.2e", o_.min_lr) << " (warmup "
      << o_.warmup_steps << ", cosine), weight decay " << o_.weight_decay << ", clip "

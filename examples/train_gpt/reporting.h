@@ -33,6 +33,10 @@ double flops_per_token(const GPTConfig& c, int64_t num_params);
 /// which become U+FFFD (newlines and tabs stay).
 std::string printable(const std::string& bytes);
 
+/// A pipelined run's layout for the log: "pp 2 x dp 2", "pp 2 x dp 1 x tp 2, sequence parallel",
+/// "pp 2 x dp 4, dp = dp_replicate 2 x dp_shard 2".
+std::string pipeline_layout(const ParallelOptions& p);
+
 /// A one-line progress bar with ETA on rank 0, only when stdout is a terminal.
 class ProgressBar {
  public:

@@ -7,7 +7,8 @@ pipeline share it, so `--pp 2` on 2 ranks must train like `--pp 1` on 1 rank, an
 like `--pp 1` on 2 ranks: per step the training loss, the gradient norm (clipping is on: the norm is the
 whole model's, summed over the stages) and the evaluation losses within 1e-5 (relative; the pipeline sums
 the microbatches' gradients in another order). Every rank records the same loss (rank 0 holds no loss of its
-own: the last stage's is summed over the pipeline). Bad layouts fail before the rendezvous, naming the flag.
+own: the last stage's is summed over the pipeline). Composed with --tp (and --sequence-parallel) and with HSDP (--dp-replicate) on 4 ranks, likewise. Bad layouts fail
+before the rendezvous, naming the flag.
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
@@ -122,6 +123,25 @@ def test_activation_checkpointing_in_stages_trains_like_pp1(text_files, tmp_path
     print(f"{name}: max relative difference to --pp 1: {worst:.3g}")
 
 
+@pytest.mark.parametrize("name,extra,dp", [
+    ("tp2", ["--tp", "2"], 1),
+    ("tp2_sp_zbv", ["--tp", "2", "--sequence-parallel", "--pp-schedule", "zbv-zero-bubble"], 1),
+    ("plain_tp2_sp_interleaved", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain", "--pp-schedule",
+                                  "interleaved-1f1b"], 1),
+    ("hsdp", ["--dp-replicate", "2"], 2),
+])
+def test_pipeline_with_tp_or_hsdp_trains_like_pp1(text_files, tmp_path, reference, name, extra, dp):
+    # 4 ranks: pp 2 x tp 2 (each stage's blocks tensor-parallel; with sequence parallelism the stages pass their
+    # sequence shards), or pp 2 x dp_replicate 2 (HSDP inside each stage). --tp shares the batch: the reference
+    # is --pp 1 on dp ranks.
+    p = run(args(text_files, tmp_path, name, "--pp", "2", *extra), nproc=4)
+    assert p.returncode == 0, show(p)
+    layout = "pp 2 x dp 1 x tp 2" if dp == 1 else "pp 2 x dp 2, dp = dp_replicate 2 x dp_shard 1"
+    assert layout in p.stdout, p.stdout[-2000:]
+    worst = max_rel_diff(by_step(tmp_path / f"{name}.jsonl"), reference[dp], name)
+    print(f"{name}: max relative difference to --pp 1 on {dp} rank(s): {worst:.3g}")
+
+
 def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
     p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
     assert p.returncode == 0, show(p)
@@ -146,7 +166,8 @@ def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path
     (["--pp", "2", "--pp-schedule", "1f1b", "--stages-per-rank", "2"], "--stages-per-rank 2 with --pp-schedule 1f1b"),
     (["--pp", "2", "--pp-schedule", "zbv-zero-bubble", "--stages-per-rank", "1"], "Fix: --stages-per-rank 2"),
     (["--pp", "2", "--pp-microbatches", "1"], "1F1B needs at least one microbatch per stage"),
-    (["--pp", "2", "--tp", "2"], "--pp 2 does not support --tp"),
+    (["--pp", "2", "--tp", "2"], "not divisible by --pp 2 x --dp-replicate(1) x --tp(2) = 4"),
+    (["--pp", "2", "--data-parallel", "replicate"], "--pp 2 does not support --data-parallel replicate"),
     (["--pp", "2", "--ckpt-dir", "ckpt"], "--ckpt-dir"),
     (["--stages-per-rank", "2"], "--stages-per-rank needs --pp > 1"),
     (["--pp-schedule", "gpipe"], "--pp-schedule needs --pp > 1"),
