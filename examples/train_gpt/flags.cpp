@@ -211,7 +211,7 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
               "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
   add_integer(g, "--dp-replicate", o.dp_replicate, "HSDP: replicas of the FSDP group (Default: 1)", int(1));
   add_integer(g, "--pp", o.pp, "Pipeline-parallel ranks: the blocks split into --pp x --stages-per-rank stages, "
-              "each fully_shard'ed over its data-parallel ranks; WORLD_SIZE = --pp x FSDP ranks (Default: 1)", int(1));
+              "each fully_shard'ed over its data-parallel ranks; WORLD_SIZE = --pp x --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
   g->add_option("--pp-schedule", o.pp_schedule,
                 "With --pp: the pipeline schedule (torch.distributed.pipelining's): gpipe, 1f1b, interleaved-1f1b, "
                 "interleaved-zero-bubble or zbv-zero-bubble")

@@ -189,4 +189,69 @@ torch::Tensor PlainLlamaImpl::forward(const torch::Tensor& idx) {
   return lm_head(model->norm(x));
 }
 
+// ---- Pipeline stages (--pp) --------------------------------------------------------------------------
+
+namespace {
+/// The decoder layers [first, end) of `layers` under their index, for a stage's "model.layers".
+torch::nn::ModuleDict stage_layers_of(const torch::nn::ModuleList& layers, int64_t first, int64_t end) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> named;
+  for (int64_t i = first; i < end; ++i) named.emplace_back(std::to_string(i), layers->ptr(i));
+  return torch::nn::ModuleDict(named);
+}
+}  // namespace
+
+LlamaStageImpl::LlamaStageImpl(const LlamaImpl& m, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last)
+    : cfg(m.cfg) {
+  TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= cfg.n_layer, "LlamaStage: layers [",
+              first_layer, ", ", end_layer, ") out of the model's ", cfg.n_layer);
+  // Registration order as LlamaImpl's: model.embed_tokens, model.layers, model.norm, lm_head.
+  model = register_module("model", std::make_shared<torch::nn::Module>("LlamaModel"));
+  if (is_first) embed = model->register_module("embed_tokens", m.model->embed_tokens);
+  layers = model->register_module("layers", stage_layers_of(m.model->layers, first_layer, end_layer));
+  for (int64_t i = first_layer; i < end_layer; ++i) blocks.push_back(m.blocks[i]);
+  if (is_last) {
+    norm = model->register_module("norm", m.model->norm);
+    lm_head = register_module("lm_head", stage_head(cfg, m.lm_head, is_first));
+    head = lm_head;
+  }
+}
+
+torch::Tensor LlamaStageImpl::forward(const torch::Tensor& input) {
+  torch::Tensor x = input;
+  if (!embed.is_empty()) {  // as LlamaImpl::forward
+    TORCH_CHECK(x.size(1) <= cfg.block_size, "Llama: sequence of ", x.size(1), " tokens exceeds the context of ",
+                cfg.block_size);
+    x = embed(x);
+  }
+  for (auto& b : blocks) x = b(x);  // through FSDP: unshard before, reshard after each layer
+  if (!head.is_empty()) x = head(norm(x));
+  return x;
+}
+
+PlainLlamaStageImpl::PlainLlamaStageImpl(const PlainLlamaImpl& m, int64_t first_layer, int64_t end_layer, bool is_first,
+                                         bool is_last)
+    : cfg(m.cfg) {
+  TORCH_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= cfg.n_layer, "PlainLlamaStage: layers [",
+              first_layer, ", ", end_layer, ") out of the model's ", cfg.n_layer);
+  model = register_module("model", std::make_shared<torch::nn::Module>("LlamaModel"));
+  if (is_first) embed_tokens = model->register_module("embed_tokens", m.model->embed_tokens);
+  layers = model->register_module("layers", stage_layers_of(m.model->layers, first_layer, end_layer));
+  if (is_last) {
+    norm = model->register_module("norm", m.model->norm);
+    lm_head = register_module("lm_head", stage_head(cfg, m.lm_head, is_first));
+  }
+}
+
+torch::Tensor PlainLlamaStageImpl::forward(const torch::Tensor& input) {
+  torch::Tensor x = input;
+  if (embed_tokens) {
+    TORCH_CHECK(x.size(1) <= cfg.block_size, "Llama: sequence of ", x.size(1), " tokens exceeds the context of ",
+                cfg.block_size);
+    x = embed_tokens(x);
+  }
+  for (const auto& layer : layers->values()) x = layer->as<LlamaDecoderLayerImpl>()->forward(x);
+  if (lm_head) x = lm_head(norm(x));
+  return x;
+}
+
 }  // namespace train_gpt

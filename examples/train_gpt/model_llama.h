@@ -192,4 +192,40 @@ struct PlainLlamaImpl : torch::nn::Module {
 };
 TORCH_MODULE(PlainLlama);
 
+/// One pipeline stage of a Llama (--pp, pipeline.h), as GPTStage (model.h): the model's own modules of decoder
+/// layers [first_layer, end_layer) under Hugging Face's names ("model.layers.5.self_attn.q_proj.weight"; a
+/// "model" container holding a ModuleDict "layers" keyed by the layer's index), model.embed_tokens on the first
+/// stage, model.norm and lm_head on the last (tied: lm_head a copy, stage_head). Holder variant: the embedding,
+/// the layers and the head are called through FSDPModule holders, as Llama's forward calls them.
+struct LlamaStageImpl : torch::nn::Module {
+  LlamaStageImpl(const LlamaImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  GPTConfig cfg;
+  std::shared_ptr<torch::nn::Module> model;  // "model": embed_tokens, layers, norm (those of this stage)
+  torch::nn::ModuleDict layers;
+  LMHead lm_head{nullptr};  // last stage only
+  std::vector<fsdp::FSDPModule<LlamaDecoderLayer>> blocks;
+  fsdp::FSDPModule<torch::nn::Embedding> embed{nullptr};  // first stage only
+  RMSNorm norm{nullptr};                                  // last stage only
+  fsdp::FSDPModule<LMHead> head{nullptr};                 // last stage only
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null (no tensor parallelism for Llama)
+};
+TORCH_MODULE(LlamaStage);
+
+/// The same for PlainLlama (--model-impl plain): the layers called directly, as PlainLlama's forward does.
+struct PlainLlamaStageImpl : torch::nn::Module {
+  PlainLlamaStageImpl(const PlainLlamaImpl& model, int64_t first_layer, int64_t end_layer, bool is_first, bool is_last);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  GPTConfig cfg;
+  std::shared_ptr<torch::nn::Module> model;
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleDict layers;
+  RMSNorm norm{nullptr};
+  LMHead lm_head{nullptr};
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null
+};
+TORCH_MODULE(PlainLlamaStage);
+
 }  // namespace train_gpt

@@ -107,7 +107,6 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
   const std::string pp = "--pp " + std::to_string(o.pp);
   // What the pipelined trainer (pipeline.cpp) does not do yet: refused by name rather than run wrongly.
   const std::vector<std::pair<bool, std::string>> unsupported = {
-      {cfg.is_llama(), "a Llama model (--model llama-*, --init-from): the stages are built for GPT-2 only"},
       {o.data_parallel == "replicate", "--data-parallel replicate: the stages are fully_shard'ed. Fix: drop it"},
       {o.grad_accum_steps > 1, "--grad-accum-steps " + std::to_string(o.grad_accum_steps) + ": the pipeline's "
                                "microbatches are the accumulation. Fix: --pp-microbatches (and a larger --batch-size)"},

@@ -183,6 +183,41 @@ void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const Pa
   fsdp::fully_shard(stage, opts);
 }
 
+void parallelize(fsdp::FSDPModule<LlamaStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  const auto keys = stage->layers->keys();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (auto options = block_checkpoint_options(p, std::stoll(keys[i]))) fsdp::checkpoint_wrapper(stage->blocks[i], *options);
+  }
+  const auto opts = shard_options(fsdp_mesh(mesh, p), p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  const bool own_groups = !stage->cfg.tie_weights;  // as for Llama
+  if (own_groups && !stage->embed.is_empty()) fsdp::fully_shard(stage->embed, block_opts);
+  for (auto& block : stage->blocks) fsdp::fully_shard(block, block_opts);
+  if (own_groups && !stage->head.is_empty()) {
+    fsdp::fully_shard(stage->head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
+  }
+  fsdp::fully_shard(stage, opts);
+}
+
+void parallelize(PlainLlamaStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
+  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  for (const auto& item : stage->layers->items()) {
+    if (auto options = block_checkpoint_options(p, std::stoll(item.first))) fsdp::checkpoint_wrapper(item.second, *options);
+  }
+  const auto opts = shard_options(fsdp_mesh(mesh, p), p);
+  auto block_opts = opts;
+  block_opts.reshard_after_forward(p.reshard_after_forward);
+  const bool own_groups = !stage->cfg.tie_weights;
+  if (own_groups && stage->embed_tokens) fsdp::fully_shard(stage->embed_tokens, block_opts);
+  for (const auto& layer : stage->layers->values()) fsdp::fully_shard(layer, block_opts);
+  if (own_groups && stage->lm_head) {
+    fsdp::fully_shard(stage->lm_head, fsdp::FullyShardOptions(opts).reshard_after_forward(false));
+  }
+  fsdp::fully_shard(stage, opts);
+}
+
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
   for (size_t i = 0; i < model->blocks.size(); ++i) {

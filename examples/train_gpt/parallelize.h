@@ -110,6 +110,12 @@ void parallelize(fsdp::FSDPModule<GPTStage>& stage, const fsdp::DeviceMeshPtr& m
 /// The same for a stage of the unchanged model (--model-impl plain): fully_shard on each block of the stage's
 /// "h", then on the stage.
 void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+/// The same for a Llama stage, in Llama's layout (parallelize(FSDPModule<Llama>&) above): untied, the embedding
+/// (first stage) and the head (last stage, kept gathered from forward to backward) are groups of their own; each
+/// decoder layer a group; then the stage's root (model.norm; tied, also the embedding or the head's copy).
+void parallelize(fsdp::FSDPModule<LlamaStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
+/// The same for a stage of the unchanged Llama (--model-impl plain).
+void parallelize(PlainLlamaStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// The same for the unchanged model (--model-impl plain, model_plain.h), exactly as PyTorch users write it:
 /// fully_shard on each block of the ModuleList, then on the root; same groups, same options, same

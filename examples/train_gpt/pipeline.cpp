@@ -14,6 +14,7 @@
 #include "fsdp/pipelining/schedules.h"
 #include "fsdp/pipelining/stage.h"
 #include "model.h"
+#include "model_llama.h"
 #include "model_plain.h"
 #include "optimizer.h"
 #include "parallelize.h"
@@ -194,6 +195,19 @@ std::string stage_list(const std::vector<int>& v) {
   return out;
 }
 
+/// The tied weight's two copies of a stage (undefined where the stage has none): GPT's wte/lm_head, Llama's
+/// model.embed_tokens/lm_head.
+torch::Tensor embedding_weight(fsdp::FSDPModule<GPTStage>& s) { return s->wte ? s->wte->weight : torch::Tensor(); }
+torch::Tensor embedding_weight(PlainGPTStage& s) { return s->wte ? s->wte->weight : torch::Tensor(); }
+torch::Tensor embedding_weight(fsdp::FSDPModule<LlamaStage>& s) {
+  return s->embed.is_empty() ? torch::Tensor() : s->embed->weight;
+}
+torch::Tensor embedding_weight(PlainLlamaStage& s) { return s->embed_tokens ? s->embed_tokens->weight : torch::Tensor(); }
+template <typename Stage>
+torch::Tensor head_weight(Stage& s) {
+  return s->lm_head ? s->lm_head->weight : torch::Tensor();
+}
+
 /// train_pipelined for one model code: `Model` GPT with `Stage` fsdp::FSDPModule<GPTStage>, or PlainGPT with
 /// PlainGPTStage.
 template <typename Model, typename Stage>
@@ -247,8 +261,8 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
   if (s.cfg.tie_weights) {
     torch::Tensor wte, head;
     for (size_t i = 0; i < stages.size(); ++i) {
-      if (my_ids[i] == 0) wte = stages[i]->wte->weight;
-      if (my_ids[i] == num_stages - 1) head = stages[i]->lm_head->weight;
+      if (my_ids[i] == 0) wte = embedding_weight(stages[i]);
+      if (my_ids[i] == num_stages - 1) head = head_weight(stages[i]);
     }
     tied.emplace(wte, head, owner[0], *pp_group, device);
     if (head.defined()) {
@@ -289,8 +303,9 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << " microbatches of " << o.batch_size / p.pp_microbatches << " sequences, " << num_stages << " stages (";
     for (int id = 0; id < num_stages; ++id) {
       const auto [begin, end] = stage_layers(s.cfg.n_layer, id, num_stages);
-      os << (id ? "; " : "") << "stage " << id << ": h." << begin << (end - begin > 1 ? "-" + std::to_string(end - 1) : "")
-         << (id == 0 ? " + embeddings" : "") << (id == num_stages - 1 ? " + ln_f, lm_head" : "") << " on pp rank "
+      os << (id ? "; " : "") << "stage " << id << ": " << (s.cfg.is_llama() ? "model.layers." : "h.") << begin
+         << (end - begin > 1 ? "-" + std::to_string(end - 1) : "")
+         << (id == 0 ? " + embeddings" : "") << (id == num_stages - 1 ? (s.cfg.is_llama() ? " + norm, lm_head" : " + ln_f, lm_head") : "") << " on pp rank "
          << owner[id];
     }
     os << "); rank 0 holds stage" << (my_ids.size() > 1 ? "s " : " ") << stage_list(my_ids) << "; the stages' "
@@ -364,9 +379,13 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
 }  // namespace
 
 int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
-  // --model-impl: the same pipeline over either model code (model.h or model_plain.h).
-  if (s.opts.model_impl == "plain") return train_pipelined_as<PlainGPT, PlainGPTStage>(s, pg);
-  return train_pipelined_as<GPT, fsdp::FSDPModule<GPTStage>>(s, pg);
+  // The architecture picks the model, --model-impl its code (model.h, model_plain.h, model_llama.h).
+  const bool plain = s.opts.model_impl == "plain";
+  if (s.cfg.is_llama()) {
+    return plain ? train_pipelined_as<PlainLlama, PlainLlamaStage>(s, pg)
+                 : train_pipelined_as<Llama, fsdp::FSDPModule<LlamaStage>>(s, pg);
+  }
+  return plain ? train_pipelined_as<PlainGPT, PlainGPTStage>(s, pg) : train_pipelined_as<GPT, fsdp::FSDPModule<GPTStage>>(s, pg);
 }
 
 }  // namespace train_gpt

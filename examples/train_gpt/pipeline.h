@@ -7,7 +7,8 @@
 // they do not divide); stage 0 also holds wte and wpe, the last stage ln_f and lm_head. Pipeline rank r
 // holds the stages fsdp::pipelining::stage_ids_this_rank gives for --pp-schedule (r, r + pp, ... for the
 // looped schedules; r and 2 pp - 1 - r for zbv-zero-bubble). Each stage is a GPTStage (model.h; --model-impl
-// plain: a PlainGPTStage, model_plain.h) sharing the whole model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
+// plain: a PlainGPTStage, model_plain.h; Llama: LlamaStage, PlainLlamaStage, model_llama.h) sharing the whole
+// model's modules, so its parameter names are the unpipelined model's, fully_shard'ed over the
 // dp_shard dim (HSDP: the (dp_replicate, dp_shard) slice) exactly as parallelize() shards the whole model (per
 // block, then the stage's root), after --tp's plan on the stage's blocks (apply_tp).
 //
@@ -27,7 +28,7 @@
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
-// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options): Llama,
+// Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options):
 // --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
 // dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
 // --activation-offload.

@@ -142,6 +142,20 @@ def test_pipeline_with_tp_or_hsdp_trains_like_pp1(text_files, tmp_path, referenc
     print(f"{name}: max relative difference to --pp 1 on {dp} rank(s): {worst:.3g}")
 
 
+@pytest.mark.parametrize("impl,schedule,nproc", [("holder", "zbv-zero-bubble", 2), ("plain", "1f1b", 4)])
+def test_llama_pipeline_trains_like_pp1(text_files, tmp_path, impl, schedule, nproc):
+    # Llama stages: Hugging Face's names (model.embed_tokens, model.layers.N, model.norm, lm_head), its untied
+    # embedding and head as fully_shard groups of their own, as --pp 1 shards them.
+    llama = ["--model", "llama-tiny", "--model-impl", impl]
+    ref = run(args(text_files, tmp_path, "llama_ref", *llama), nproc=nproc // 2)
+    assert ref.returncode == 0, show(ref)
+    p = run(args(text_files, tmp_path, "llama", *llama, "--pp", "2", "--pp-schedule", schedule), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    assert "3 + norm, lm_head on pp rank" in p.stdout and "model.layers.0" in p.stdout, p.stdout[-2000:]
+    worst = max_rel_diff(by_step(tmp_path / "llama.jsonl"), by_step(tmp_path / "llama_ref.jsonl"), f"llama {impl}")
+    print(f"llama {impl} {schedule} on {nproc} ranks: max relative difference to --pp 1: {worst:.3g}")
+
+
 def test_interleaved_zero_bubble_trains_like_pp1(text_files, tmp_path, reference):
     p = run(args(text_files, tmp_path, "izb", "--pp", "2", "--pp-schedule", "interleaved-zero-bubble"), nproc=2)
     assert p.returncode == 0, show(p)
