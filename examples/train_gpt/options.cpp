@@ -123,6 +123,7 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
        "--init-from, --export-hf, --save-init, --dump-batches, --logits-tokens and --estimate-memory (they need the "
        "whole model on one rank). Fix: drop them, or --pp 1"},
       {o.activation_offload, "--activation-offload (not tested with the pipeline's schedules yet)"},
+      {!o.freeze.empty(), "--freeze (not applied to the stages yet). Fix: drop it, or --pp 1"},
   };
   for (const auto& [bad, what] : unsupported) {
     if (bad) throw UsageError(pp + " does not support " + what);

@@ -31,7 +31,7 @@
 // Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options):
 // --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
 // dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
-// --activation-offload.
+// --freeze, --activation-offload. Every rank builds the whole model once (eagerly) before keeping its stages.
 #pragma once
 
 #include "fsdp/fsdp.h"

@@ -185,6 +185,7 @@ def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path
     (["--pp", "2", "--ckpt-dir", "ckpt"], "--ckpt-dir"),
     (["--stages-per-rank", "2"], "--stages-per-rank needs --pp > 1"),
     (["--pp-schedule", "gpipe"], "--pp-schedule needs --pp > 1"),
+    (["--pp", "2", "--freeze", "wpe"], "--pp 2 does not support --freeze"),
 ])
 def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
     p = run(args(text_files, tmp_path, "bad", *extra, steps=2), nproc=2, timeout=60)
