@@ -357,6 +357,8 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
       const std::string msg = e.what_without_backtrace();
       if (msg.rfind(where, 0) == 0) throw;  // already names the action
       TORCH_CHECK(false, describe_action(a), ": ", msg);
+    } catch (const std::exception& e) {  // e.g. thrown by the user's loss_fn or module
+      TORCH_CHECK(false, describe_action(a), ": ", e.what());
     }
   }
 
