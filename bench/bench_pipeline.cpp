@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
         std::vector<torch::Tensor> params;
         for (int id : ids) {
           auto part = parts[id];
-          auto fwd = [part, &alive, &peak_alive, &peak_heap](const torch::Tensor& x) {
+          auto fwd = [part = part.ptr(), &alive, &peak_alive, &peak_heap](const torch::Tensor& x) {
             auto y = part->forward(x);
             ++alive;
             peak_alive = std::max(peak_alive, alive);

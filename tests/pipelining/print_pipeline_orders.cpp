@@ -12,7 +12,8 @@
 
 #include "pipelining/schedule_orders.h"
 
-using namespace fsdp::pipelining;
+using fsdp::pipelining::RankOrder;
+namespace orders = fsdp::pipelining::detail;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
@@ -34,15 +35,15 @@ int main(int argc, char** argv) {
     const int p = nums[0], v = nums[1], m = nums[2];
     std::map<int, RankOrder> order;
     if (name == "gpipe") {
-      order = detail::gpipe_order(p, m);
+      order = orders::gpipe_order(p, m);
     } else if (name == "1f1b") {
-      order = detail::one_f_one_b_order(p, m);
+      order = orders::one_f_one_b_order(p, m);
     } else if (name == "interleaved-1f1b") {
-      order = detail::interleaved_order(p, v, m, false);
+      order = orders::interleaved_order(p, v, m, false);
     } else if (name == "interleaved-zero-bubble") {
-      order = detail::interleaved_order(p, v, m, true);
+      order = orders::interleaved_order(p, v, m, true);
     } else if (name == "zbv-zero-bubble") {
-      order = detail::zbv_order(p, m);
+      order = orders::zbv_order(p, m);
     } else {
       std::cerr << "print_pipeline_orders: unknown schedule '" << name << "'\n";
       return 2;
