@@ -15,7 +15,8 @@
 // schedule.step, optimizer step), its bubble (time blocked receiving / the schedule's step time,
 // last_step_wait_seconds / last_step_seconds), the theory's bubble, each rank's peak number of microbatches
 // whose activations are alive (forwards run minus backwards begun, over its stages), its peak heap growth
-// during a step (glibc mallinfo2 sampled after every forward), and every step's microbatch losses.
+// during a step (glibc mallinfo2 sampled after every forward; gradients are zeroed, not freed, so that growth is
+// the activations), and every step's microbatch losses.
 #include <malloc.h>
 
 #include <algorithm>
@@ -154,10 +155,10 @@ int main(int argc, char** argv) {
           fsdp::barrier(*pg);
           alive = 0;
           peak_alive = 0;
+          auto t0 = Clock::now();
+          opt.zero_grad(/*set_to_none=*/false);  // gradients stay allocated: the heap's growth is activations
           heap0 = heap_in_use();
           peak_heap = heap0;
-          auto t0 = Clock::now();
-          opt.zero_grad();
           std::vector<torch::Tensor> l;
           schedule->step(x_all[s], y_all[s], &l);
           opt.step();

@@ -130,10 +130,10 @@ def run(args):
             for s in range(args.warmup + args.steps):
                 dist.barrier()
                 counters.update(alive=0, peak_alive=0)
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=False)  # gradients stay allocated: the heap's growth is activations
                 heap0 = heap_in_use()
                 counters["peak_heap"] = heap0
-                t0 = time.perf_counter()
-                opt.zero_grad()
                 ls = []
                 sched.step(*([x_all[s]] if has_first else []), target=y_all[s] if has_last else None,
                            losses=ls if has_last else None)
