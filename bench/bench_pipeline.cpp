@@ -13,7 +13,8 @@
 // --steps timed ones, all ranks starting each step together (a barrier, not timed). Written per
 // configuration (one JSON line, rank 0): the median over the timed steps of each rank's step time (zero_grad,
 // schedule.step, optimizer step), its bubble (time blocked receiving / the schedule's step time,
-// last_step_wait_seconds / last_step_seconds), the theory's bubble, each rank's peak number of microbatches
+// last_step_wait_seconds / last_step_seconds) and busy time (the schedule's step time minus that wait: compute,
+// and on an oversubscribed machine time descheduled), the theory's bubble, each rank's peak number of microbatches
 // whose activations are alive (forwards run minus backwards begun, over its stages), its peak heap growth
 // during a step (glibc mallinfo2 sampled after every forward; gradients are zeroed, not freed, so that growth is
 // the activations), and every step's microbatch losses.
@@ -69,7 +70,7 @@ double theory_bubble(const std::string& s, int p, int v, int m) {
 
 std::string json_list(const std::vector<double>& v) {
   std::ostringstream os;
-  os.precision(9);
+  os.precision(17);
   os << "[";
   for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
   os << "]";
@@ -148,7 +149,7 @@ int main(int argc, char** argv) {
           return torch::mse_loss(o, t);
         });
         torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05));
-        std::vector<double> step_ms, bubble, losses;
+        std::vector<double> step_ms, bubble, busy_ms, losses;
         int step_peak_alive = 0;
         double step_peak_heap = 0;
         for (int s = 0; s < warmup + steps; ++s) {
@@ -169,27 +170,29 @@ int main(int argc, char** argv) {
           if (s >= warmup) {
             step_ms.push_back(ms_);
             bubble.push_back(schedule->last_step_wait_seconds() / schedule->last_step_seconds());
+            busy_ms.push_back((schedule->last_step_seconds() - schedule->last_step_wait_seconds()) * 1e3);
             step_peak_alive = std::max(step_peak_alive, peak_alive);
             step_peak_heap = std::max(step_peak_heap, double(peak_heap - heap0));
           }
         }
-        // Rank 0 gathers [step ms, bubble, peak alive, peak heap MB] per rank and the losses.
-        auto mine = torch::tensor({median(step_ms), median(bubble), double(step_peak_alive), step_peak_heap / 1e6},
-                                  torch::kFloat64);
-        auto all = torch::zeros({p, 4}, torch::kFloat64);
+        // Rank 0 gathers [step ms, bubble, peak alive, peak heap MB, busy ms] per rank and the losses.
+        auto mine = torch::tensor({median(step_ms), median(bubble), double(step_peak_alive), step_peak_heap / 1e6,
+                                   median(busy_ms)}, torch::kFloat64);
+        constexpr int kCols = 5;
+        auto all = torch::zeros({p, kCols}, torch::kFloat64);
         fsdp::all_gather_into_tensor(all, mine, *pg);
         auto loss_t = torch::zeros({(warmup + steps) * m}, torch::kFloat64);
         if (has_last) loss_t.copy_(torch::tensor(losses, torch::kFloat64));
         fsdp::all_reduce(loss_t, *pg);
         if (rank == 0) {
-          std::vector<double> col[4];
+          std::vector<double> col[kCols];
           for (int r = 0; r < p; ++r)
-            for (int c = 0; c < 4; ++c) col[c].push_back(all[r][c].item<double>());
+            for (int c = 0; c < kCols; ++c) col[c].push_back(all[r][c].item<double>());
           std::vector<double> lv(loss_t.data_ptr<double>(), loss_t.data_ptr<double>() + loss_t.numel());
           os << "{\"impl\": \"libfsdp\", \"schedule\": \"" << sched_name << "\", \"p\": " << p << ", \"v\": " << v
              << ", \"m\": " << m << ", \"batch\": " << x_all.size(1) << ", \"d\": " << d << ", \"blocks\": " << n_blocks
              << ", \"threads\": " << torch::get_num_threads() << ", \"step_ms\": " << json_list(col[0])
-             << ", \"bubble\": " << json_list(col[1]) << ", \"theory_bubble\": " << theory_bubble(sched_name, p, v, m)
+             << ", \"bubble\": " << json_list(col[1]) << ", \"busy_ms\": " << json_list(col[4]) << ", \"theory_bubble\": " << theory_bubble(sched_name, p, v, m)
              << ", \"peak_alive\": " << json_list(col[2]) << ", \"peak_heap_mb\": " << json_list(col[3])
              << ", \"losses\": " << json_list(lv) << "}" << std::endl;
         }

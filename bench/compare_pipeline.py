@@ -6,7 +6,8 @@ each side kept), and prints the comparison (Markdown) per (schedule, m); exits 1
 
 Step time: per rank the median over the timed steps of zero_grad + schedule.step + optimizer step; the table shows
 the slowest rank's. Bubble: libfsdp's measured time blocked receiving / the schedule's step time, the mean over
-ranks, against the theory with equal F, B and W costs (bench_pipeline.cpp, theory_bubble). Alive: per rank the
+ranks, against the theory with equal F, B and W costs (bench_pipeline.cpp, theory_bubble); busy: libfsdp's schedule
+step time minus that wait, the mean over ranks (compute, and time descheduled when ranks outnumber cores). Alive: per rank the
 peak number of microbatches whose activations are held (forwards run minus backwards begun). Heap: per rank the
 peak growth of glibc's heap during a step (MB; gradients are zeroed, not freed, so it is the activations), max
 over ranks. Loss diff: the largest |libfsdp - PyTorch| over
@@ -87,9 +88,9 @@ def main():
     print(f"{args.nproc} ranks, {first['blocks']} blocks of d {first['d']} (4d hidden), batch {first['batch']}, "
           f"{first['threads']} thread(s) per rank, {args.steps} timed steps after {args.warmup}, best of {args.repeats} "
           f"runs per side; files in {tmp}\n")
-    print("| schedule | m | libfsdp ms | PyTorch ms | ratio | bubble (theory) | alive per rank libfsdp / PyTorch "
-          "| heap MB libfsdp / PyTorch | max loss diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | m | libfsdp ms | PyTorch ms | ratio | bubble (theory) | busy ms | alive per rank libfsdp / "
+          "PyTorch | heap MB libfsdp / PyTorch | max loss diff |")
+    print("|---|---|---:|---:|---:|---|---:|---|---|---|")
     worst = 0.0
     for key in a:
         if key not in b:
@@ -97,11 +98,13 @@ def main():
         ra, rb = a[key], b[key]
         ta, tb = max(ra["step_ms"]), max(rb["step_ms"])
         bub = sum(ra["bubble"]) / len(ra["bubble"])
+        assert len(ra["losses"]) == len(rb["losses"]), key
         diff = max(abs(x - y) for x, y in zip(ra["losses"], rb["losses"]))
         worst = max(worst, diff)
         alive = lambda r: ",".join(str(int(v)) for v in r["peak_alive"])  # noqa: E731
+        busy = sum(ra["busy_ms"]) / len(ra["busy_ms"])
         print(f"| {key[0]} | {key[1]} | {ta:.1f} | {tb:.1f} | {ta / tb:.2f} | {bub:.2f} ({ra['theory_bubble']:.2f}) "
-              f"| {alive(ra)} / {alive(rb)} | {max(ra['peak_heap_mb']):.1f} / {max(rb['peak_heap_mb']):.1f} "
+              f"| {busy:.1f} | {alive(ra)} / {alive(rb)} | {max(ra['peak_heap_mb']):.1f} / {max(rb['peak_heap_mb']):.1f} "
               f"| {diff:.1e} |")
     print(f"\nlargest loss difference: {worst:.2e}")
     return 0 if worst <= 1e-5 else 1
