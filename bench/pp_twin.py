@@ -140,7 +140,7 @@ def run(args):
                 opt.step()
                 ms = (time.perf_counter() - t0) * 1e3
                 if has_last:
-                    losses += [float(t) for t in ls]
+                    losses += [t.detach().item() for t in ls]
                 if s >= args.warmup:
                     step_ms.append(ms)
                     peak_alive = max(peak_alive, counters["peak_alive"])
