@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "fsdp/algorithms/clip_grad.h"
+#include "fsdp/c10d/collectives.h"
 
 namespace fsdp::pipelining {
 
