@@ -290,5 +290,90 @@ TEST(PipelineFailures, ARankThatFailsMidStepFailsEveryRankNamingTheAction) {
   }
 }
 
+// A rank that stalls inside a schedule (its loss_fn sleeps past the pipeline group's 3 s timeout at
+// microbatch 1): its neighbours fail within the timeout naming their stage, action and the peer they wait
+// for, and the stalled rank fails too when it wakes (its peers are gone), instead of anything hanging.
+TEST(PipelineFailures, ARankThatStallsFailsItsNeighboursWithinTheTimeout) {
+  const auto w0 = initial_weights(5);
+  auto data = batches(1, 8);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        auto model = make_model(5);
+        load(*model, w0);
+        auto parts = split_sequential(model, even_split_points(model, 3));
+        PipelineStage stage(parts[pg->rank()], pg->rank(), 3, torch::kCPU, pg);
+        int calls = 0;
+        Schedule1F1B schedule(stage, 4, [&](const torch::Tensor& out, const torch::Tensor& y) {
+          if (++calls == 2) std::this_thread::sleep_for(std::chrono::seconds(7));
+          return mse(out, y);
+        });
+        schedule.step(data[0].x, data[0].y);
+      },
+      std::chrono::seconds(60), std::chrono::seconds(3));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 30) << "the ranks took " << took << " s to fail";
+  ASSERT_EQ(errors.size(), 3u);
+  // Stage 1 waits for stage 2's gradient of microbatch 0 or 1, stage 0 for stage 1's: both time out.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("stage " + std::to_string(r) + ", action "), std::string::npos) << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("receiving"), std::string::npos) << r << ": " << errors[r];
+  }
+  EXPECT_NE(errors[1].find("from stage 2 (pipeline rank 2)"), std::string::npos) << errors[1];
+  EXPECT_FALSE(errors[2].empty()) << "the stalled rank finished its step although its neighbours had failed";
+}
+
+// Mixed precision inside stages: fully_shard's bf16 parameters make bf16 activations, which the messages
+// between stages carry as bf16 (the shape header names the dtype); the pipelined run equals the same
+// model run unpipelined under the same policy on the same dp ranks and microbatches (pp 2 x dp 2 against
+// pp 1 x dp 2, both GPipe over 4 microbatches), and stays near the fp32 reference.
+TEST(PipelineComposition, MixedPrecisionInsideStages) {
+  constexpr int kMicro = 4;
+  auto data = batches(2, 4 * kMicro, 17);
+  const auto w0 = mlp_weights(3);
+  std::map<int, std::vector<double>> losses;  // by pp degree: the last stage's mean loss per step, dp rank 0
+  std::mutex mu;
+  for (int pp : {1, 2}) {
+    run_ranks(pp * 2, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {pp, 2}, {"pp", "dp"});
+      auto model = make_mlp_model(3);
+      load(*model, w0);
+      auto parts = split_sequential(model, even_split_points(model, pp));
+      const int pp_rank = mesh->get_group("pp")->rank(), dp_rank = (*mesh)["dp"]->get_local_rank(0);
+      auto part = parts[pp_rank];
+      const auto opts = FullyShardOptions().mesh((*mesh)["dp"]).mp_policy(
+          MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32));
+      for (auto& child : part->children())
+        if (std::dynamic_pointer_cast<MlpImpl>(child)) fully_shard(child, opts);
+      fully_shard(part.ptr(), opts);
+      PipelineStage stage(part, pp_rank, pp, torch::kCPU, mesh->get_group("pp"));
+      ScheduleGPipe schedule(stage, kMicro, [](const torch::Tensor& out, const torch::Tensor& y) {
+        return mse(out.to(torch::kFloat32), y);
+      });
+      torch::optim::SGD opt(part->parameters(), 0.1);
+      for (const auto& b : data) {
+        opt.zero_grad();
+        std::vector<torch::Tensor> l;
+        auto out = schedule.step(b.x.narrow(0, dp_rank * 2 * kMicro, 2 * kMicro),
+                                 b.y.narrow(0, dp_rank * 2 * kMicro, 2 * kMicro), &l);
+        if (stage.is_last()) {
+          EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+          if (dp_rank == 0) {
+            std::lock_guard<std::mutex> lock(mu);
+            losses[pp].push_back(torch::stack(l).mean().item<double>());
+          }
+        }
+        opt.step();
+      }
+    });
+  }
+  ASSERT_EQ(losses[1].size(), 2u);
+  ASSERT_EQ(losses[2].size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(losses[1][s], losses[2][s]) << "step " << s;  // the same bf16 ops on the same rows
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::testing::pipeline_test_model
