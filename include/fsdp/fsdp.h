@@ -12,6 +12,7 @@
 #include "fsdp/c10d/collectives.h"
 #include "fsdp/c10d/distributed.h"
 #include "fsdp/c10d/flight_recorder.h"
+#include "fsdp/c10d/p2p.h"
 // torch.distributed.tensor, torch.distributed.tensor.parallel
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/tensor/dtensor.h"
@@ -32,3 +33,8 @@
 #include "fsdp/algorithms/checkpoint_wrapper.h"
 #include "fsdp/algorithms/clip_grad.h"
 #include "fsdp/algorithms/join.h"
+// torch.distributed.pipelining
+#include "fsdp/pipelining/clip_grad.h"
+#include "fsdp/pipelining/schedules.h"
+#include "fsdp/pipelining/split.h"
+#include "fsdp/pipelining/stage.h"

@@ -116,7 +116,10 @@ class Coordinator {
 inline ProcessGroupPtr resolve_group(const StateDict& sd, const ProcessGroupPtr& explicit_group) {
   if (explicit_group) return explicit_group;
   for (const auto& [k, v] : sd)
-    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->world();
+    // The whole mesh's group, not the DTensor's own (sub-)mesh: FSDP's parameters live on the dp
+    // sub-mesh of a (pp, dp, tp) mesh, and a save over that sub-group alone would be one save per
+    // pipeline stage into the same folder, each replacing the other's.
+    if (const auto* d = std::get_if<DTensor>(&v)) return d->device_mesh()->root_mesh()->world();
   if (is_initialized()) return default_process_group();
   return nullptr;
 }

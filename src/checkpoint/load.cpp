@@ -105,7 +105,16 @@ class LoadPlan {
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
     for (const auto& [k, _] : info_.unreadable)
       if (!seen.count(k)) result_.unexpected_keys.push_back(k);
-    if (options_.strict()) check_strict();
+    if (options_.strict()) check_strict_missing();
+  }
+
+  /// Strict: `unasked` (the checkpoint's keys no rank's state dict holds) must be empty.
+  void check_strict_unexpected(const std::vector<std::string>& unasked) const {
+    if (!options_.strict()) return;
+    TORCH_CHECK(unasked.empty(), api_, ": ", info_.dir, " holds ", unasked.size(),
+                " key(s) no rank's state dict does (rank ", rank_, "): ", list_keys(unasked),
+                ". Fix: add them to the state dict (e.g. get_state_dict(model, optimizer) for a checkpoint with ",
+                "optimizer state), or pass LoadOptions().strict(false) to ignore them");
   }
 
   /// The byte ranges [begin, end) of each file this rank will read (merged, sorted), for
@@ -351,16 +360,12 @@ class LoadPlan {
     pending_.clear();
   }
 
-  void check_strict() const {
+  void check_strict_missing() const {
     const char* api = api_;
     TORCH_CHECK(result_.missing_keys.empty(), api, ": ", result_.missing_keys.size(),
                 " key(s) of the state dict are not in ", info_.dir, " (rank ", rank_, "): ", list_keys(result_.missing_keys),
                 ". Fix: load the checkpoint this state dict's model was saved to, or pass LoadOptions().strict(false) to ",
                 "leave them unchanged");
-    TORCH_CHECK(result_.unexpected_keys.empty(), api, ": ", info_.dir, " holds ", result_.unexpected_keys.size(),
-                " key(s) the state dict does not (rank ", rank_, "): ", list_keys(result_.unexpected_keys),
-                ". Fix: add them to the state dict (e.g. get_state_dict(model, optimizer) for a checkpoint with ",
-                "optimizer state), or pass LoadOptions().strict(false) to ignore them");
   }
 
   /// The number a one-element tensor holds, as JSON: an integer for integer dtypes, and for a float
@@ -514,6 +519,42 @@ LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions
       plan->stage(state_dict.stateful().empty() ? state_dict : work);
     } catch (...) {
       failed = std::current_exception();
+    }
+    // Strict: the checkpoint's keys that no rank asked for. Each rank's dict may hold only part of the
+    // keys (pipeline stages), so a key is unexpected only when it is unexpected on every rank; a rank
+    // that failed counts as asking for everything (its own error is raised below).
+    std::vector<std::string> unasked = plan && !failed ? plan->result().unexpected_keys : std::vector<std::string>{};
+    if (options.strict() && !coord.single()) {
+      const std::string mine = failed || !plan ? std::string("*") : nlohmann::json(unasked).dump();
+      auto all = coord.gather("unasked", mine, "to list the checkpoint keys its state dict lacks");
+      std::string answer;
+      if (coord.rank() == 0) {
+        std::optional<std::set<std::string>> common;
+        for (const auto& a : all) {
+          if (a == "*") continue;
+          auto keys = nlohmann::json::parse(a).get<std::vector<std::string>>();
+          std::set<std::string> ks(keys.begin(), keys.end());
+          if (!common) {
+            common = ks;
+          } else {
+            std::set<std::string> both;
+            for (const auto& k : *common)
+              if (ks.count(k)) both.insert(k);
+            common = both;
+          }
+        }
+        answer = nlohmann::json(common ? std::vector<std::string>(common->begin(), common->end())
+                                       : std::vector<std::string>{}).dump();
+      }
+      unasked = nlohmann::json::parse(coord.broadcast("unasked_all", answer, "to find the keys no rank asked for"))
+                    .get<std::vector<std::string>>();
+    }
+    if (!failed && plan) {
+      try {
+        plan->check_strict_unexpected(unasked);
+      } catch (...) {
+        failed = std::current_exception();
+      }
     }
     if (!coord.single() && cooperative_prefetch_enabled()) {
       cooperative_prefetch(coord, plan ? plan->dir() : dir,

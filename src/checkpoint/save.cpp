@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -71,7 +72,7 @@ Plan build_plan(const StateDict& sd, int rank, StorageFormat format, const char*
     if (const auto* val = std::get_if<Value>(&v)) {
       plan.value_keys.push_back(key);
       if (val->per_rank) plan.per_rank[key] = val->json;
-      else if (rank == 0) plan.values[key] = val->json;
+      else plan.values[key] = val->json;  // reported; rank 0 keeps the lowest rank's (see merge_reports)
       continue;
     }
     Item it;
@@ -104,8 +105,10 @@ Plan build_plan(const StateDict& sd, int rank, StorageFormat format, const char*
       it.global = t.sizes().vec();
       it.offsets.assign(it.global.size(), 0);
       it.sizes = it.global;
-      it.write = rank == 0;  // replicated: rank 0's copy is saved
-      if (it.write) it.data = t;
+      // Replicated: one copy is saved, the lowest rank's that holds the key (rank 0 unless the ranks hold
+      // different keys, as pipeline stages do): decided by decide_replicated_writers before staging.
+      it.write = rank == 0;
+      it.data = t;
     }
     dtype_label(format, it.dtype, api, key);  // throws for dtypes the format cannot store
     plan.items.push_back(std::move(it));
@@ -232,33 +235,36 @@ nlohmann::json describe(const Plan& plan) {
   nlohmann::json keys = nlohmann::json::array();
   for (const auto& it : plan.items) {
     keys.push_back({it.key, it.sharded ? "DTensor" : "Tensor", dtype_label(plan.format, it.dtype, "dcp::save", it.key),
-                    it.global});
+                    it.global, static_cast<int>(it.dtype)});
   }
   for (const auto& k : plan.value_keys) keys.push_back({k, "Value"});
   nlohmann::json chunks = nlohmann::json::array();
   for (const auto& it : plan.items)
     if (it.write) chunks.push_back({it.key, it.offsets, it.sizes});
-  return {{"keys", keys}, {"chunks", chunks}, {"per_rank", plan.per_rank}};
+  return {{"keys", keys}, {"chunks", chunks}, {"per_rank", plan.per_rank}, {"values", plan.values}};
 }
 
-/// Rank 0: checks that every rank saved the same keys and that the chunks of each tensor cover it
-/// exactly once. Returns the problem, or "".
-std::string check_reports(const std::vector<nlohmann::json>& reports) {
-  const auto& keys0 = reports[0]["keys"];
-  for (size_t r = 1; r < reports.size(); ++r) {
-    const auto& keys = reports[r]["keys"];
-    if (keys == keys0) continue;
-    std::map<std::string, nlohmann::json> a, b;
-    for (const auto& k : keys0) a[k[0].get<std::string>()] = k;
-    for (const auto& k : keys) b[k[0].get<std::string>()] = k;
-    for (const auto& [k, v] : a) {
-      if (!b.count(k)) return "rank " + std::to_string(r) + "'s state dict lacks '" + k + "', which rank 0's has";
-      if (b[k] != v) return "'" + k + "' is " + v.dump() + " on rank 0 but " + b[k].dump() + " on rank " + std::to_string(r);
+/// Rank 0: checks that the ranks describe each key alike and that the chunks of each tensor cover it
+/// exactly once. The ranks may hold different keys (pipeline stages each hold their own): the checkpoint
+/// holds their union, in order of first appearance (rank 0's first), returned in `union_keys`. Returns
+/// the problem, or "".
+std::string check_reports(const std::vector<nlohmann::json>& reports, nlohmann::json* union_keys) {
+  std::map<std::string, std::pair<nlohmann::json, size_t>> seen;  // key -> (description, first rank)
+  *union_keys = nlohmann::json::array();
+  for (size_t r = 0; r < reports.size(); ++r) {
+    for (const auto& k : reports[r]["keys"]) {
+      const auto key = k[0].get<std::string>();
+      auto it = seen.find(key);
+      if (it == seen.end()) {
+        seen.emplace(key, std::make_pair(k, r));
+        union_keys->push_back(k);
+      } else if (it->second.first != k) {
+        return "'" + key + "' is " + it->second.first.dump() + " on rank " + std::to_string(it->second.second) + " but " +
+               k.dump() + " on rank " + std::to_string(r);
+      }
     }
-    for (const auto& [k, v] : b)
-      if (!a.count(k)) return "rank " + std::to_string(r) + "'s state dict has '" + k + "', which rank 0's lacks";
-    return "rank " + std::to_string(r) + "'s state dict lists its keys in another order than rank 0's";
   }
+  const auto& keys0 = *union_keys;
   // Coverage: the chunks of every tensor tile it (no gap, no overlap).
   struct Box {
     std::vector<int64_t> off, size;
@@ -288,7 +294,7 @@ std::string check_reports(const std::vector<nlohmann::json>& reports) {
     }
     if (covered != numel_of(global))
       return "'" + key + "': the ranks' chunks hold " + std::to_string(covered) + " of its " +
-             std::to_string(numel_of(global)) + " elements (every rank must pass its DTensor shard)";
+             std::to_string(numel_of(global)) + " elements (every rank of the DTensor's mesh must pass its shard)";
   }
   return "";
 }
@@ -419,13 +425,37 @@ std::string check_and_commit(const Plan& plan, const std::vector<std::string>& r
       error = "rank " + std::to_string(r) + ": " + reports.back()["error"].get<std::string>();
     }
   }
+  nlohmann::json union_keys;
   if (error.empty()) {
-    auto problem = check_reports(reports);
+    auto problem = check_reports(reports, &union_keys);
     if (!problem.empty()) error = std::string(api) + ": the ranks' state dicts disagree: " + problem;
   }
   if (error.empty()) {
     try {
-      commit(plan, reports, tmp, dir, world, o, api);
+      // The metadata describes the union of the ranks' keys: rank 0's plan and report, completed with
+      // the keys only other ranks hold (dtype, Values: the lowest rank's), and per-rank Values of any rank.
+      Plan merged = plan;
+      merged.values = nlohmann::json::object();
+      for (const auto& rep : reports)
+        for (const auto& [k, v] : rep["values"].items())
+          if (!merged.values.contains(k)) merged.values[k] = v;
+      std::set<std::string> have;
+      for (const auto& it : merged.items) have.insert(it.key);
+      for (const auto& k : union_keys) {
+        if (k[1] == "Value" || have.count(k[0].get<std::string>())) continue;
+        Item it;
+        it.key = k[0].get<std::string>();
+        it.dtype = static_cast<torch::ScalarType>(k[4].get<int>());
+        it.global = k[3].get<std::vector<int64_t>>();
+        it.sharded = k[1] == "DTensor";
+        it.write = false;
+        merged.items.push_back(std::move(it));
+      }
+      reports[0]["keys"] = union_keys;
+      for (const auto& rep : reports)
+        for (const auto& [k, v] : rep["per_rank"].items())
+          if (!reports[0]["per_rank"].contains(k)) reports[0]["per_rank"][k] = nullptr;
+      commit(merged, reports, tmp, dir, world, o, api);
     } catch (const std::exception& e) {
       error = std::string("rank 0: ") + message_of(e);
     }
@@ -458,6 +488,56 @@ void run_save(const Plan& plan, Coordinator& coord, const std::string& dir_arg, 
   TORCH_CHECK(outcome.empty(), outcome);
 }
 
+/// Which rank writes each replicated (plain) tensor: the lowest rank holding its key. Usually rank 0
+/// holds every key, but the stages of a pipeline each hold only their own (the same key never on two
+/// stages), so a plain tensor of stage 1 must be written by a rank of stage 1. One exchange through the
+/// store: every rank lists its plain keys, rank 0 answers with the keys whose writer is not rank 0. A
+/// rank that failed to build its plan lists nothing and its error reaches every rank: all throw it here.
+void decide_replicated_writers(Plan& plan, Coordinator& coord, const std::string& error, const char* api) {
+  if (coord.single()) {
+    TORCH_CHECK(error.empty(), error);
+    return;
+  }
+  nlohmann::json mine;
+  if (!error.empty()) {
+    mine = {{"error", error}};
+  } else {
+    mine = {{"plain", nlohmann::json::array()}};
+    for (const auto& it : plan.items)
+      if (!it.sharded) mine["plain"].push_back(it.key);
+  }
+  auto all = coord.gather("plain_keys", mine.dump(), "to list its replicated tensors");
+  std::string answer;
+  if (coord.rank() == 0) {
+    nlohmann::json out = {{"writers", nlohmann::json::object()}};
+    std::set<std::string> held_by_0;
+    for (size_t r = 0; r < all.size(); ++r) {
+      auto j = nlohmann::json::parse(all[r]);
+      if (j.contains("error")) {
+        out = {{"error", "rank " + std::to_string(r) + ": " + j["error"].get<std::string>()}};
+        break;
+      }
+      for (const auto& k : j["plain"]) {
+        const auto key = k.get<std::string>();
+        if (r == 0) held_by_0.insert(key);
+        else if (!held_by_0.count(key) && !out["writers"].contains(key)) out["writers"][key] = r;
+      }
+    }
+    answer = out.dump();
+  }
+  auto verdict = nlohmann::json::parse(coord.broadcast("plain_writers", answer, "to choose who writes replicated tensors"));
+  if (verdict.contains("error")) {
+    const auto e = verdict["error"].get<std::string>();
+    TORCH_CHECK(false, error.empty() ? std::string(api) + ": " + e : error);
+  }
+  const auto& writers = verdict["writers"];
+  for (auto& it : plan.items) {
+    if (it.sharded) continue;
+    it.write = writers.contains(it.key) ? writers[it.key].get<int>() == coord.rank() : coord.rank() == 0;
+    if (!it.write) it.data = torch::Tensor();
+  }
+}
+
 /// What this rank saves, staged (`copy`: always copied, for async_save). On an error, lets the other
 /// ranks fail too instead of waiting for this one, then throws.
 Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, const SaveOptions& o, const char* api,
@@ -469,7 +549,12 @@ Plan plan_or_fail(const StateDict& state_dict, Coordinator& coord, bool copy, co
     TORCH_CHECK(o.per_thread_copy_ahead() >= 0, api, ": per_thread_copy_ahead must be at least 0 bytes, got ",
                 o.per_thread_copy_ahead(), " (0 copies everything before writing)");
     plan = build_plan(detail::with_stateful_entries(state_dict, api), coord.rank(), o.storage_format(), api);
-    stage(plan, copy, o.per_thread_copy_ahead(), buffers ? buffers(plan) : nullptr);
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  decide_replicated_writers(plan, coord, error, api);  // every rank takes part, even one that failed
+  try {
+    if (error.empty()) stage(plan, copy, o.per_thread_copy_ahead(), buffers ? buffers(plan) : nullptr);
   } catch (const std::exception& e) {
     error = message_of(e);
   }

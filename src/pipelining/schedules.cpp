@@ -35,6 +35,7 @@
 #include "fsdp/fsdp/fully_shard.h"
 #include "pipelining/schedule_orders.h"
 #include "pipelining/stage_access.h"
+#include "utils/implicit_checkpoint.h"
 
 namespace fsdp::pipelining {
 
@@ -290,18 +291,29 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
     try {
       switch (a.computation_type) {
         case ComputationType::FORWARD: {
-          auto x = receive_input(s, a);
+          // The runtime's own tensors (receive buffers, which the transport fills behind autograd's back;
+          // the copies it sends) must never be recorded by the implicit checkpoint region of a stage's last
+          // checkpointed module (checkpoint_wrapper on an unchanged module): a replay would recreate a
+          // receive buffer empty. So the region of a stage ends with the stage (with its loss, on the last),
+          // and the runtime's work runs with regions suspended.
+          torch::Tensor x;
+          {
+            fsdp::detail::SuspendImplicitRegions runtime_code;
+            x = receive_input(s, a);
+          }
           auto out = StageAccess::forward(s)(x);
           auto& rec = mbs[mb];
           rec.input = x;
           if (s.is_last()) {
-            StageAccess::outputs(s).push_back(out.detach());
             auto loss = loss_fn_(out, tgt_mbs[mb].to(out.device()));
+            fsdp::detail::SuspendImplicitRegions runtime_code;
+            StageAccess::outputs(s).push_back(out.detach());
             TORCH_CHECK(loss.numel() == 1, "the loss_fn returned a tensor of shape ", loss.sizes(),
                         "; it must return one value (a 0-dim tensor)");
             StageAccess::losses(s).push_back(loss.detach());
             rec.output = loss;
           } else {
+            fsdp::detail::SuspendImplicitRegions runtime_code;
             rec.output = out;
             send_output(s, a, out);
           }
@@ -357,6 +369,8 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
       const std::string msg = e.what_without_backtrace();
       if (msg.rfind(where, 0) == 0) throw;  // already names the action
       TORCH_CHECK(false, describe_action(a), ": ", msg);
+    } catch (const std::exception& e) {  // e.g. thrown by the user's loss_fn or module
+      TORCH_CHECK(false, describe_action(a), ": ", e.what());
     }
   }
 

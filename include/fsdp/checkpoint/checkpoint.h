@@ -67,8 +67,8 @@ enum class StorageFormat {
 /// Options of save and async_save.
 /// Example: `fsdp::dcp::save(sd, "ckpt/step-100", fsdp::dcp::SaveOptions().keep_last(3))`
 struct SaveOptions {
-  /// Ranks taking part; every one must call save. (Default: null = the world group of the first
-  /// DTensor's mesh, else the default process group when initialised, else this process alone)
+  /// Ranks taking part; every one must call save. (Default: null = the world group of the root mesh of
+  /// the first DTensor's mesh (the whole (pp, dp, tp) mesh, not FSDP's dp sub-mesh), else the default process group when initialised, else this process alone)
   TORCH_ARG(ProcessGroupPtr, group) = nullptr;
   /// Replace a checkpoint already at DIR (by an atomic exchange of the folders where the filesystem
   /// supports it). Otherwise an existing DIR is an error. (Default: false)
@@ -108,8 +108,10 @@ struct SaveOptions {
 struct LoadOptions {
   /// Ranks taking part; every one must call load. (Default: as SaveOptions::group)
   TORCH_ARG(ProcessGroupPtr, group) = nullptr;
-  /// A key of the state dict absent from the checkpoint, or a key of the checkpoint absent from the
-  /// state dict, is an error. Otherwise they are returned in LoadResult and skipped. (Default: true)
+  /// A key of the state dict absent from the checkpoint, or a key of the checkpoint absent from every
+  /// rank's state dict, is an error (the ranks may hold different keys, as pipeline stages do: one
+  /// exchange finds the keys no rank asked for). Otherwise they are returned in LoadResult (per rank)
+  /// and skipped. (Default: true)
   TORCH_ARG(bool, strict) = true;
   /// Check the CRC-32C of every byte read against the checkpoint's metadata. (Default: true)
   TORCH_ARG(bool, verify_checksums) = true;
@@ -118,7 +120,10 @@ struct LoadOptions {
 /// Writes `state_dict` into the folder `dir` (created; its parent must exist or is created), in our
 /// format or, with SaveOptions::storage_format(StorageFormat::Distcp), PyTorch's default one.
 /// Collective over the group: each rank writes the chunks it owns (the local piece of each DTensor,
-/// once per replica group; plain tensors and Values from rank 0; per-rank Values from every rank).
+/// once per replica group; a plain tensor or a Value from the lowest rank holding its key; per-rank
+/// Values from every rank). The ranks may hold different keys, as pipeline stages do (each its own
+/// FQNs): the checkpoint holds their union, and a key held by several ranks must have the same dtype
+/// and shape everywhere.
 /// Returns once the checkpoint is complete and durable on every rank. Throws c10::Error naming the
 /// file, the FQN and the rank (e.g. a full disk); then the temporary folder is removed and the
 /// previous checkpoint and `latest` are untouched.
