@@ -396,7 +396,7 @@ int run(int argc, char** argv) {
   auto pg = make_process_group(launched, cuda);
   if (s.parallel.pp > 1) {  // --pp: the pipelined trainer (pipeline.h), GPT-2 holder model only (options.cpp)
     if (!cuda) keep_freed_memory();
-    const int rc = train_pipelined(s, pg);
+    const int rc = train_pipelined(s, plan, pg);
     fsdp::destroy_process_group(pg);
     return rc;
   }

@@ -113,11 +113,6 @@ void check_pipeline_options(const Options& o, const GPTConfig& cfg, int world_si
       {o.mixed_precision == "fp16", "--mixed-precision fp16 (the loss scaler does not see the pipeline's losses). Fix: bf16"},
       {!o.sft.empty(), "--sft (its token-normalised loss is not the schedule's mean of microbatch means)"},
       {o.no_shard, "--no-shard"},
-      // fsdp::dcp::save takes one state dict with the same keys on every rank (it writes the Values and the
-      // metadata from rank 0's), but each pipeline rank holds only its own stages' keys.
-      {!o.ckpt_dir.empty() || !o.resume.empty(), "--ckpt-dir/--resume: dcp::save needs the same keys on every rank, "
-                                                 "and each pipeline rank holds only its stages'. Fix: drop --ckpt-dir "
-                                                 "and --resume, or --pp 1"},
       {!o.init_from.empty() || !o.export_hf.empty() || !o.save_init.empty() || !o.dump_batches.empty() ||
            !o.logits_tokens.empty() || o.estimate_memory,
        "--init-from, --export-hf, --save-init, --dump-batches, --logits-tokens and --estimate-memory (they need the "

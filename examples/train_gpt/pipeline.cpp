@@ -3,13 +3,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "checkpointing.h"
 #include "evaluate.h"
 #include "fsdp/pipelining/schedules.h"
 #include "fsdp/pipelining/stage.h"
@@ -189,6 +192,33 @@ size_t check_stage_names(const Model& model, int num_stages) {
   return seen.size();
 }
 
+/// The module a checkpoint of this rank sees: its stages' modules under the whole model's names (GPT: wte, wpe,
+/// drop, h.N, ln_f, lm_head; Llama: model.embed_tokens, model.layers.N, model.norm, lm_head; the blocks of several
+/// stages merged into one container), so that fsdp::get_state_dict keys the parameters and the optimizer state as
+/// the unpipelined model does. Each rank saves its own keys; the checkpoint holds their union, a --pp 1 run's keys.
+std::shared_ptr<torch::nn::Module> checkpoint_view(const std::vector<std::shared_ptr<torch::nn::Module>>& stages) {
+  // Merges the children of `from` into `into`, recursing into the containers two stages share by name (h,
+  // model, model.layers) and registering the rest (modules of one stage) as they are.
+  std::function<void(torch::nn::Module&, const torch::nn::Module&)> merge = [&](torch::nn::Module& into,
+                                                                                 const torch::nn::Module& from) {
+    for (const auto& child : from.named_children()) {
+      const bool container = child.key() == "h" || child.key() == "model" || child.key() == "layers";
+      if (!container) {
+        into.register_module(child.key(), child.value());
+        continue;
+      }
+      const auto present = into.named_children();  // a copy: find() points into it
+      const auto* existing = present.find(child.key());
+      std::shared_ptr<torch::nn::Module> target =
+          existing ? *existing : into.register_module(child.key(), std::make_shared<torch::nn::Module>(child.key()));
+      merge(*target, *child.value());
+    }
+  };
+  auto root = std::make_shared<torch::nn::Module>("PipelineRankModel");
+  for (const auto& st : stages) merge(*root, *st);
+  return root;
+}
+
 std::string stage_list(const std::vector<int>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
@@ -211,7 +241,7 @@ torch::Tensor head_weight(Stage& s) {
 /// train_pipelined for one model code: `Model` GPT with `Stage` fsdp::FSDPModule<GPTStage>, or PlainGPT with
 /// PlainGPTStage.
 template <typename Model, typename Stage>
-int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+int train_pipelined_as(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr& pg) {
   const Options& o = s.opts;
   const ParallelOptions& p = s.parallel;
   const int world = pg->size();
@@ -312,7 +342,20 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
        << num_names << " parameter names are the whole model's";
     report.say(os.str());
   }
-  report.open_metrics(-1);
+  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  std::vector<std::shared_ptr<torch::nn::Module>> stage_modules;
+  for (auto& st : stages) stage_modules.push_back(st.ptr());
+  const auto ckpt_view = checkpoint_view(stage_modules);
+  std::optional<fsdp::ShardedGradScaler> no_scaler;  // fp16 is refused with --pp
+  int64_t start_step = 0;
+  if (plan.resume) {  // [checkpoints] every rank loads its stages' keys, resharded to this run's ranks
+    const Resumed r = resume(o, plan, s.train.size(), last_step, *ckpt_view, optimizer, sampler, no_scaler, pg);
+    start_step = r.step;
+    report.restore_first_eval(r.first_eval);
+    report.say(r.message);
+  }
+  report.open_metrics(plan.resume ? start_step : -1);
   report.watch_groups({{"pp", pp_group},
                        {"dp_replicate", mesh->get_group("dp_replicate")},
                        {"dp_shard", mesh->get_group("dp_shard")},
@@ -322,13 +365,13 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     report.eval(step, loss);
     return loss;
   };
-  report.initial_metrics(run_eval(0));
+  if (start_step == 0) report.initial_metrics(run_eval(0));
 
-  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
-  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
   const auto t_train = Clock::now();
+  const nlohmann::json ckpt_run = checkpoint_run_info(o, s.cfg, s.train.size(), world);
+  const auto kill_at = kill_after_checkpoint(plan.restart);
   const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
-  for (int64_t step = 1; step <= last_step; ++step) {
+  for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     const double lr = lr_at(step, o);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -365,27 +408,39 @@ int train_pipelined_as(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
     optimizer.zero_grad();
     const double loss = packed[1].item<double>() / dp;
     report.step(step, lr, loss, total_norm.item<double>(), seconds_since(t0), [&] { return run_eval(step); });
+    // [checkpoints] after the step and its evaluation, every rank writing its stages' shards (dcp::save over
+    // the whole mesh: the checkpoint holds the union of the ranks' keys).
+    if (checkpoint_due(o, step, last_step)) {
+      const auto t_save = Clock::now();
+      const std::string path =
+          save_checkpoint(o, ckpt_run, step, *ckpt_view, optimizer, sampler, no_scaler, report.first_eval_json());
+      report.say("checkpoint: " + path + " saved in " + fmt("%.2f", seconds_since(t_save)) + " s");
+      kill_if_due(kill_at, step, pg->rank());
+    }
   }
+  // A resumed run that had nothing left to train still reports where the model stands.
+  if (!report.evaluated() && start_step > 0 && start_step >= last_step) run_eval(start_step);
   report.end_of_training(last_step);
   const double wall = seconds_since(t_train);
   std::string sample;
   if (o.sample_tokens > 0) {
     sample = generate(pipelined, o.sample_prompt, o.sample_tokens, o.temperature, o.top_k, o.seed, *pg, *s.tokenizer);
   }
-  report.summary(0, last_step, wall, sample);
+  report.summary(start_step, last_step, wall, sample);
   return 0;
 }
 
 }  // namespace
 
-int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg) {
+int train_pipelined(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr& pg) {
   // The architecture picks the model, --model-impl its code (model.h, model_plain.h, model_llama.h).
   const bool plain = s.opts.model_impl == "plain";
   if (s.cfg.is_llama()) {
-    return plain ? train_pipelined_as<PlainLlama, PlainLlamaStage>(s, pg)
-                 : train_pipelined_as<Llama, fsdp::FSDPModule<LlamaStage>>(s, pg);
+    return plain ? train_pipelined_as<PlainLlama, PlainLlamaStage>(s, plan, pg)
+                 : train_pipelined_as<Llama, fsdp::FSDPModule<LlamaStage>>(s, plan, pg);
   }
-  return plain ? train_pipelined_as<PlainGPT, PlainGPTStage>(s, pg) : train_pipelined_as<GPT, fsdp::FSDPModule<GPTStage>>(s, pg);
+  return plain ? train_pipelined_as<PlainGPT, PlainGPTStage>(s, plan, pg)
+               : train_pipelined_as<GPT, fsdp::FSDPModule<GPTStage>>(s, plan, pg);
 }
 
 }  // namespace train_gpt

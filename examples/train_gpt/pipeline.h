@@ -25,22 +25,27 @@
 // Tied weights (the GPT presets' default): the last stage's head holds a copy of wte.weight whose gradient is
 // summed with the first stage's after each backward, so both copies take the same updates ([Note: tied
 // weights across stages] in pipeline.cpp).
+// Checkpoints (--ckpt-dir, --resume): each rank saves and loads its own stages' parameters and optimizer state
+// under the unpipelined model's keys (checkpoint_view); dcp::save writes the union of the ranks' keys, so a
+// pipelined run's checkpoint is a --pp 1 run's and resumes with or without a pipeline, on any layout.
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
 // Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options):
-// --data-parallel replicate, --grad-accum-steps, fp16, --sft, checkpoints (--ckpt-dir/--resume:
-// dcp::save takes the same keys on every rank), --init-from/--export-hf and the other whole-model flags,
-// --freeze, --activation-offload. Every rank builds the whole model once (eagerly) before keeping its stages.
+// --data-parallel replicate, --grad-accum-steps, fp16, --sft, --init-from/--export-hf and the other
+// whole-model flags, --freeze, --activation-offload. Every rank builds the whole model once (eagerly)
+// before keeping its stages.
 #pragma once
 
+#include "checkpointing.h"
 #include "fsdp/fsdp.h"
 #include "options.h"
 
 namespace train_gpt {
 
 /// Trains with pipeline parallelism (s.parallel.pp > 1) on the world `pg`: the banner, the loop of
-/// schedule steps, evaluations, the summary and the sample, as train() in main.cpp. Returns the exit code.
-int train_pipelined(const RunSetup& s, const fsdp::ProcessGroupPtr& pg);
+/// schedule steps, evaluations, checkpoints (`plan`: resume first), the summary and the sample, as train()
+/// in main.cpp. Returns the exit code.
+int train_pipelined(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr& pg);
 
 }  // namespace train_gpt

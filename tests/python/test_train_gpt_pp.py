@@ -7,11 +7,16 @@ pipeline share it, so `--pp 2` on 2 ranks must train like `--pp 1` on 1 rank, an
 like `--pp 1` on 2 ranks: per step the training loss, the gradient norm (clipping is on: the norm is the
 whole model's, summed over the stages) and the evaluation losses within 1e-5 (relative; the pipeline sums
 the microbatches' gradients in another order). Every rank records the same loss (rank 0 holds no loss of its
-own: the last stage's is summed over the pipeline). Composed with --tp (and --sequence-parallel) and with HSDP (--dp-replicate) on 4 ranks, likewise. Bad layouts fail
+own: the last stage's is summed over the pipeline). Composed with --tp (and --sequence-parallel) and with HSDP (--dp-replicate) on 4 ranks, likewise. Checkpoints:
+each rank saves its stages' keys (the unpipelined model's), so a pipelined run resumes bit-identically and its
+checkpoint resumes without a pipeline too. Bad layouts fail
 before the rendezvous, naming the flag.
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
+
+import re
+import shutil
 
 import pytest
 
@@ -173,6 +178,38 @@ def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path
     max_rel_diff(by_step(tmp_path / "uneven.jsonl"), by_step(tmp_path / "ref3.jsonl"), "uneven")
 
 
+def test_checkpoint_resumes_bit_identical_and_without_pipeline(text_files, tmp_path):
+    # zbv-zero-bubble: rank 0 holds the first and the last stage (wte, wpe, h.0, h.3, ln_f, lm_head), rank 1 the
+    # middle ones: each saves and loads the keys of two stages; the checkpoint holds their union.
+    pp = ["--pp", "2", "--pp-schedule", "zbv-zero-bubble"]
+    ckpt = tmp_path / "ckpt"
+    straight = run(args(text_files, tmp_path, "straight", *pp, steps=6), nproc=2)
+    assert straight.returncode == 0, show(straight)
+    first = run(args(text_files, tmp_path, "first", *pp, "--ckpt-dir", ckpt, "--ckpt-every", "3", "--stop-at", "3",
+                     steps=6), nproc=2)
+    assert first.returncode == 0, show(first)
+    assert f"[default0]:checkpoint: {ckpt}/step-3 saved" in first.stdout, show(first)
+    shutil.copytree(ckpt, tmp_path / "ckpt_pp1")  # for the --pp 1 resume below (the second run adds step-6)
+    second = run(args(text_files, tmp_path, "second", *pp, "--ckpt-dir", ckpt, "--resume", steps=6), nproc=2)
+    assert second.returncode == 0, show(second)
+    assert re.search(r"resume: .*step-3 \(after step 3, saved on 2 ranks, loaded on 2 .*continuing at step 4/6",
+                     second.stdout), show(second)
+    ref, a, b = (by_step(tmp_path / f"{n}.jsonl") for n in ("straight", "first", "second"))
+    for k in ("loss", "grad_norm"):
+        # Bit-identical: the JSON numbers round-trip doubles exactly.
+        got = {s: r[k] for s, r in a.items() if r.get(k) is not None} | \
+              {s: r[k] for s, r in b.items() if r.get(k) is not None}
+        assert got == {s: r[k] for s, r in ref.items() if r.get(k) is not None}, k
+    # The same checkpoint on one rank without a pipeline: its keys are the unpipelined model's.
+    plain = run(args(text_files, tmp_path, "pp1", "--ckpt-dir", tmp_path / "ckpt_pp1", "--resume", steps=6), nproc=1)
+    assert plain.returncode == 0, show(plain)
+    c = by_step(tmp_path / "pp1.jsonl")
+    assert sorted(s for s in c if c[s].get("loss") is not None) == [4, 5, 6]
+    worst = max(abs(c[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in (4, 5, 6))
+    assert worst <= RTOL, worst
+    print(f"pp 2 checkpoint resumed with --pp 1: max relative loss difference {worst:.3g}")
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--pp", "3"], "not divisible by --pp 3"),
     (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "3"], "--n-layer"),
@@ -182,7 +219,7 @@ def test_uneven_stages_and_more_microbatches_train_like_pp1(text_files, tmp_path
     (["--pp", "2", "--pp-microbatches", "1"], "1F1B needs at least one microbatch per stage"),
     (["--pp", "2", "--tp", "2"], "not divisible by --pp 2 x --dp-replicate(1) x --tp(2) = 4"),
     (["--pp", "2", "--data-parallel", "replicate"], "--pp 2 does not support --data-parallel replicate"),
-    (["--pp", "2", "--ckpt-dir", "ckpt"], "--ckpt-dir"),
+    (["--pp", "2", "--export-hf", "hf_out"], "--pp 2 does not support --init-from, --export-hf"),
     (["--stages-per-rank", "2"], "--stages-per-rank needs --pp > 1"),
     (["--pp-schedule", "gpipe"], "--pp-schedule needs --pp > 1"),
     (["--pp", "2", "--freeze", "wpe"], "--pp 2 does not support --freeze"),
