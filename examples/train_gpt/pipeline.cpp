@@ -385,7 +385,9 @@ int train_pipelined_as(const RunSetup& s, const ResumePlan& plan, const fsdp::Pr
     if (has_last) loss_sum += torch::stack(losses).mean();  // the batch's mean: the mean of equal microbatches' means
     // This rank's stages' norm over its dp group (max_norm inf: nothing clipped yet), with the loss summed over
     // the dp group in the same collective; then [norm^2, loss] summed over the pipeline: the whole model's norm
-    // and the global batch's loss (the ranks without the last stage add 0).
+    // and the global batch's loss (the ranks without the last stage add 0). The norm is
+    // fsdp::pipelining::clip_grad_norm_'s; done here to share its pp all-reduce with the loss and to leave the
+    // tied head's copy out of the norm while still clipping it.
     const auto stage_norm = fsdp::clip_grad_norm_(norm_params, std::numeric_limits<double>::infinity(), 2.0, false,
                                                   nullptr, loss_sum);
     // HSDP: the norm's group is the shard group; the replicas' losses are summed too (as train_step).

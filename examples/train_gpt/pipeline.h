@@ -27,7 +27,8 @@
 // weights across stages] in pipeline.cpp).
 // Checkpoints (--ckpt-dir, --resume): each rank saves and loads its own stages' parameters and optimizer state
 // under the unpipelined model's keys (checkpoint_view); dcp::save writes the union of the ranks' keys, so a
-// pipelined run's checkpoint is a --pp 1 run's and resumes with or without a pipeline, on any layout.
+// pipelined run's checkpoint is a --pp 1 run's and resumes with or without a pipeline, on any layout (tied
+// weights: only between pipelined runs, since the head's copy has optimizer state of its own).
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
 // output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
 //
