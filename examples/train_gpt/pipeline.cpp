@@ -26,18 +26,19 @@
 namespace train_gpt {
 namespace {
 
-/// This rank's part of a pipelined GPT, and the forward through every stage for evaluation and sampling.
+/// This rank's part of a pipelined model, and the forward through every stage for evaluation and sampling.
 /// Shaped like a model holder (`model->eval()`, `model->cfg`, `model(x)`), so generate() (evaluate.h)
-/// samples from it unchanged. `Stage`: Stage (holder) or PlainGPTStage (plain).
+/// samples from it unchanged. `Stage`: fsdp::FSDPModule<GPTStage>, PlainGPTStage, fsdp::FSDPModule<LlamaStage>
+/// or PlainLlamaStage.
 template <typename Stage>
-class PipelinedGPT {
+class PipelinedModel {
  public:
-  PipelinedGPT(const GPTConfig& cfg, std::vector<Stage> stages, std::vector<int> stage_ids,
+  PipelinedModel(const GPTConfig& cfg, std::vector<Stage> stages, std::vector<int> stage_ids,
                std::vector<int> owner, fsdp::ProcessGroupPtr pp_group, torch::Device device)
       : cfg(cfg), stages_(std::move(stages)), stage_ids_(std::move(stage_ids)), owner_(std::move(owner)),
         pp_(std::move(pp_group)), device_(device) {}
 
-  PipelinedGPT* operator->() { return this; }
+  PipelinedModel* operator->() { return this; }
   void eval() {
     for (auto& s : stages_) s->eval();
   }
@@ -62,17 +63,16 @@ class PipelinedGPT {
     return x;
   }
 
-  std::vector<Stage>& stages() { return stages_; }
-
   GPTConfig cfg;
-  fsdp::DeviceMeshPtr sequence_parallel_mesh;  // none: generate() asks (no sequence parallelism with --pp)
+  /// --sequence-parallel: the TP mesh, so that generate() pads the prompt to a multiple of tp (else null).
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
   Stage& local(int id) {
     for (size_t i = 0; i < stage_ids_.size(); ++i) {
       if (stage_ids_[i] == id) return stages_[i];
     }
-    TORCH_CHECK(false, "PipelinedGPT: stage ", id, " is not on pp rank ", pp_->rank());
+    TORCH_CHECK(false, "PipelinedModel: stage ", id, " is not on pp rank ", pp_->rank());
   }
 
   /// `x` of pp rank `src` on every pp rank: a header {dtype, dims, sizes...} then the data.
@@ -80,7 +80,7 @@ class PipelinedGPT {
     constexpr int64_t kWords = 8;
     auto header = torch::zeros({kWords}, torch::TensorOptions(torch::kLong).device(device_));
     if (pp_->rank() == src) {
-      TORCH_CHECK(x.dim() + 2 <= kWords, "PipelinedGPT: a stage output of ", x.dim(), " dims");
+      TORCH_CHECK(x.dim() + 2 <= kWords, "PipelinedModel: a stage output of ", x.dim(), " dims");
       std::vector<int64_t> h = {static_cast<int64_t>(x.scalar_type()), x.dim()};
       for (auto d : x.sizes()) h.push_back(d);
       h.resize(kWords, 0);
@@ -104,9 +104,10 @@ class PipelinedGPT {
 };
 
 /// Mean loss over the evaluation batches of the validation split, as evaluate() (evaluate.h) with the
-/// data split over the dp_shard ranks (the ranks of a pipeline evaluate the same windows). Collective.
+/// data split over the data-parallel ranks (the ranks of a pipeline and of a TP group evaluate the same
+/// windows). Collective.
 template <typename Stage>
-double evaluate_pipelined(PipelinedGPT<Stage>& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
+double evaluate_pipelined(PipelinedModel<Stage>& model, const TokenWindows& val, int64_t num_batches, int64_t batch_size,
                           int dp_rank, int dp, fsdp::ProcessGroup& world) {
   model.eval();
   auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(world.device()));
@@ -319,7 +320,7 @@ int train_pipelined_as(const RunSetup& s, const ResumePlan& plan, const fsdp::Pr
                                                     return lm_loss(logits, y);
                                                   });
   const bool has_last = owner[num_stages - 1] == pp_rank;
-  PipelinedGPT<Stage> pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
+  PipelinedModel<Stage> pipelined(s.cfg, stages, my_ids, owner, pp_group, device);
   if (p.sequence_parallel) pipelined.sequence_parallel_mesh = (*mesh)["tp"];  // generate() pads to a multiple of tp
 
   torch::optim::AdamW optimizer = make_adamw(groups, o);

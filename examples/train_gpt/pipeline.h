@@ -30,7 +30,7 @@
 // pipelined run's checkpoint is a --pp 1 run's and resumes with or without a pipeline, on any layout (tied
 // weights: only between pipelined runs, since the head's copy has optimizer state of its own).
 // Evaluation and sampling run the stages in order without a schedule (no gradients, rare): each stage's
-// output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedGPT).
+// output is broadcast over the pp group from the rank holding it (evaluate_pipelined, PipelinedModel).
 //
 // Not supported with --pp > 1 (refused while parsing, options.cpp: check_pipeline_options):
 // --data-parallel replicate, --grad-accum-steps, fp16, --sft, --init-from/--export-hf and the other
