@@ -5,7 +5,8 @@ one pipeline stage of bench_pipeline's model (--blocks residual blocks of d -> 4
 
 - full:    forward, then one backward (what GPipe / 1F1B / interleaved 1F1B run: action B)
 - libfsdp: forward, I = torch.autograd.grad(out, x, g, retain_graph=True), then W = out.backward(g): the arithmetic of
-           libfsdp's runtime ([Note: zero-bubble backward] in src/pipelining/schedules.cpp; the same LibTorch kernels)
+           libfsdp's recomputing W, now only its fallback for fully_shard'ed stages (its split backward, like
+           PyTorch's, is src/pipelining/backward_split.cpp: [Note: zero-bubble backward])
 - PyTorch: forward, I = stage_backward_input, W = stage_backward_weight (torch.distributed.pipelining._backward, what
            PyTorch's PipelineStage runs for I and W)
 Best of --reps, in ms; the ratio to "full". Both splits must give the full backward's gradients (checked).

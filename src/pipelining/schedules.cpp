@@ -16,13 +16,18 @@
 // A zero-bubble schedule splits a backward into I (the input's gradient, needed by the previous stage
 // now) and W (the weights' gradients, needed only at the optimizer step). I is
 // torch::autograd::grad(output, input, grad_output, retain_graph=true): autograd runs only the nodes on
-// the path to the input and accumulates nothing into the parameters. W is then a full backward of the
-// retained graph, which recomputes the part of the backward that leads to the input before the weights'
-// gradients: correct for any module (and through fully_shard's hooks, which a backward restricted to
-// the parameters would bypass), at the price of running that part twice. PyTorch's stage_backward_input
-// instead keeps the intermediate gradients at the weights' nodes to avoid the second pass; that is a
-// performance refinement this runtime does not have yet (docs/BENCHMARKS.md, "Pipeline parallelism").
-// On the first stage there is no input gradient to send: I does nothing and W is the whole backward.
+// the path to the input, and those nodes compute only the gradients that lead there (an addmm's weight
+// product is skipped). Before it, a pre-hook is put on each "intermediate": a node on the input's path
+// with a branch that leads to weights (addmm, whose edge to the transposed weight leaves the path), to
+// keep the gradient that enters it. W then feeds each kept gradient back into its node with the
+// weights as the only outputs (Engine::execute with accumulate_grad, as backward(inputs=weights)), so
+// autograd runs the weight branches and nothing of the input's path again: the same work as one full
+// backward, split in two (src/pipelining/backward_split.cpp; the idea is PyTorch's stage_backward_input
+// and stage_backward_weight). Where the split does not apply, W is a full backward of the retained graph
+// (the input's part of the backward then runs twice): a fully_shard'ed stage (its graph holds FSDP's
+// unsharded parameters and its gradients must pass FSDP's hooks), a weight under two intermediates (tied
+// inside a stage), a weight reached only off the input's path, and the first stage (no input gradient:
+// I does nothing and W is the whole backward).
 #include "fsdp/pipelining/schedules.h"
 
 #include <chrono>
@@ -33,6 +38,7 @@
 
 #include "fsdp/c10d/p2p.h"
 #include "fsdp/fsdp/fully_shard.h"
+#include "pipelining/backward_split.h"
 #include "pipelining/schedule_orders.h"
 #include "pipelining/stage_access.h"
 #include "utils/implicit_checkpoint.h"
@@ -167,6 +173,7 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
   std::map<int, int> backwards_done;                                  // per stage: B or W count
   std::map<int, bool> fsdp;
   for (auto* s : stages_) fsdp[s->stage_index()] = is_fsdp_module(*s->submod());
+  std::map<std::pair<int, int>, std::shared_ptr<detail::WeightGradWork>> weight_work;  // (stage, mb): I -> W
 
   auto tag = [&](MsgKind kind, int stage, int mb) { return (kind * num_stages_ + stage) * (m + 1) + mb; };
   auto describe_action = [&](const Action& a) {
@@ -337,11 +344,12 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
           auto g = receive_grad(s, a, rec.output);
           StageAccess::received_grads(s)[mb] = g;
           if (!s.is_first() && rec.input.requires_grad()) {
-            std::vector<torch::Tensor> gouts;
-            if (g.defined()) gouts.push_back(g);
-            auto grads = torch::autograd::grad({rec.output}, {rec.input}, gouts, /*retain_graph=*/true,
-                                               /*create_graph=*/false, /*allow_unused=*/true);
-            send_input_grad(s, a, grads[0], rec.input);
+            // A fully_shard'ed stage's graph holds FSDP's unsharded parameters, not the registered ones,
+            // and its gradients must go through FSDP's hooks: W is then a full backward.
+            torch::Tensor gin;
+            weight_work[{a.stage_index, mb}] =
+                detail::backward_input(rec.output, g, rec.input, s.submod()->parameters(), !fsdp[a.stage_index], &gin);
+            send_input_grad(s, a, gin, rec.input);
           } else if (!s.is_first()) {
             send_input_grad(s, a, {}, rec.input);
           }
@@ -354,13 +362,14 @@ torch::Tensor PipelineSchedule::step(const torch::Tensor& input, const torch::Te
           auto g = StageAccess::received_grads(s).at(mb);
           StageAccess::received_grads(s).erase(mb);
           before_backward(s);
-          // Only the weights: the input's gradient was sent by I (rec.input is not a leaf we keep).
+          // Only the weights: the input's gradient was sent by I.
           rec.input = torch::Tensor();
-          if (g.defined()) {
-            torch::autograd::backward({rec.output}, {g});
-          } else {
-            torch::autograd::backward({rec.output});
+          std::shared_ptr<detail::WeightGradWork> work;
+          if (auto it = weight_work.find({a.stage_index, mb}); it != weight_work.end()) {
+            work = std::move(it->second);
+            weight_work.erase(it);
           }
+          detail::backward_weight(work, rec.output, g);
           mbs.erase(mb);
           break;
         }

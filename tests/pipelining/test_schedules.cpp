@@ -9,6 +9,7 @@
 #include "fsdp/pipelining/split.h"
 #include "multi_rank.h"
 #include "pipeline_test_model.h"
+#include "pipelining/backward_split.h"
 
 namespace fsdp::testing::pipeline_test_model {
 namespace {
@@ -195,6 +196,43 @@ TEST(PipelineSchedules, BadLayoutsAreRefusedNamingTheNumbers) {
       // already sent: both ranks must see an error, not a hang (rank 0's sends are never received).
     }
   });
+}
+
+// The zero-bubble split backward in one process: I gives the input's gradient, W the weights', together
+// exactly a full backward's (bit for bit: the same kernels, each gradient computed once); the split is
+// taken for a plain stage and refused (W then a full backward, still exact) for a weight used twice.
+TEST(PipelineSplit, ZeroBubbleSplitBackwardEqualsAFullBackward) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "plain");
+    torch::manual_seed(3);
+    auto model = make_model(4);
+    auto x = torch::randn({5, kIn});
+    auto t = torch::randn({5, kOut});
+    auto run = [&](bool split) {
+      for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+      auto xin = x.clone().requires_grad_(true);
+      auto h = model->forward(xin);
+      if (tied) h = h + 0.5 * torch::matmul(h, model->parameters()[0].narrow(0, 0, kOut).narrow(1, 0, kOut));
+      auto loss = mse(h, t);
+      torch::Tensor gin;
+      std::vector<torch::Tensor> grads;
+      if (split) {
+        auto work = fsdp::pipelining::detail::backward_input(loss, {}, xin, model->parameters(), true, &gin);
+        EXPECT_EQ(fsdp::pipelining::detail::is_split(work), !tied);
+        for (auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "I accumulated a weight gradient";
+        fsdp::pipelining::detail::backward_weight(work, loss, {});
+      } else {
+        loss.backward();
+        gin = xin.grad();
+      }
+      grads.push_back(gin.clone());
+      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      return grads;
+    };
+    auto full = run(false), split = run(true);
+    ASSERT_EQ(full.size(), split.size());
+    for (size_t i = 0; i < full.size(); ++i) EXPECT_TRUE(torch::equal(full[i], split[i])) << "gradient " << i;
+  }
 }
 
 TEST(PipelineSplit, SequentialStagesKeepTheModelsNames) {
