@@ -35,6 +35,7 @@
 
 #include "checkpoint/chunk_reader.h"
 #include "checkpoint/coordinator.h"
+#include "checkpoint/key_union.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/stateful_entries.h"
@@ -520,35 +521,9 @@ LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions
     } catch (...) {
       failed = std::current_exception();
     }
-    // Strict: the checkpoint's keys that no rank asked for. Each rank's dict may hold only part of the
-    // keys (pipeline stages), so a key is unexpected only when it is unexpected on every rank; a rank
-    // that failed counts as asking for everything (its own error is raised below).
+    // Strict: the checkpoint's keys that no rank asked for (each rank's dict may hold only part of the keys).
     std::vector<std::string> unasked = plan && !failed ? plan->result().unexpected_keys : std::vector<std::string>{};
-    if (options.strict() && !coord.single()) {
-      const std::string mine = failed || !plan ? std::string("*") : nlohmann::json(unasked).dump();
-      auto all = coord.gather("unasked", mine, "to list the checkpoint keys its state dict lacks");
-      std::string answer;
-      if (coord.rank() == 0) {
-        std::optional<std::set<std::string>> common;
-        for (const auto& a : all) {
-          if (a == "*") continue;
-          auto keys = nlohmann::json::parse(a).get<std::vector<std::string>>();
-          std::set<std::string> ks(keys.begin(), keys.end());
-          if (!common) {
-            common = ks;
-          } else {
-            std::set<std::string> both;
-            for (const auto& k : *common)
-              if (ks.count(k)) both.insert(k);
-            common = both;
-          }
-        }
-        answer = nlohmann::json(common ? std::vector<std::string>(common->begin(), common->end())
-                                       : std::vector<std::string>{}).dump();
-      }
-      unasked = nlohmann::json::parse(coord.broadcast("unasked_all", answer, "to find the keys no rank asked for"))
-                    .get<std::vector<std::string>>();
-    }
+    if (options.strict()) unasked = detail::unasked_by_every_rank(coord, unasked, failed || !plan);
     if (!failed && plan) {
       try {
         plan->check_strict_unexpected(unasked);

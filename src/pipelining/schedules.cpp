@@ -82,14 +82,8 @@ std::string action_name(const Action& a) {
 }
 
 /// Whether a stage's module is sharded by fully_shard / replicate (its gradient sync is then driven here).
-bool is_fsdp_module(const torch::nn::Module& m) {
-  try {
-    fsdp_api(m);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
+/// A registry lookup, every step: a stage may be sharded after its schedule was built.
+bool is_fsdp_module(const torch::nn::Module& m) { return fsdp::detail::state_of(m) != nullptr; }
 
 }  // namespace
 

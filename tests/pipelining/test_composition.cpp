@@ -180,6 +180,8 @@ TEST(PipelineComposition, FullyShardInsideStages) {
   expect_composed_trains_like_one_process({"gpipe", 2, 2, 1, 1, 2});
   expect_composed_trains_like_one_process({"interleaved-1f1b", 2, 2, 1, 2, 4});
   expect_composed_trains_like_one_process({"zbv-zero-bubble", 2, 2, 1, 2, 4});
+  // dp 3: rows of 16 and 6 (the blocks' and the head's) do not divide by 3.
+  expect_composed_trains_like_one_process({"1f1b", 2, 3, 1, 1, 2});
 }
 
 TEST(PipelineComposition, TensorParallelInsideStages) {
