@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from fsdp_testing import FSDPRUN, TEST_MPI, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metric, parity_args
+from fsdp_testing import (FSDPRUN, TEST_MPI, TRAIN_GPT, assert_close, clean_env, free_port, fsdprun_cmd, metric,
+                          parity_args)
 
 BINARIES = (FSDPRUN, TRAIN_GPT, TEST_MPI)
 MPIRUN = shutil.which("mpirun")
@@ -54,8 +55,9 @@ def test_mpirun_matches_fsdprun(tmp_path, nproc):
 
 
 def test_explicit_gloo_under_mpirun_is_honoured_by_master_addr(tmp_path):
-    """With MASTER_ADDR/MASTER_PORT exported, mpirun keeps the Gloo default (the user's choice)."""
-    cmd = [MPIRUN, *MPIRUN_FLAGS, "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29731", "-np", "2",
+    """With MASTER_ADDR/MASTER_PORT exported, mpirun keeps the Gloo default (the user's choice). A free port, not a
+    fixed one: two suites at once both ran this test and their jobs met on one port."""
+    cmd = [MPIRUN, *MPIRUN_FLAGS, "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}", "-np", "2",
            str(TRAIN_GPT), *parity_args(tmp_path / "m.jsonl", "--steps", "2")]
     p = run(cmd)
     assert "(gloo on cpu)" in p.stdout, p.stdout[-2000:]
