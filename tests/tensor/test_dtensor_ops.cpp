@@ -134,7 +134,8 @@ TEST_P(DTensorOps, ShapeOps) {
     check_op(mesh, "cat -1", {{5, 3}, {5, 4}}, {two, two}, [](auto& x) { return dt::cat({x[0], x[1]}, -1); },
              [](auto& x) { return torch::cat({x[0], x[1]}, -1); });
     for (int64_t d : {0, 1}) {
-      for (int piece : {0, 2}) {
+      // [7, 5] in pieces of 3: 3, 3, 1 rows (the last shorter than a 3-rank chunk) or 3, 2 columns.
+      for (int piece = 0; piece < (d == 0 ? 3 : 2); ++piece) {
         check_op(mesh, "split", {{7, 5}}, {two}, [&](auto& x) { return dt::split(x[0], 3, d)[piece] * 2.0; },
                  [&](auto& x) { return x[0].split(3, d)[piece] * 2.0; });
       }
