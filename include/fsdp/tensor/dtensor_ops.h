@@ -53,10 +53,11 @@ DTensor mul(const DTensor& a, const c10::Scalar& s);
 DTensor div(const DTensor& a, const DTensor& b);
 DTensor div(const DTensor& a, const torch::Tensor& b);
 DTensor div(const DTensor& a, const c10::Scalar& s);
-/// -a (keeps Partial(sum/avg)). Mirrors aten::neg.
+/// -a (keeps Partial(sum/avg)). Mirrors aten::neg. Example: auto m = dtensor::neg(x);
 DTensor neg(const DTensor& a);
 /// Unary ops: a Partial input is all-reduced first; Shard and Replicate are kept. Mirror aten::exp, log,
 /// sqrt, abs, relu, gelu (approximate "none" or "tanh"), silu, tanh, sigmoid, sin, cos, pow.Tensor_Scalar.
+/// Same shape and dtype as the input. Example: auto h = dtensor::gelu(x, "tanh");
 DTensor exp(const DTensor& a);
 DTensor log(const DTensor& a);
 DTensor sqrt(const DTensor& a);
@@ -86,9 +87,11 @@ DTensor sum(const DTensor& a, std::vector<int64_t> dims, bool keepdim = false);
 DTensor mean(const DTensor& a);
 DTensor mean(const DTensor& a, std::vector<int64_t> dims, bool keepdim = false);
 /// Maximum / minimum of all elements: a 0-dim Replicate DTensor. Mirrors aten::max, aten::min.
+/// Example: auto m = dtensor::max(x);  // x [8, 6] Shard(0): all-gathers, m [] Replicate
 DTensor max(const DTensor& a);
 DTensor min(const DTensor& a);
-/// (values, indices) of the maximum / minimum over `dim`. Mirrors aten::max.dim, aten::min.dim.
+/// (values, indices) of the maximum / minimum over `dim`; indices are int64. Mirrors aten::max.dim, aten::min.dim.
+/// Example: auto [v, i] = dtensor::max(x, 1);  // x [8, 6] Shard(0) -> v, i [8] Shard(0)
 std::tuple<DTensor, DTensor> max(const DTensor& a, int64_t dim, bool keepdim = false);
 std::tuple<DTensor, DTensor> min(const DTensor& a, int64_t dim, bool keepdim = false);
 
@@ -107,29 +110,35 @@ std::tuple<DTensor, DTensor> min(const DTensor& a, int64_t dim, bool keepdim = f
 DTensor matmul(const DTensor& a, const DTensor& b);
 /// x @ weight^T + bias, weight [out, in] (torch.nn.functional.linear): matmul with transpose(weight),
 /// then add. Colwise weight Shard(0) + Replicate x -> Shard(-1); rowwise Shard(1) + x Shard(-1) -> Partial
-/// (the bias is then added after an all-reduce, as PyTorch's Partial + Replicate).
+/// (the bias is then added after an all-reduce, as PyTorch's Partial + Replicate). Mirrors aten::linear.
+/// Example: auto y = dtensor::linear(x, w, b);  // x Replicate, w [out, in] Shard(0), b Shard(0) -> y Shard(-1)
 DTensor linear(const DTensor& x, const DTensor& weight, const std::optional<DTensor>& bias = std::nullopt);
 
 // ---- Shape ops ---------------------------------------------------------------------------------------
-/// Swaps two dims; Shard dims follow. Mirrors aten::transpose.int.
+/// Swaps two dims; Shard dims follow. No communication. Throws c10::Error for a dim out of range.
+/// Mirrors aten::transpose.int. Example: dtensor::transpose(w, 0, 1);  // [out, in] Shard(0) -> [in, out] Shard(1)
 DTensor transpose(const DTensor& a, int64_t dim0, int64_t dim1);
-/// Reorders dims; Shard dims follow. Mirrors aten::permute.
+/// Reorders dims; Shard dims follow. No communication. Throws c10::Error for a wrong or repeated dim.
+/// Mirrors aten::permute. Example: dtensor::permute(x, {2, 0, 1});  // [B, S, H] Shard(1) -> [H, B, S] Shard(2)
 DTensor permute(const DTensor& a, std::vector<int64_t> dims);
 /// View/reshape to `shape` (one -1 allowed). Every sharded dim must survive unchanged: an output dim of
 /// the same size with the same number of elements before it (e.g. [4, 6, 8] Shard(0) -> [4, 48]);
 /// splitting or merging a sharded dim throws "fsdp::DTensor: no sharding rule for aten::view with
 /// placements [...]" with the fix (redistribute that dim to Replicate first). Partial is kept.
-/// Mirrors aten::view / aten::reshape.
+/// Mirrors aten::view / aten::reshape. Example: dtensor::view(x, {4, -1});  // [4, 6, 8] Shard(0) -> [4, 48] Shard(0)
 DTensor view(const DTensor& a, std::vector<int64_t> shape);
 DTensor reshape(const DTensor& a, std::vector<int64_t> shape);
 /// Concatenates along `dim`. A mesh dim sharding `dim` (in the first input) is all-gathered first; the
-/// others follow the first input's placements. Mirrors aten::cat.
+/// others follow the first input's placements. Throws c10::Error when the shapes differ outside `dim`.
+/// Mirrors aten::cat. Example: dtensor::cat({a, b}, 1);  // [5, 3] and [5, 4] Shard(0) -> [5, 7] Shard(0)
 DTensor cat(const std::vector<DTensor>& tensors, int64_t dim = 0);
 /// Pieces of `split_size` along `dim` (the last may be shorter). A mesh dim sharding `dim` is
 /// all-gathered first (PyTorch's rule); other placements are kept. Mirrors aten::split.Tensor.
+/// Example: auto parts = dtensor::split(x, 3, 1);  // [7, 5] Shard(0) -> [7, 3], [7, 2] Shard(0)
 std::vector<DTensor> split(const DTensor& a, int64_t split_size, int64_t dim = 0);
 /// Softmax / log-softmax over `dim`: a sharded `dim` or a Partial input is made Replicate first; other
 /// Shard dims are kept. Mirrors aten::_softmax / aten::_log_softmax.
+/// Example: dtensor::softmax(logits, -1);  // [B, V] Shard(0) -> Shard(0); Shard(1) is all-gathered first
 DTensor softmax(const DTensor& a, int64_t dim);
 DTensor log_softmax(const DTensor& a, int64_t dim);
 
