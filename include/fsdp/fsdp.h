@@ -15,7 +15,10 @@
 #include "fsdp/c10d/p2p.h"
 // torch.distributed.tensor, torch.distributed.tensor.parallel
 #include "fsdp/tensor/device_mesh.h"
+#include "fsdp/tensor/distribute_module.h"
 #include "fsdp/tensor/dtensor.h"
+#include "fsdp/tensor/dtensor_factories.h"
+#include "fsdp/tensor/dtensor_ops.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 // torch.distributed.fsdp
 #include "fsdp/fsdp/deferred_init.h"

@@ -299,7 +299,13 @@ void emit_tensor(StateDict& sd, const std::string& key, const DTensor& d, const 
     else sd.insert_or_assign(key, DTensor(d.to_local().to(torch::kCPU), d.device_mesh(), d.placements(), d.sizes()));
     return;
   }
-  torch::Tensor full = d.full_tensor();  // a collective: issued in the same order on every rank, kept or not
+  // A collective: issued in the same order on every rank, kept or not. Without autograd (full_tensor is
+  // differentiable: the state dict holds values, as PyTorch's, which builds it under no_grad).
+  torch::Tensor full;
+  {
+    torch::NoGradGuard no_grad;
+    full = d.full_tensor();
+  }
   if (keep) sd.insert_or_assign(key, o.cpu_offload() ? full.to(torch::kCPU) : full);
 }
 

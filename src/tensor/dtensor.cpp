@@ -3,14 +3,25 @@
 #include <algorithm>
 #include <sstream>
 
+#include <torch/autograd.h>
+
 #include "fsdp/c10d/collectives.h"
+#include "tensor/dtensor_autograd.h"
 #include "util.h"
 
 namespace fsdp {
 
 std::string Placement::str() const {
   if (is_shard()) return "Shard(dim=" + std::to_string(dim) + ")";
-  return is_partial() ? "Partial(sum)" : "Replicate()";
+  return is_partial() ? "Partial(" + reduce_op + ")" : "Replicate()";
+}
+
+Placement Partial(std::string reduce_op) {
+  TORCH_CHECK(reduce_op == "sum" || reduce_op == "avg" || reduce_op == "max" || reduce_op == "min",
+              "Partial: reduce_op \"", reduce_op, "\" is not supported: expected \"sum\", \"avg\", \"max\" or \"min\"");
+  Placement p{Placement::Kind::PARTIAL, 0};
+  p.reduce_op = std::move(reduce_op);
+  return p;
 }
 
 ChunkRange chunk_range(int64_t size, int64_t chunks, int64_t index) {
@@ -78,6 +89,10 @@ torch::Tensor DTensor::full_tensor() const {
   return redistribute(std::vector<Placement>(placements_.size(), Replicate())).to_local();
 }
 
+torch::Tensor DTensor::full_tensor(std::vector<Placement> grad_placements) const {
+  return redistribute(std::vector<Placement>(placements_.size(), Replicate())).to_local(std::move(grad_placements));
+}
+
 namespace {
 
 // Size of tensor dim `k` at nesting level `level`: after mesh dims 0 .. level-1 split it.
@@ -122,6 +137,7 @@ torch::Tensor gather_dim(const torch::Tensor& local, int64_t k, int64_t n, const
 
 // `full` holds a summand of all n rows of dim k: returns this rank's chunk of the sum over mesh dim d.
 torch::Tensor reduce_scatter_dim(const torch::Tensor& full, int64_t k, const DeviceMesh& mesh, int64_t d) {
+  // Partial(sum) and Partial(avg) (divided by the caller).
   const int64_t size = mesh.size(d);
   const int64_t n = full.size(k);
   const int64_t c = (n + size - 1) / size;
@@ -145,12 +161,24 @@ torch::Tensor reduce_scatter_dim(const torch::Tensor& full, int64_t k, const Dev
 
 }  // namespace
 
-DTensor DTensor::redistribute(std::vector<Placement> target) const {
-  TORCH_CHECK(mesh_, "DTensor::redistribute: the DTensor has no mesh (default-constructed)");
-  const int64_t ndim = mesh_->ndim();
-  check_placements(*mesh_, target, static_cast<int64_t>(global_shape_.size()), "DTensor::redistribute");
-  std::vector<Placement> cur = placements_;
-  if (cur == target) return *this;
+namespace detail {
+
+// The value of a Partial(op) local tensor reduced over mesh dim d (all ranks of the group get it).
+static torch::Tensor reduce_partial(torch::Tensor local, const Placement& p, const DeviceMesh& mesh, int64_t d) {
+  local = local.clone();  // all_reduce is in place; the source DTensor stays unchanged
+  if (local.numel() == 0) return local;
+  const auto op = p.reduce_op == "max" ? ReduceOp::MAX : p.reduce_op == "min" ? ReduceOp::MIN : ReduceOp::SUM;
+  all_reduce(local, *mesh.get_group(d), op);
+  if (p.reduce_op == "avg") local.div_(mesh.size(d));
+  return local;
+}
+
+torch::Tensor redistribute_local(const torch::Tensor& local_in, const DeviceMesh& mesh,
+                                 const std::vector<Placement>& from, const std::vector<Placement>& target,
+                                 const std::vector<int64_t>& global_shape) {
+  const int64_t ndim = mesh.ndim();
+  std::vector<Placement> cur = from;
+  if (cur == target) return local_in;
 
   // Mesh dims to all-gather first: those that stop sharding, and (closure) every inner mesh dim that
   // shards the same tensor dim as an outer one whose split changes (its chunk boundaries move).
@@ -172,12 +200,12 @@ DTensor DTensor::redistribute(std::vector<Placement> target) const {
     }
   }
 
-  torch::Tensor local = local_;
+  torch::Tensor local = local_in;
   // Gathers, innermost first: a mesh dim's chunk is taken from the piece the outer dims left.
   for (int64_t d = ndim - 1; d >= 0; --d) {
     if (!gather[d]) continue;
     const int64_t k = cur[d].dim;
-    local = gather_dim(local, k, level_size(*mesh_, cur, global_shape_, d, k), *mesh_, d);
+    local = gather_dim(local, k, level_size(mesh, cur, global_shape, d, k), mesh, d);
     cur[d] = Replicate();
   }
   // Targets, outermost first.
@@ -185,22 +213,136 @@ DTensor DTensor::redistribute(std::vector<Placement> target) const {
     const Placement& t = target[d];
     if (cur[d] == t) continue;
     TORCH_INTERNAL_ASSERT(!cur[d].is_shard(), "redistribute: mesh dim ", d, " still sharded");
-    const int64_t coord = mesh_->get_local_rank(d);
+    const int64_t coord = mesh.get_local_rank(d);
+    if (cur[d].is_partial() && (t.is_replicate() || t.is_partial() || !cur[d].is_linear_partial())) {
+      // To Replicate; Partial(a) -> Partial(b) and Partial(max/min) -> Shard go through Replicate.
+      local = reduce_partial(local, cur[d], mesh, d);
+      cur[d] = Replicate();
+      if (cur[d] == t) continue;
+    }
     if (cur[d].is_replicate() && t.is_shard()) {
-      auto r = chunk_range(local.size(t.dim), mesh_->size(d), coord);
+      auto r = chunk_range(local.size(t.dim), mesh.size(d), coord);
       local = local.narrow(t.dim, r.offset, r.length).contiguous();
     } else if (cur[d].is_replicate() && t.is_partial()) {
-      // The sum over the mesh dim must be the value: coordinate 0 keeps it.
-      if (coord != 0) local = torch::zeros_like(local);
-    } else if (cur[d].is_partial() && t.is_replicate()) {
-      local = local.clone();  // all_reduce is in place; the source DTensor stays unchanged
-      if (local.numel() > 0) all_reduce(local, *mesh_->get_group(d), ReduceOp::SUM);
-    } else if (cur[d].is_partial() && t.is_shard()) {
-      local = reduce_scatter_dim(local, t.dim, *mesh_, d);
+      // Partial(sum): the sum over the mesh dim must be the value: coordinate 0 keeps it. avg/max/min of
+      // equal values is the value: every rank keeps it.
+      if (t.reduce_op == "sum" && coord != 0) local = torch::zeros_like(local);
+    } else if (cur[d].is_partial() && t.is_shard()) {  // Partial(sum) or Partial(avg)
+      local = reduce_scatter_dim(local, t.dim, mesh, d);
+      if (cur[d].reduce_op == "avg") local.div_(mesh.size(d));
     }
     cur[d] = t;
   }
+  return local;
+}
+
+std::vector<Placement> grad_placements_of(const std::vector<Placement>& placements) {
+  auto out = placements;
+  for (auto& p : out)
+    if (p.is_partial()) p = Replicate();
+  return out;
+}
+
+// [Note: DTensor autograd]
+// A DTensor's local tensor is an ordinary autograd tensor, and the gradient autograd computes for it on
+// a rank is read as that rank's piece of the global gradient, laid out with the DTensor's placements
+// with Partial read as Replicate (the gradient of a summand of a sum is the whole gradient: PyTorch keeps
+// gradients of Partial inputs Replicate too, see is_backward in torch's _redistribute.py). Every DTensor
+// function keeps this invariant, so that a chain DTensor ops -> full_tensor -> loss.backward() gives
+// one process's gradients:
+// - redistribute(from -> to): backward redistributes the gradient from grad(to) to grad(from), where
+//   grad() reads Partial as Replicate (Shard -> Replicate: the local chunk; Replicate -> Shard: an
+//   all-gather; Partial -> Replicate: identity).
+// - to_local(grad_placements) / full_tensor(grad_placements): the caller says how its gradient is laid
+//   out (e.g. Partial when each rank's loss covered a part); backward redistributes it to grad(placements)
+//   (Partial -> Replicate: all-reduce; Partial -> Shard: reduce-scatter, PyTorch's reduce-scatter backward
+//   of Shard -> Replicate).
+// - from_local: the local tensor is the caller's, its gradient already has that layout.
+// - ops (src/tensor/dtensor_ops.cpp): an input that is Replicate on a mesh dim whose output is Shard or
+//   Partial gets only this rank's share of its gradient from the local op; grad_all_reduce sums it over
+//   that mesh dim (Megatron's `f`). PyTorch leaves that gradient Partial and reduces it lazily (often a
+//   reduce-scatter at the next redistribute); libfsdp reduces at once, which may move more bytes but
+//   never leaves a gradient whose layout autograd cannot see.
+// Partial(avg/max/min) -> Replicate backward is the identity too (PyTorch's rule, not the derivative of
+// the mean or the maximum over ranks).
+
+namespace {
+
+// Holds the forward and backward of one differentiable local step.
+struct LocalStep : torch::CustomClassHolder {
+  std::function<torch::Tensor(const torch::Tensor&)> forward, backward;
+};
+
+struct LocalStepFunction : public torch::autograd::Function<LocalStepFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               c10::intrusive_ptr<LocalStep> step) {
+    auto out = step->forward(x);
+    ctx->saved_data["step"] = c10::IValue::make_capsule(std::move(step));
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto step = c10::static_intrusive_pointer_cast<LocalStep>(ctx->saved_data["step"].toCapsule());
+    return {step->backward(grads[0].contiguous()), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor local_step(const torch::Tensor& x, std::function<torch::Tensor(const torch::Tensor&)> forward,
+                         std::function<torch::Tensor(const torch::Tensor&)> backward) {
+  if (!x.requires_grad() || !torch::GradMode::is_enabled()) {
+    torch::NoGradGuard no_grad;
+    return forward(x);
+  }
+  auto step = c10::make_intrusive<LocalStep>();
+  step->forward = std::move(forward);
+  step->backward = std::move(backward);
+  return LocalStepFunction::apply(x, std::move(step));
+}
+
+torch::Tensor grad_all_reduce(const torch::Tensor& x, const DeviceMeshPtr& mesh, const std::vector<int64_t>& mesh_dims) {
+  if (mesh_dims.empty()) return x;
+  return local_step(
+      x, [](const torch::Tensor& t) { return t; },
+      [mesh, mesh_dims](const torch::Tensor& g) {
+        auto out = g.clone();
+        if (out.numel() > 0)
+          for (int64_t d : mesh_dims) all_reduce(out, *mesh->get_group(d), ReduceOp::SUM);
+        return out;
+      });
+}
+
+torch::Tensor redistribute_grad(const torch::Tensor& local, const DeviceMeshPtr& mesh, const std::vector<Placement>& from,
+                                const std::vector<Placement>& to, const std::vector<int64_t>& global_shape) {
+  auto gfrom = grad_placements_of(from), gto = grad_placements_of(to);
+  return local_step(
+      local, [&](const torch::Tensor& t) { return redistribute_local(t, *mesh, from, to, global_shape); },
+      [mesh, gfrom, gto, global_shape](const torch::Tensor& g) {
+        return redistribute_local(g, *mesh, gto, gfrom, global_shape);
+      });
+}
+
+}  // namespace detail
+
+DTensor DTensor::redistribute(std::vector<Placement> target) const {
+  TORCH_CHECK(mesh_, "DTensor::redistribute: the DTensor has no mesh (default-constructed)");
+  check_placements(*mesh_, target, static_cast<int64_t>(global_shape_.size()), "DTensor::redistribute");
+  if (placements_ == target) return *this;
+  auto local = detail::redistribute_grad(local_, mesh_, placements_, target, global_shape_);
   return DTensor(std::move(local), mesh_, std::move(target), global_shape_);
+}
+
+torch::Tensor DTensor::to_local(std::vector<Placement> grad_placements) const {
+  TORCH_CHECK(mesh_, "DTensor::to_local: the DTensor has no mesh (default-constructed)");
+  check_placements(*mesh_, grad_placements, static_cast<int64_t>(global_shape_.size()), "DTensor::to_local(grad_placements)");
+  auto mine = detail::grad_placements_of(placements_);
+  if (grad_placements == mine) return local_;
+  return detail::local_step(
+      local_, [](const torch::Tensor& t) { return t; },
+      [mesh = mesh_, grad_placements, mine, shape = global_shape_](const torch::Tensor& g) {
+        return detail::redistribute_local(g, *mesh, grad_placements, mine, shape);
+      });
 }
 
 namespace {
@@ -228,7 +370,8 @@ std::string placements_str(const std::vector<int64_t>& codes) {
   std::string out = "(";
   for (size_t i = 0; i < codes.size(); ++i) {
     const int64_t kind = codes[i] / 1024, dim = codes[i] % 1024;
-    out += (i ? ", " : "") + (kind == 0 ? "Shard(dim=" + std::to_string(dim) + ")" : kind == 1 ? "Replicate()" : "Partial(sum)");
+    out += (i ? ", " : "") + (kind == 0 ? "Shard(dim=" + std::to_string(dim) + ")" : kind == 1 ? "Replicate()"
+                                                                                   : std::string("Partial(") + (dim == 1 ? "avg" : dim == 2 ? "max" : dim == 3 ? "min" : "sum") + ")");
   }
   return out + ")";
 }
@@ -243,7 +386,8 @@ std::vector<FromLocalRow> gather_rows(const DeviceMesh& mesh, const std::vector<
   std::vector<int64_t> row(W, 0);
   for (int64_t d = 0; d < M; ++d) {
     const auto& p = placements[d];
-    row[d] = (p.is_shard() ? 0 : p.is_replicate() ? 1 : 2) * 1024 + (p.is_shard() ? p.dim : 0);
+    const int64_t op = p.reduce_op == "avg" ? 1 : p.reduce_op == "max" ? 2 : p.reduce_op == "min" ? 3 : 0;
+    row[d] = (p.is_shard() ? 0 : p.is_replicate() ? 1 : 2) * 1024 + (p.is_shard() ? p.dim : p.is_partial() ? op : 0);
   }
   row[M] = local.dim();
   row[M + 1] = given.empty() ? -1 : static_cast<int64_t>(given.size());
@@ -411,20 +555,38 @@ std::string DTensor::str() const {
 
 std::ostream& operator<<(std::ostream& os, const DTensor& t) { return os << t.str(); }
 
-DTensor distribute_tensor(const torch::Tensor& full, DeviceMeshPtr mesh, std::vector<Placement> placements) {
+DTensor distribute_tensor(const torch::Tensor& full, DeviceMeshPtr mesh, std::vector<Placement> placements,
+                          std::optional<int64_t> src_data_rank) {
   TORCH_CHECK(mesh, "distribute_tensor: expected a mesh, got null");
   check_placements(*mesh, placements, full.dim(), "distribute_tensor");
+  TORCH_CHECK(!src_data_rank || (*src_data_rank >= 0 && *src_data_rank < mesh->size()), "distribute_tensor: src_data_rank ",
+              src_data_rank.value_or(0), " is not a position of ", mesh->str(), ": expected 0 .. ", mesh->size() - 1,
+              " (or std::nullopt for no broadcast)");
   torch::Tensor cur = full;
-  bool zero = false;  // a Partial mesh dim on which this rank is not coordinate 0
+  if (src_data_rank) {
+    // One broadcast of the whole tensor over the mesh's ranks, from the rank at that mesh position, on a
+    // copy (the caller's tensor stays as it was) on the group's device.
+    auto& world = *mesh->world();
+    const int src_global = mesh->ranks()[*src_data_rank];
+    const auto& members = world.global_ranks();
+    int src = src_global;
+    if (!members.empty()) src = static_cast<int>(std::find(members.begin(), members.end(), src_global) - members.begin());
+    auto buf = full.detach().to(world.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    if (buf.numel() > 0) broadcast(buf, src, world);
+    cur = buf.to(full.device());
+  }
+  bool zero = false;  // a Partial(sum) mesh dim on which this rank is not coordinate 0
   for (int64_t d = 0; d < mesh->ndim(); ++d) {
     const auto& p = placements[d];
-    if (p.is_partial() && mesh->get_local_rank(d) != 0) zero = true;
+    if (p.is_partial() && p.reduce_op == "sum" && mesh->get_local_rank(d) != 0) zero = true;
     if (!p.is_shard()) continue;
     auto r = chunk_range(cur.size(p.dim), mesh->size(d), mesh->get_local_rank(d));
     cur = cur.narrow(p.dim, r.offset, r.length);
   }
   if (zero) cur = torch::zeros_like(cur);
-  return DTensor(cur.contiguous(), std::move(mesh), std::move(placements), full.sizes().vec());
+  cur = cur.contiguous();
+  if (src_data_rank) cur = cur.detach().requires_grad_(full.requires_grad());
+  return DTensor(std::move(cur), std::move(mesh), std::move(placements), full.sizes().vec());
 }
 
 }  // namespace fsdp
