@@ -270,6 +270,7 @@ const char* style_name(const ParallelStyle& s) {
     case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
     case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
     case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
+    case ParallelStyle::Kind::CUSTOM: return s.custom ? "UserParallelStyle" : "UserParallelStyle(null)";
   }
   return "?";
 }
