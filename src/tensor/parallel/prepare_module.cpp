@@ -17,7 +17,13 @@
 // feeds ops that involve no parameter (a block's residual add `x + attn(ln_1(x))`), so redistributing the input
 // of the first parameter op would leave those ops with the old layout and be silently wrong.
 // A module with a live FSDPModule holder that the model then calls around the holder (`block->forward(x)`) runs
-// without its hooks: libfsdp cannot see that call; the holder is the contract, as for fully_shard's holder path.
+// without its hooks. libfsdp cannot see that call itself, but it sees the ops that run a tensor-parallel Linear or
+// Embedding: each parameter of a module with hooks is recorded (unless the model also holds it outside the module,
+// a tied weight), the boundary counts the calls open on its thread (run_pre_hooks opens, run_post_hooks closes),
+// and such an op on a recorded weight while no call of its module is open throws naming the module and the
+// parameter (check_boundary_use). Not checked: a module without a ColwiseParallel/RowwiseParallel weight inside
+// (other ops on parameters, e.g. an optimizer step or a norm's `* weight`, also run outside forwards); a forward
+// that threw leaves its call counted open (that only hides a later bypass, it never raises).
 //
 // The hooks are a registry Module* -> hooks (held weakly by module), read by call_with_boundary; the moves
 // between layouts are autograd functions over the TP group (below), with the gradients PyTorch's differentiable
@@ -45,6 +51,7 @@ namespace detail {
 
 struct BoundaryHooks {
   std::string fqn;  // for messages
+  const torch::nn::Module* module = nullptr;
   std::vector<BoundaryHook> pre, post;
 };
 
@@ -67,6 +74,21 @@ HookRegistry& hook_registry() {
 
 std::atomic<HolderQuery> holder_query{nullptr};
 thread_local std::shared_ptr<torch::nn::Module> parallelize_root;
+
+// The calls of modules with hooks open on this thread (module -> depth).
+thread_local std::unordered_map<const torch::nn::Module*, int> open_calls;
+
+// Parameter -> the modules with hooks that hold it (with the parameter's name in the model), for check_boundary_use.
+struct ParamOwner {
+  c10::weak_intrusive_ptr<c10::TensorImpl> param;
+  std::weak_ptr<torch::nn::Module> module;
+  std::string module_fqn, param_fqn;
+};
+std::mutex owners_mu;
+std::unordered_multimap<const c10::TensorImpl*, ParamOwner>& param_owners() {
+  static auto* m = new std::unordered_multimap<const c10::TensorImpl*, ParamOwner>();
+  return *m;
+}
 
 std::vector<torch::Tensor> run_hooks(const std::vector<BoundaryHook>& hooks, std::vector<torch::Tensor> v,
                                      const std::string& fqn, const char* what) {
@@ -94,10 +116,31 @@ std::shared_ptr<const BoundaryHooks> boundary_hooks(const torch::nn::Module& mod
 }
 
 std::vector<torch::Tensor> run_pre_hooks(const BoundaryHooks& hooks, std::vector<torch::Tensor> inputs) {
-  return run_hooks(hooks.pre, std::move(inputs), hooks.fqn, "pre");
+  auto out = run_hooks(hooks.pre, std::move(inputs), hooks.fqn, "pre");
+  ++open_calls[hooks.module];  // after the hooks: a hook that threw opened nothing
+  return out;
 }
 std::vector<torch::Tensor> run_post_hooks(const BoundaryHooks& hooks, std::vector<torch::Tensor> outputs) {
+  auto it = open_calls.find(hooks.module);
+  if (it != open_calls.end() && --it->second == 0) open_calls.erase(it);
   return run_hooks(hooks.post, std::move(outputs), hooks.fqn, "post");
+}
+
+void check_boundary_use(const torch::Tensor& param) {
+  if (!any_boundary_hooks.load(std::memory_order_relaxed) || !param.defined()) return;
+  std::lock_guard<std::mutex> lock(owners_mu);
+  auto range = param_owners().equal_range(param.unsafeGetTensorImpl());
+  for (auto it = range.first; it != range.second; ++it) {
+    const auto& o = it->second;
+    auto m = o.module.lock();
+    if (!m || o.param.expired()) continue;
+    TORCH_CHECK(open_calls.count(m.get()), "parallelize_module: '", o.module_fqn, "' has boundary styles ",
+                "(PrepareModuleInput/Output or forward hooks), but its parameter '", o.param_fqn,
+                "' was used in a forward outside a call through its boundary: the module was called around its ",
+                "fsdp::FSDPModule holder or torch::nn::Sequential (e.g. `block->forward(x)` or ",
+                "`list[i]->as<Block>()->forward(x)`), so its inputs and outputs were not redistributed. Fix: call it ",
+                "through the holder (`block(x)`) or the Sequential; see [Note: module boundaries]");
+  }
 }
 
 void set_holder_query(HolderQuery q) { holder_query.store(q); }
@@ -197,8 +240,32 @@ void add_hook(const std::shared_ptr<torch::nn::Module>& module, BoundaryHook hoo
   for (auto it = r.entries.begin(); it != r.entries.end();)
     it = it->second.module.expired() ? r.entries.erase(it) : std::next(it);
   auto& e = r.entries[module.get()];
-  if (e.module.lock() != module) e = detail::HookEntry{module, std::make_shared<BoundaryHooks>()};
+  if (e.module.lock() != module) {
+    e = detail::HookEntry{module, std::make_shared<BoundaryHooks>()};
+    // Record the module's parameters for check_boundary_use (once per module).
+    std::lock_guard<std::mutex> owners_lock(detail::owners_mu);
+    auto& owners = detail::param_owners();
+    for (auto it = owners.begin(); it != owners.end();)
+      it = it->second.param.expired() || it->second.module.expired() ? owners.erase(it) : std::next(it);
+    // A parameter the model also holds outside the module (a tied weight) may be used outside its calls: not
+    // recorded.
+    std::unordered_map<const c10::TensorImpl*, bool> only_inside;
+    const std::string prefix = fqn.empty() ? "" : fqn + ".";
+    for (const auto& item : detail::parallelize_root->named_parameters(/*recurse=*/true)) {
+      const bool inside = item.key().compare(0, prefix.size(), prefix) == 0;
+      auto [it, fresh] = only_inside.emplace(item.value().unsafeGetTensorImpl(), inside);
+      if (!fresh) it->second = it->second && inside;
+    }
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+      const auto& p = item.value();
+      if (!only_inside[p.unsafeGetTensorImpl()]) continue;
+      owners.emplace(p.unsafeGetTensorImpl(),
+                     detail::ParamOwner{c10::weak_intrusive_ptr<c10::TensorImpl>(p.getIntrusivePtr()), module, fqn,
+                                        fqn.empty() ? item.key() : fqn + "." + item.key()});
+    }
+  }
   e.hooks->fqn = fqn;
+  e.hooks->module = module.get();
   (pre ? e.hooks->pre : e.hooks->post).push_back(std::move(hook));
   detail::any_boundary_hooks = true;
 }

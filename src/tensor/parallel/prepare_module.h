@@ -19,6 +19,12 @@ struct ParallelizeContext {
   std::shared_ptr<torch::nn::Module> previous_;
 };
 
+/// Throws c10::Error if `param` belongs to a module with boundary styles (PrepareModuleInput/Output, user hooks)
+/// whose boundary is not open on this thread: the module was called around its holder or Sequential, so its styles
+/// did not run. Called by the TP op side for the weight of each TP Linear/Embedding op it runs. Every rank runs the same
+/// forward, so every rank throws alike.
+void check_boundary_use(const torch::Tensor& param);
+
 /// Whether a live fsdp::FSDPModule holder routes `module`'s forward (installed by the fsdp layer, which owns
 /// the holders' registry, so that tensor/parallel does not depend on fsdp).
 using HolderQuery = bool (*)(const torch::nn::Module& module);

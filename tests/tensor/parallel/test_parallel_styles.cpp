@@ -354,6 +354,20 @@ TEST(ParallelStylesErrors, NoBoundaryNamesTheModuleAndTheFix) {
   expect_has(msg, "torch::nn::Sequential");
 }
 
+// A module with boundary styles called around its holder (its Impl's forward): its first TP op throws on every rank,
+// before any collective, naming the module, the parameter and the fix.
+TEST(ParallelStylesErrors, CallAroundTheHolderThrows) {
+  auto msg = same_error_on_every_rank(2, [](const DeviceMeshPtr& mesh) {
+    HNet model;
+    tp::parallelize_module(model, mesh, titan_plan());
+    auto x = torch::sin(torch::arange(2 * 4 * kDim, torch::kFloat32)).view({2, 4, kDim});
+    model->blocks[0]->mlp->forward(x);
+  });
+  expect_has(msg, "'h.0.mlp' has boundary styles");
+  expect_has(msg, "parameter 'h.0.mlp.fc1.weight' was used in a forward outside a call through its boundary");
+  expect_has(msg, "Fix: call it through the holder");
+}
+
 TEST(ParallelStylesErrors, BadLayouts) {
   auto m1 = same_error_on_every_rank(2, [](const DeviceMeshPtr& mesh) {
     HNet model;
