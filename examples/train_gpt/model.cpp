@@ -238,9 +238,10 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
   auto pos = torch::arange(T, idx.options());
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
-  if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
-  for (auto& b : blocks) x = b(x);     // through FSDP: unshard before, reshard after each block
-  if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
+  // Through FSDP: unshard before, reshard after each block. With --sequence-parallel the plan's
+  // PrepareModuleInput on h.0 splits the sequence and PrepareModuleOutput on the last block gathers it
+  // (parallelize.cpp), at the holders' call boundary: nothing to do here.
+  for (auto& b : blocks) x = b(x);
   return lm_head(ln_f(x));             // [B, T, vocab]
 }
 
@@ -289,13 +290,10 @@ torch::Tensor GPTStageImpl::forward(const torch::Tensor& input) {
     TORCH_CHECK(T <= block_size, "GPTStage: sequence of ", T, " tokens exceeds the context of ", block_size);
     auto pos = torch::arange(T, x.options());
     x = drop(wte(x) + wpe(pos));
-    if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   }
-  for (auto& b : blocks) x = b(x);  // through FSDP: unshard before, reshard after each block
-  if (lm_head) {
-    if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
-    x = lm_head(ln_f(x));
-  }
+  // Through FSDP; the sequence is split at h.0 and gathered after the model's last block by the plan (as GPTImpl).
+  for (auto& b : blocks) x = b(x);
+  if (lm_head) x = lm_head(ln_f(x));
   return x;
 }
 

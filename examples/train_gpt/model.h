@@ -133,8 +133,10 @@ struct GPTImpl : torch::nn::Module {
   std::vector<fsdp::FSDPModule<Block>> blocks;   // the same modules, called through FSDP
   torch::nn::LayerNorm ln_f{nullptr};
   LMHead lm_head{nullptr};
-  /// Set by parallelize() with --sequence-parallel: the residual stream is split along the sequence over
-  /// this TP mesh between the first and the last block (PyTorch's PrepareModuleInput/Output there).
+  /// Set by parallelize() with --sequence-parallel: the TP mesh over which the residual stream is split along
+  /// the sequence between the first and the last block. The split and the gather are plan entries
+  /// (tp::PrepareModuleInput on h.0, tp::PrepareModuleOutput on the last block, run by the blocks' holders);
+  /// the forward does not read this field (generate() does: it pads the sequence to a multiple of tp).
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
@@ -171,8 +173,8 @@ struct GPTStageImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};  // last stage only
   LMHead lm_head{nullptr};             // last stage only
   int64_t block_size;
-  /// --sequence-parallel (set by parallelize()): the first stage splits the residual stream along the sequence
-  /// after the embeddings, the stages pass their sequence shards on, the last gathers it before ln_f.
+  /// --sequence-parallel (set by parallelize()): the first stage's h.0 splits the residual stream along the
+  /// sequence, the stages pass their sequence shards on, the last block gathers it (plan entries, as GPTImpl's).
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
 };
 TORCH_MODULE(GPTStage);

@@ -87,16 +87,19 @@ LlamaAttentionImpl::LlamaAttentionImpl(const GPTConfig& cfg, std::shared_ptr<Rot
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1);
-  auto heads = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
-  auto q = heads(at::linear(x, q_proj->weight), n_head);  // [B, H, T, D]
-  auto k = heads(at::linear(x, k_proj->weight), n_kv_head);
-  auto v = heads(at::linear(x, v_proj->weight), n_kv_head);
+  // Sizes from the projections' outputs, not x: under tensor parallelism (--tp) this rank computes n_head / tp
+  // heads, and under sequence parallelism x holds this rank's positions while q, k, v hold the whole sequence.
+  auto qf = at::linear(x, q_proj->weight);
+  const auto B = qf.size(0), T = qf.size(1);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, -1, head_dim}).transpose(1, 2); };
+  auto q = heads(qf);  // [B, H, T, D]
+  auto k = heads(at::linear(x, k_proj->weight));
+  auto v = heads(at::linear(x, v_proj->weight));
   auto [cos, sin] = rope->get(T, x.device(), x.scalar_type());
   q = apply_rotary(q, cos, sin);
   k = apply_rotary(k, cos, sin);
   auto y = gqa_attention(q, k, v, is_training() ? dropout : 0.0);  // [B, H, T, D]
-  return at::linear(y.transpose(1, 2).reshape({B, T, n_head * head_dim}), o_proj->weight);
+  return at::linear(y.transpose(1, 2).reshape({B, T, -1}), o_proj->weight);
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const GPTConfig& cfg) {
@@ -185,7 +188,10 @@ torch::Tensor PlainLlamaImpl::forward(const torch::Tensor& idx) {
   TORCH_CHECK(idx.size(1) <= cfg.block_size, "Llama: sequence of ", idx.size(1), " tokens exceeds the context of ",
               cfg.block_size);
   auto x = model->embed_tokens(idx);
+  // --sequence-parallel: no call boundary in this unchanged model ([Note: sequence boundaries in train_gpt]).
+  if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);  // [B, T / tp, C]
   for (const auto& layer : *model->layers) x = layer->as<LlamaDecoderLayerImpl>()->forward(x);
+  if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
   return lm_head(model->norm(x));
 }
 
@@ -248,9 +254,13 @@ torch::Tensor PlainLlamaStageImpl::forward(const torch::Tensor& input) {
     TORCH_CHECK(x.size(1) <= cfg.block_size, "Llama: sequence of ", x.size(1), " tokens exceeds the context of ",
                 cfg.block_size);
     x = embed_tokens(x);
+    if (sequence_parallel_mesh) x = fsdp::tp::distribute_sequence(x, sequence_parallel_mesh);
   }
   for (const auto& layer : layers->values()) x = layer->as<LlamaDecoderLayerImpl>()->forward(x);
-  if (lm_head) x = lm_head(norm(x));
+  if (lm_head) {
+    if (sequence_parallel_mesh) x = fsdp::tp::gather_sequence(x, sequence_parallel_mesh);
+    x = lm_head(norm(x));
+  }
   return x;
 }
 

@@ -159,7 +159,8 @@ struct LlamaImpl : torch::nn::Module {
   /// (torchtitan's layout: an 8B model's 1B embedding and head parameters are not all gathered at once).
   fsdp::FSDPModule<torch::nn::Embedding> embed{nullptr};
   fsdp::FSDPModule<LMHead> head{nullptr};
-  /// Always null: tensor and sequence parallelism are refused for Llama (options.cpp). Read by generate().
+  /// --sequence-parallel: the TP mesh (set by parallelize()). The split and the gather of the sequence are plan
+  /// entries on `embed` and `head` ([Note: sequence boundaries in train_gpt]); only generate() reads it (padding).
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
@@ -184,7 +185,9 @@ struct PlainLlamaImpl : torch::nn::Module {
   GPTConfig cfg;
   LlamaModel model{nullptr};
   LMHead lm_head{nullptr};
-  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null (as Llama's)
+  /// --sequence-parallel: the TP mesh over which forward splits the sequence after the embedding and gathers it
+  /// before model.norm (no call boundary in this unchanged model for plan entries to do it).
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;
 
  private:
   int64_t num_params_ = 0;
@@ -209,7 +212,7 @@ struct LlamaStageImpl : torch::nn::Module {
   fsdp::FSDPModule<torch::nn::Embedding> embed{nullptr};  // first stage only
   RMSNorm norm{nullptr};                                  // last stage only
   fsdp::FSDPModule<LMHead> head{nullptr};                 // last stage only
-  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null (no tensor parallelism for Llama)
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< as Llama's (plan entries split and gather)
 };
 TORCH_MODULE(LlamaStage);
 
@@ -224,7 +227,7 @@ struct PlainLlamaStageImpl : torch::nn::Module {
   torch::nn::ModuleDict layers;
   RMSNorm norm{nullptr};
   LMHead lm_head{nullptr};
-  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< always null
+  fsdp::DeviceMeshPtr sequence_parallel_mesh;  ///< as PlainLlama's: forward splits after embed_tokens, gathers before norm
 };
 TORCH_MODULE(PlainLlamaStage);
 

@@ -194,13 +194,6 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                      "only the non-reentrant form can do; use --checkpoint-impl no_reentrant (PyTorch's "
                      "recommendation, the default)");
   }
-  if (cfg.is_llama()) {
-    // Tensor parallelism exists for GPT-2 only (model.h, model_plain.h).
-    if (o.tp > 1) {
-      throw UsageError("--tp " + std::to_string(o.tp) + " with a Llama model: tensor parallelism is implemented for "
-                       "GPT-2 only (fully_shard, HSDP and --data-parallel replicate work for Llama). Fix: --tp 1");
-    }
-  }
   if ((o.logits_tokens.empty()) != (o.dump_logits.empty())) {
     throw UsageError("--logits-tokens and --dump-logits go together: the tokens to evaluate and the file for their "
                      "logits. Fix: give both or neither");
@@ -265,6 +258,10 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     };
     need(cfg.n_head % o.tp == 0, "the " + std::to_string(cfg.n_head) + " heads (--n-head) do not split evenly; use a " +
                                      "--tp that divides them");
+    need(cfg.kv_heads() % o.tp == 0, "the " + std::to_string(cfg.kv_heads()) + " key/value heads of the model do not " +
+                                         "split evenly; use a --tp that divides them");
+    need(cfg.mlp_width() % o.tp == 0, "the MLP width " + std::to_string(cfg.mlp_width()) + " does not split evenly; " +
+                                          "use a --tp that divides it");
     need(cfg.dropout == 0.0, "--dropout > 0 is not supported with tensor parallelism yet (the TP ranks would drop "
                              "different elements of the same activation). Fix: --dropout 0");
     need(!o.cpu_offload && o.mixed_precision != "fp16",

@@ -1,3 +1,4 @@
+#include <unordered_set>
 #include "parallelize.h"
 
 #include <memory>
@@ -82,11 +83,48 @@ fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOpt
   return p.dp_replicate > 1 ? mesh->slice({"dp_replicate", "dp_shard"}) : (*mesh)["dp_shard"];
 }
 
+// [Note: sequence boundaries in train_gpt]
+// With sequence parallelism the residual stream is split along the sequence from the first block's input to the
+// last block's output. The holder models (GPT, GPTStage, Llama, LlamaStage) get the split and the gather from plan
+// entries at call boundaries they already have, fsdp::FSDPModule holders ([Note: module boundaries] in
+// src/tensor/parallel/prepare_module.cpp): GPT's PrepareModuleInput on its first block (h.0: Replicate -> Shard(1))
+// and PrepareModuleOutput on its last (Shard(1) -> Replicate); Llama's PrepareModuleOutput on model.embed_tokens
+// (torchtitan's tok_embeddings RowwiseParallel(output_layouts=Shard(1)), without sharding the replicated, possibly
+// tied table), SequenceParallel on model.norm, and PrepareModuleInput on lm_head (torchtitan's output
+// ColwiseParallel(input_layouts=Shard(1)), the head replicated). A pipeline stage takes the entries whose module it
+// holds (the first stage the split, the last the gather). The plain models (--model-impl plain) call their blocks
+// through a ModuleList and their embedding and head as TORCH_MODULE members: no boundary exists there (a block's
+// input also feeds its residual add, which no parameter op sees), parallelize_module refuses such an entry, and
+// their forwards keep the two calls tp::distribute_sequence / gather_sequence, reading sequence_parallel_mesh.
+namespace {
+std::string fqn_of(const torch::nn::Module& model, const std::shared_ptr<torch::nn::Module>& m) {
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    if (item.value() == m) return item.key();
+  TORCH_CHECK(false, "parallelize: a block is not a submodule of the model");
+  return "";
+}
+}  // namespace
+
 void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, const fsdp::DeviceMeshPtr& mesh,
               const ParallelOptions& p, fsdp::DeviceMeshPtr* sequence_parallel_mesh) {
   auto tp_mesh = (*mesh)["tp"];
   const bool plain = blocks->size() > 0 && blocks->ptr(0)->as<PlainBlockImpl>() != nullptr;
-  fsdp::tp::parallelize_module(model.shared_from_this(), tp_mesh, block_plan(p.sequence_parallel, plain ? 0 : 1));
+  auto plan = block_plan(p.sequence_parallel, plain ? 0 : 1);
+  if (p.sequence_parallel && !plain && blocks->size() > 0) {  // [Note: sequence boundaries in train_gpt]
+    using namespace fsdp::tp;
+    const auto children = model.named_children();
+    const bool split = children.contains("wte"), gather = children.contains("lm_head");  // the model's first / last
+    const auto first = fqn_of(model, blocks->ptr(0)), last = fqn_of(model, blocks->ptr(blocks->size() - 1));
+    const Layouts rep{fsdp::Replicate()}, seq{fsdp::Shard(1)};
+    if (split && gather && first == last) {
+      plan.push_back({first, PrepareModuleInputOutput().input_layouts(rep).desired_input_layouts(seq)
+                                 .output_layouts(seq).desired_output_layouts(rep)});
+    } else {
+      if (split) plan.push_back({first, PrepareModuleInput().input_layouts(rep).desired_input_layouts(seq)});
+      if (gather) plan.push_back({last, PrepareModuleOutput().output_layouts(seq).desired_output_layouts(rep)});
+    }
+  }
+  fsdp::tp::parallelize_module(model.shared_from_this(), tp_mesh, plan);
   for (const auto& b : *blocks) {
     for (const auto& m : b->modules(/*include_self=*/false)) {
       if (auto* attn = m->as<CausalSelfAttentionImpl>()) attn->tp_mesh = tp_mesh;
@@ -183,8 +221,48 @@ void parallelize(PlainGPTStage& stage, const fsdp::DeviceMeshPtr& mesh, const Pa
   fsdp::fully_shard(stage, opts);
 }
 
+namespace {
+// Llama's tensor-parallel plan (torchtitan's parallelize_llama apply_tp): q/k/v, gate and up column-parallel, o and
+// down row-parallel; with sequence parallelism the RMSNorms run on the rank's positions ([Note: SequenceParallel on a
+// user's norm] in src/tensor/parallel/tensor_parallel.cpp) and the projections gather their input along the sequence
+// (input_layouts Shard(1), one all-gather per projection: torchtitan gathers once per attention/MLP through
+// PrepareModuleInput, which needs the attention and MLP called through holders), and the boundaries of
+// [Note: sequence boundaries in train_gpt]. The attention computes n_head / tp heads (LlamaAttentionImpl::forward
+// reads the local head count from the projections' outputs).
+void apply_tp_llama(torch::nn::Module& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p, bool plain,
+                    fsdp::DeviceMeshPtr* sequence_parallel_mesh) {
+  using namespace fsdp::tp;
+  auto tp_mesh = (*mesh)["tp"];
+  const bool sp = p.sequence_parallel;
+  const auto seq = sp ? fsdp::Shard(1) : fsdp::Replicate();
+  ParallelizePlan plan;
+  for (const char* name : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"})
+    plan.push_back({std::string("model.layers.*.") + name, ColwiseParallel().input_layouts(seq)});
+  for (const char* name : {"self_attn.o_proj", "mlp.down_proj"})
+    plan.push_back({std::string("model.layers.*.") + name, RowwiseParallel().output_layouts(seq)});
+  if (sp) {
+    plan.push_back({"model.layers.*.input_layernorm", SequenceParallel()});
+    plan.push_back({"model.layers.*.post_attention_layernorm", SequenceParallel()});
+    if (!plain) {  // the plain forwards split and gather themselves (before model.norm, which then sees it whole)
+      std::unordered_set<std::string> names;
+      for (const auto& item : model.named_modules("", /*include_self=*/false)) names.insert(item.key());
+      const Layouts rep{fsdp::Replicate()}, sharded{fsdp::Shard(1)};
+      if (names.count("model.embed_tokens")) {
+        plan.push_back({"model.embed_tokens", PrepareModuleOutput().output_layouts(rep).desired_output_layouts(sharded)});
+      }
+      if (names.count("lm_head")) {
+        plan.push_back({"model.norm", SequenceParallel()});
+        plan.push_back({"lm_head", PrepareModuleInput().input_layouts(sharded).desired_input_layouts(rep)});
+      }
+    }
+    *sequence_parallel_mesh = tp_mesh;
+  }
+  parallelize_module(model.shared_from_this(), tp_mesh, plan);
+}
+}  // namespace
+
 void parallelize(fsdp::FSDPModule<LlamaStage>& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
-  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  if (p.tp > 1) apply_tp_llama(*stage, mesh, p, /*plain=*/false, &stage->sequence_parallel_mesh);
   const auto keys = stage->layers->keys();
   for (size_t i = 0; i < keys.size(); ++i) {
     if (auto options = block_checkpoint_options(p, std::stoll(keys[i]))) fsdp::checkpoint_wrapper(stage->blocks[i], *options);
@@ -202,7 +280,7 @@ void parallelize(fsdp::FSDPModule<LlamaStage>& stage, const fsdp::DeviceMeshPtr&
 }
 
 void parallelize(PlainLlamaStage& stage, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
-  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  if (p.tp > 1) apply_tp_llama(*stage, mesh, p, /*plain=*/true, &stage->sequence_parallel_mesh);
   for (const auto& item : stage->layers->items()) {
     if (auto options = block_checkpoint_options(p, std::stoll(item.first))) fsdp::checkpoint_wrapper(item.second, *options);
   }
@@ -219,7 +297,7 @@ void parallelize(PlainLlamaStage& stage, const fsdp::DeviceMeshPtr& mesh, const 
 }
 
 void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
-  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  if (p.tp > 1) apply_tp_llama(*model, mesh, p, /*plain=*/false, &model->sequence_parallel_mesh);
   for (size_t i = 0; i < model->blocks.size(); ++i) {
     if (auto options = block_checkpoint_options(p, static_cast<int64_t>(i))) fsdp::checkpoint_wrapper(model->blocks[i], *options);
   }
@@ -244,7 +322,7 @@ void parallelize(fsdp::FSDPModule<Llama>& model, const fsdp::DeviceMeshPtr& mesh
 }
 
 void parallelize(PlainLlama& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
-  TORCH_CHECK(p.tp == 1, "parallelize: tensor parallelism is not implemented for Llama");
+  if (p.tp > 1) apply_tp_llama(*model, mesh, p, /*plain=*/true, &model->sequence_parallel_mesh);
   auto layers = model->model->layers;
   for (int64_t i = 0; i < static_cast<int64_t>(layers->size()); ++i) {
     if (auto options = block_checkpoint_options(p, i)) fsdp::checkpoint_wrapper(layers[i], *options);

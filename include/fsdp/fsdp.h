@@ -20,6 +20,7 @@
 #include "fsdp/tensor/dtensor_factories.h"
 #include "fsdp/tensor/dtensor_ops.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
+#include "fsdp/tensor/parallel/style.h"
 // torch.distributed.fsdp
 #include "fsdp/fsdp/deferred_init.h"
 #include "fsdp/fsdp/fully_shard.h"

@@ -182,7 +182,8 @@ def test_unsupported_config_is_refused_naming_the_field(arch, change, expected, 
 def test_flag_conflicts_are_refused(folders, text_files):
     for extra, expected in ((["--model", "small"], "--model with --init-from"),
                             (["--n-layer", "3"], "--n-layer with --init-from"),
-                            (["--tp", "2"], "tensor parallelism is implemented for GPT-2 only")):
+                            # Llama is tensor-parallel now (issue 35): --tp is checked against the world size.
+                            (["--tp", "2"], "WORLD_SIZE 1 is not divisible by --dp-replicate(1) x --tp(2) = 2")):
         p = run(["--init-from", folders["llama"], "--data", *text_files, "--steps", "1", *extra], nproc=None, timeout=60)
         assert p.returncode == 2 and expected in p.stderr, show(p)
     p = run(["--init-from", folders["gpt2"], "--data", *text_files, "--block-size", "16"], nproc=None, timeout=60)

@@ -5,7 +5,9 @@ the same in every layout (8 sequences: --batch-size is per data-parallel rank, a
 its batch), so every layout must train like FSDP alone on 4 ranks: losses, evaluation losses and
 gradient norms within 1e-5 (relative; TP sums the blocks' matmuls in another order). Layouts: --tp 2
 (dp_shard 2), --tp 2 --sequence-parallel, HSDP + TP (--dp-replicate 2 --tp 2), and the unchanged model
-(--model-impl plain) with sequence parallelism, and with full or selective activation checkpointing. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
+(--model-impl plain) with sequence parallelism, and with full or selective activation checkpointing; Llama
+(llama-tiny, 5 steps) with --tp 2, with --sequence-parallel (RMSNorm SP, the sequence split and gathered by
+PrepareModuleOutput/PrepareModuleInput plan entries) and its plain model. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
 precision. Checkpoints move between layouts; bad layouts fail with the flag to change.
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
@@ -115,6 +117,39 @@ def test_checkpoints_move_between_tensor_parallel_layouts(text_files, tmp_path, 
         assert "resume: " in p.stdout and "continuing at step 6/10" in p.stdout, p.stdout[-2000:]
         got = by_step(tmp_path / "then.jsonl")
         assert_same_training(got, fsdp_alone, f"{first} -> {then}", steps=[s for s in range(6, STEPS + 1)])
+
+
+LLAMA_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def llama_fsdp_alone(text_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama_fsdp_alone")
+    p = run(args(text_files, d, "m", "--batch-size", "2", "--model", "llama-tiny", steps=LLAMA_STEPS), nproc=4)
+    assert p.returncode == 0, show(p)
+    return by_step(d / "m.jsonl")
+
+
+# Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) under TP and sequence parallelism: the RMSNorms run on each
+# rank's positions (SequenceParallel on train_gpt's own RMSNorm module), the sequence is split at the embedding's
+# holder and gathered at the head's (PrepareModuleOutput / PrepareModuleInput plan entries, no call in the model's
+# forward); the plain model splits and gathers in its forward. Same global batch as FSDP alone on 4 ranks.
+@pytest.mark.parametrize("name,extra", [
+    ("llama_tp2", ["--tp", "2"]),
+    ("llama_tp2_sp", ["--tp", "2", "--sequence-parallel"]),
+    ("llama_plain_tp2_sp", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain"]),
+])
+def test_llama_sequence_parallel_trains_like_fsdp_alone(text_files, tmp_path, llama_fsdp_alone, name, extra):
+    p = run(args(text_files, tmp_path, name, "--batch-size", "4", "--model", "llama-tiny", *extra, steps=LLAMA_STEPS),
+            nproc=4)
+    assert p.returncode == 0, show(p)
+    assert "x 2 tensor-parallel" in p.stdout, p.stdout[-2000:]
+    got = by_step(tmp_path / f"{name}.jsonl")
+    assert sorted(got) == sorted(llama_fsdp_alone), (sorted(got), sorted(llama_fsdp_alone))
+    assert_same_training(got, llama_fsdp_alone, name)
+    worst = max(abs(got[s][k] - llama_fsdp_alone[s][k]) / abs(llama_fsdp_alone[s][k])
+                for s in got for k in ("loss", "grad_norm") if llama_fsdp_alone[s].get(k))
+    print(f"[{name}] largest relative difference from FSDP alone: {worst:.1e}")
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -127,6 +127,7 @@
 #include "fsdp/fsdp/comm.h"
 #include "fsdp/fsdp/detail/hooks.h"
 #include "fsdp/fsdp/policies.h"
+#include "fsdp/tensor/parallel/detail/module_boundary.h"
 
 namespace fsdp {
 
@@ -431,7 +432,8 @@ class FSDPModule : public Holder {
     mark();
   }
 
-  /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks).
+  /// Runs the module's forward between FSDP's pre- and post-forward (unshard, reshard, hooks), and inside them
+  /// between the module's tensor-parallel boundary styles if any (tp::PrepareModuleInput/Output).
   /// If checkpoint_wrapper was applied, the module's own forward is checkpointed inside FSDP's hooks; if
   /// offload_wrapper was, the call runs under save_on_cpu(pin_memory=true).
   template <typename... Args>
@@ -439,7 +441,13 @@ class FSDPModule : public Holder {
     auto* impl = this->get();
     std::optional<save_on_cpu> offload;
     if (detail::is_offloaded(*impl)) offload.emplace(/*pin_memory=*/true);
-    auto call = [impl](auto&&... a) { return impl->forward(std::forward<decltype(a)>(a)...); };
+    // Inside FSDP's hooks: tensor parallelism's boundary styles (PrepareModuleInput/Output, user hooks), which
+    // need this call boundary as FSDP does ([Note: module boundaries] in src/tensor/parallel/prepare_module.cpp).
+    auto call = [impl](auto&&... a) {
+      return tp::detail::call_with_boundary(
+          *impl, [impl](auto&&... b) { return impl->forward(std::forward<decltype(b)>(b)...); },
+          std::forward<decltype(a)>(a)...);
+    };
     if (auto options = detail::checkpoint_options(*impl)) {
       return detail::run_with_hooks(
           detail::state_of(*impl),

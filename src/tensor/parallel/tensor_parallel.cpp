@@ -10,13 +10,16 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/linear.h>
 
+#include "fsdp/tensor/parallel/style.h"
 #include "utils/intercept.h"
+#include "tensor/parallel/prepare_module.h"
 #include "tensor/parallel/tp_ops.h"
 
 namespace fsdp::tp {
 
 std::string ParallelStyle::str() const {
   std::ostringstream os;
+  if (kind == Kind::CUSTOM) return custom ? custom->str() : "UserParallelStyle(null)";
   if (kind == Kind::SEQUENCE) {
     os << "SequenceParallel(sequence_dim=" << input_layout.dim << ")";
     return os.str();
@@ -103,15 +106,52 @@ Work validate_sequence(const std::string& fqn, const std::shared_ptr<torch::nn::
     check_not_fully_sharded(w.bias, what, fqn.empty() ? "bias" : fqn + ".bias");
     TORCH_CHECK(!(w.weight.defined() && tp::detail::find_tp_param(w.weight)), "parallelize_module: ", in_quotes(fqn),
                 " is already parallelised; plan each module once");
-  } else {
-    TORCH_CHECK(dynamic_cast<torch::nn::DropoutImpl*>(m.get()), "parallelize_module: ", what, " (a ", m->name(),
-                "): expected a torch::nn::LayerNorm or torch::nn::Dropout");
+  } else if (!dynamic_cast<torch::nn::DropoutImpl*>(m.get())) {
+    // [Note: SequenceParallel on a user's norm]
+    // LibTorch 2.13 has no torch::nn::RMSNorm, so a Llama-style model brings its own norm module. Accepted: a
+    // module without submodules whose parameters are a 1-D `weight` and optionally a 1-D `bias`. They become
+    // replicated TP parameters marked partial_grad, exactly as a LayerNorm's: each op that takes one of them in a
+    // forward (the module's `x * weight`, whatever ops it uses) gets it through copy_to_tp, so its gradient, a
+    // partial sum over this rank's positions, is all-reduced over the TP group (tp_ops.h,
+    // wrap_partial_grad_params). This marks the uses at the interception, not a grad-accumulation hook on the
+    // parameter: it composes with FSDP's own hooks and holds for a weight used several times (each use's
+    // partial gradient is all-reduced, and all-reduce is linear). The module must be position-wise (PyTorch's
+    // SequenceParallel assumes it too); one that mixes positions would see only this rank's.
+    const auto params = m->named_parameters(/*recurse=*/false);
+    bool ok = m->children().empty() && params.contains("weight") && params.size() <= 2 &&
+              (params.size() == 1 || params.contains("bias"));
+    for (const auto& item : params) ok = ok && item.value().dim() == 1;
+    std::ostringstream names;
+    for (const auto& item : params) names << " " << item.key() << item.value().sizes();
+    TORCH_CHECK(ok, "parallelize_module: ", what, " (a ", m->name(),
+                "): expected a torch::nn::LayerNorm, a torch::nn::Dropout, or a norm module without submodules whose "
+                "parameters are a 1-D `weight` and optionally a 1-D `bias` (e.g. an RMSNorm); it has parameters [",
+                names.str(), " ] and ", m->children().size(), " submodules. Fix: apply SequenceParallel to the norm "
+                "modules themselves");
+    w.is_norm = true;
+    w.weight = params["weight"];
+    if (params.contains("bias")) w.bias = params["bias"];
+    check_not_fully_sharded(w.weight, what, fqn.empty() ? "weight" : fqn + ".weight");
+    check_not_fully_sharded(w.bias, what, fqn.empty() ? "bias" : fqn + ".bias");
+    TORCH_CHECK(!tp::detail::find_tp_param(w.weight), "parallelize_module: ", in_quotes(fqn),
+                " is already parallelised; plan each module once");
   }
   return w;
 }
 
 Work validate_one(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style,
-                  int64_t tp) {
+                  const DeviceMeshPtr& mesh) {
+  const int64_t tp = mesh->size(0);
+  if (style.kind == ParallelStyle::Kind::CUSTOM) {  // PrepareModule* or a user's style (style.h)
+    TORCH_CHECK(style.custom, "parallelize_module: the plan entry for ", in_quotes(fqn),
+                " has kind CUSTOM but no style; build it with tp::user_style(std::make_shared<MyStyle>())");
+    style.custom->validate(fqn, m, mesh);
+    Work w;
+    w.fqn = fqn;
+    w.module = m;
+    w.style = style;
+    return w;
+  }
   const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
   TORCH_CHECK(style.use_local_output, "parallelize_module: ", what,
               ": use_local_output(false) is not supported: a LibTorch module returns a torch::Tensor, not a DTensor");
@@ -193,6 +233,7 @@ void replace_data(torch::Tensor param, const torch::Tensor& data) {
 }
 
 void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
+  if (w.style.kind == ParallelStyle::Kind::CUSTOM) return w.style.custom->_apply(w.module, mesh);
   const int64_t tp = mesh->size(0), rank = mesh->get_local_rank(0);
   tp::detail::ensure_tp_interception();
   torch::NoGradGuard no_grad;
@@ -254,7 +295,7 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
                         const ParallelizePlan& plan) {
   TORCH_CHECK(module, "parallelize_module: expected a module, got null");
   check_mesh(tp_mesh);
-  const int64_t tp = tp_mesh->size(0);
+  tp::detail::ParallelizeContext context(module);  // the model, for the boundary styles (prepare_module.cpp)
   auto modules = module->named_modules("", /*include_self=*/true);
   std::vector<Work> work;
   std::vector<std::string> matched_by;  // per work item: the plan key
@@ -268,7 +309,7 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
                     " is matched by plan keys ", in_quotes(matched_by[i]), " and ", in_quotes(pattern),
                     "; plan each module once");
       }
-      work.push_back(validate_one(item.key(), item.value(), style, tp));
+      work.push_back(validate_one(item.key(), item.value(), style, tp_mesh));
       matched_by.push_back(pattern);
     }
     if (!any) {
@@ -295,7 +336,8 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
                         const ParallelStyle& style) {
   TORCH_CHECK(module, "parallelize_module: expected a module, got null");
   check_mesh(tp_mesh);
-  apply_work(validate_one("", module, style, tp_mesh->size(0)), tp_mesh);
+  tp::detail::ParallelizeContext context(module);
+  apply_work(validate_one("", module, style, tp_mesh), tp_mesh);
 }
 
 torch::Tensor distribute_sequence(const torch::Tensor& x, const DeviceMeshPtr& tp_mesh, int64_t dim) {

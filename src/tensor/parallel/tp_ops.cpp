@@ -13,6 +13,7 @@
 #include <torch/autograd.h>
 
 #include "fsdp/c10d/collectives.h"
+#include "tensor/parallel/prepare_module.h"
 #include "utils/intercept.h"
 
 namespace fsdp::tp::detail {
@@ -270,6 +271,7 @@ const char* style_name(const ParallelStyle& s) {
     case ParallelStyle::Kind::COLWISE: return "ColwiseParallel";
     case ParallelStyle::Kind::ROWWISE: return "RowwiseParallel";
     case ParallelStyle::Kind::SEQUENCE: return "SequenceParallel";
+    case ParallelStyle::Kind::CUSTOM: return s.custom ? "UserParallelStyle" : "UserParallelStyle(null)";
   }
   return "?";
 }
@@ -463,6 +465,7 @@ void wrap_partial_grad_params(const c10::OperatorHandle& op, torch::jit::Stack* 
 bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const TPOp m = match_tp_op(op, *stack);
   if (!m.p) return false;
+  check_boundary_use(m.w);  // [Note: module boundaries]: a module with boundary styles called around its holder
   const size_t nargs = op.schema().arguments().size();
   const size_t base = stack->size() - nargs;
   auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };

@@ -151,8 +151,9 @@ void expect_plan_error(const tp::ParallelizePlan& plan, const std::string& expec
 
 TEST(TensorParallel, SequenceParallelOnlyOnNormsAndDropout) {
   expect_plan_error({{"head", tp::SequenceParallel()}},
-                    "SequenceParallel on 'head' (a torch::nn::LinearImpl): expected a torch::nn::LayerNorm or "
-                    "torch::nn::Dropout");
+                    "SequenceParallel on 'head' (a torch::nn::LinearImpl): expected a torch::nn::LayerNorm, a "
+                    "torch::nn::Dropout, or a norm module without submodules whose parameters are a 1-D `weight` and "
+                    "optionally a 1-D `bias` (e.g. an RMSNorm); it has parameters [ weight[8, 6] bias[8] ]");
 }
 
 TEST(TensorParallel, UnknownFqnThrowsOnEveryRankBeforeAnyChange) {

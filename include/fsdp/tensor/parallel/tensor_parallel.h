@@ -29,10 +29,14 @@
 
 namespace fsdp::tp {
 
+class UserParallelStyle;  // fsdp/tensor/parallel/style.h
+
 /// How one module is parallelised. Build it with ColwiseParallel(), RowwiseParallel() or
 /// SequenceParallel() and adjust the layouts with the setters, as PyTorch's keyword arguments.
 struct ParallelStyle {
-  enum class Kind { COLWISE, ROWWISE, SEQUENCE };
+  /// CUSTOM: a boundary style (PrepareModuleInput/Output/InputOutput) or a user-defined one: `custom` does it
+  /// (fsdp/tensor/parallel/style.h).
+  enum class Kind { COLWISE, ROWWISE, SEQUENCE, CUSTOM };
   Kind kind = Kind::COLWISE;
   /// Layout the module's input has on the TP mesh. Colwise: Replicate() (default) or Shard(d) with
   /// d >= 0, a sequence-sharded activation (sequence parallelism: all-gathered along d first, its
@@ -47,6 +51,9 @@ struct ParallelStyle {
   /// Must stay true: a LibTorch module returns a torch::Tensor, not a DTensor. Kept for PyTorch's
   /// spelling; false throws at parallelize_module.
   bool use_local_output = true;
+
+  /// Kind CUSTOM only: the style (tp::user_style, or the conversion of PrepareModuleInput and the like).
+  std::shared_ptr<const UserParallelStyle> custom;
 
   ParallelStyle& input_layouts(Placement p) { input_layout = p; return *this; }
   ParallelStyle& output_layouts(Placement p) { output_layout = p; return *this; }
@@ -77,8 +84,14 @@ inline ParallelStyle RowwiseParallel() {
 /// weight and bias, whose gradients, partial sums over each rank's positions, are all-reduced over the
 /// TP group in backward. Put it between a RowwiseParallel().output_layouts(Shard(1)) and a
 /// ColwiseParallel().input_layouts(Shard(1)); the sequence length must be divisible by the TP size.
-/// Only torch::nn::LayerNorm and torch::nn::Dropout (nothing to do: each rank drops its own positions)
-/// are accepted. Mirrors torch.distributed.tensor.parallel.SequenceParallel(sequence_dim).
+/// Accepted: torch::nn::LayerNorm, torch::nn::Dropout (nothing to do: each rank drops its own positions), and a
+/// user's own norm module (LibTorch 2.13 has no torch::nn::RMSNorm), e.g. an RMSNorm computing
+/// x * rsqrt(mean(x^2, -1) + eps) * weight: a module with no submodules whose parameters are a 1-D `weight` and
+/// optionally a 1-D `bias` (anything else throws naming the module). Such a module must act on each position
+/// on its own (a norm over the last dim), as PyTorch's SequenceParallel also assumes; its parameters are
+/// replicated and each op that uses them in a forward all-reduces their gradient over the TP group
+/// ([Note: SequenceParallel on a user's norm] in tensor_parallel.cpp).
+/// Mirrors torch.distributed.tensor.parallel.SequenceParallel(sequence_dim).
 inline ParallelStyle SequenceParallel(int64_t sequence_dim = 1) {
   return ParallelStyle{ParallelStyle::Kind::SEQUENCE, Shard(sequence_dim), Shard(sequence_dim), true};
 }
