@@ -16,6 +16,7 @@
 // torch.distributed.tensor, torch.distributed.tensor.parallel
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/tensor/dtensor.h"
+#include "fsdp/tensor/experimental/context_parallel.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 // torch.distributed.fsdp
 #include "fsdp/fsdp/deferred_init.h"
