@@ -136,6 +136,10 @@ struct GPTImpl : torch::nn::Module {
   /// Set by parallelize() with --sequence-parallel: the residual stream is split along the sequence over
   /// this TP mesh between the first and the last block (PyTorch's PrepareModuleInput/Output there).
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
+  /// The tokens' positions for wpe, int64 [T], when defined; undefined (the default): 0..T-1. Set by train_gpt
+  /// with --cp around each microbatch: fsdp::experimental::context_parallel shards it with the tokens, so that
+  /// each CP rank embeds its load-balanced positions (PyTorch's models take it as a buffer, e.g. freqs_cis).
+  torch::Tensor positions;
 
  private:
   int64_t num_params_ = 0;

@@ -278,7 +278,8 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate * p.pp * o.cp;
   if (o.pp == 1 && world_size % tp_x_rep != 0) {
     throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by --dp-replicate(" +
-                     std::to_string(o.dp_replicate) + ") x --cp(" + std::to_string(o.cp) + ") x --tp(" + std::to_string(o.tp) + ") = " +
+                     std::to_string(o.dp_replicate) + ")" + (o.cp > 1 ? " x --cp(" + std::to_string(o.cp) + ")" : std::string()) +
+                     " x --tp(" + std::to_string(o.tp) + ") = " +
                      std::to_string(tp_x_rep) + ": the ranks form a dp_replicate x dp_shard x tp mesh. Fix: a " +
                      "--tp and --dp-replicate whose product divides the number of ranks");
   }

@@ -144,6 +144,7 @@ struct SdpaCase {
   bool causal;
   int64_t kv_heads;  // < 4: GQA (enable_gqa)
   int64_t seq;
+  bool three_d = false;  // q/k/v [B * H, T, E]: the one-call path with the additive mask (the non-CPU path)
 };
 
 class ContextParallelSdpa : public ::testing::TestWithParam<SdpaCase> {};
@@ -157,6 +158,11 @@ TEST_P(ContextParallelSdpa, MatchesOneProcessForwardAndBackward) {
     const bool gqa = c.kv_heads != H;
     auto qf = det({B, H, T, E}, 0.37, 0.1), kf = det({B, c.kv_heads, T, E}, 0.53, 0.7),
          vf = det({B, c.kv_heads, T, E}, 0.71, 1.3), wf = det({B, H, T, E}, 0.19, 0.4);
+    if (c.three_d) {
+      qf = qf.view({B * H, T, E}), kf = kf.view({B * c.kv_heads, T, E}), vf = vf.view({B * c.kv_heads, T, E});
+      wf = wf.view({B * H, T, E});
+    }
+    const int64_t seq_dim = c.three_d ? 1 : 2;
     // One process.
     auto q_ref = qf.clone().requires_grad_(), k_ref = kf.clone().requires_grad_(), v_ref = vf.clone().requires_grad_();
     auto out_ref = torch::scaled_dot_product_attention(q_ref, k_ref, v_ref, {}, 0.0, c.causal, std::nullopt, gqa);
@@ -165,7 +171,7 @@ TEST_P(ContextParallelSdpa, MatchesOneProcessForwardAndBackward) {
     auto q = qf.clone(), k = kf.clone(), v = vf.clone(), w = wf.clone();
     torch::Tensor out, qs, ks, vs, mine;
     {
-      context_parallel region(mesh, {q, k, v, w}, {2, 2, 2, 2});
+      context_parallel region(mesh, {q, k, v, w}, {seq_dim, seq_dim, seq_dim, seq_dim});
       mine = region.positions();
       qs = q.clone().requires_grad_();
       ks = k.clone().requires_grad_();
@@ -173,10 +179,10 @@ TEST_P(ContextParallelSdpa, MatchesOneProcessForwardAndBackward) {
       out = torch::scaled_dot_product_attention(qs, ks, vs, {}, 0.0, c.causal, std::nullopt, gqa);
       (out * w).sum().backward();
     }
-    EXPECT_NEAR_T(out.detach(), out_ref.detach().index_select(2, mine), "output rows");
-    EXPECT_NEAR_T(qs.grad(), q_ref.grad().index_select(2, mine), "dq");
-    EXPECT_NEAR_T(ks.grad(), k_ref.grad().index_select(2, mine), "dk");
-    EXPECT_NEAR_T(vs.grad(), v_ref.grad().index_select(2, mine), "dv");
+    EXPECT_NEAR_T(out.detach(), out_ref.detach().index_select(seq_dim, mine), "output rows");
+    EXPECT_NEAR_T(qs.grad(), q_ref.grad().index_select(seq_dim, mine), "dq");
+    EXPECT_NEAR_T(ks.grad(), k_ref.grad().index_select(seq_dim, mine), "dk");
+    EXPECT_NEAR_T(vs.grad(), v_ref.grad().index_select(seq_dim, mine), "dv");
     EXPECT_TRUE(torch::equal(q, qf));  // restored
   });
 }
@@ -184,11 +190,13 @@ TEST_P(ContextParallelSdpa, MatchesOneProcessForwardAndBackward) {
 INSTANTIATE_TEST_SUITE_P(Cases, ContextParallelSdpa,
                          ::testing::Values(SdpaCase{2, true, 4, 12}, SdpaCase{2, false, 4, 12},
                                            SdpaCase{4, true, 4, 24}, SdpaCase{4, false, 4, 24},
-                                           SdpaCase{2, true, 2, 20}, SdpaCase{4, true, 1, 8}),
+                                           SdpaCase{2, true, 2, 20}, SdpaCase{4, true, 1, 8},
+                                           SdpaCase{2, true, 4, 12, true}, SdpaCase{4, true, 4, 16, true},
+                                           SdpaCase{4, false, 4, 16, true}),
                          [](const ::testing::TestParamInfo<SdpaCase>& info) {
                            const auto& c = info.param;
                            return "cp" + std::to_string(c.cp) + (c.causal ? "_causal" : "_full") + "_kv" +
-                                  std::to_string(c.kv_heads) + "_T" + std::to_string(c.seq);
+                                  std::to_string(c.kv_heads) + "_T" + std::to_string(c.seq) + (c.three_d ? "_3d_mask" : "");
                          });
 
 // A small attention model written as any LibTorch model: token and position embeddings (positions are an

@@ -35,18 +35,24 @@
 //
 // [Note: ring attention by all-gather]
 // With PyTorch's _RotateMethod.ALL_GATHER every rank gathers the whole K and V of the CP group once per
-// attention call and computes its own queries against them. Here the gathered K/V enter one SDPA call with
-// this rank's queries and, for is_causal, an additive mask built from the load-balanced positions:
-// query row i (original position qpos[i]) sees key column j (original position kpos[j]) iff
-// kpos[j] <= qpos[i]. kpos is the head-tail order of the whole sequence (rank-major, as the all-gather
-// concatenates the shards) and qpos this rank's slice of it. Every query row sees at least its own
-// position, so no row is all -inf. The result is this rank's rows of one process's attention, bit for bit
-// up to the summation order inside the SDPA kernel. The score matrix is [L/cp, L]: 1/cp of one process's;
-// the gathered K/V are saved for backward at full length (as PyTorch's all-gather method does). The mask is
-// built once per (length, dtype, device) per region and shared by every layer.
-// Backward: the all-gather is an autograd node whose backward reduce-scatters dK and dV over the CP group
-// (each rank's queries contribute to every key's gradient; each rank keeps the sum for its own keys), and
-// autograd differentiates the SDPA call as in one process.
+// attention call (rank-major: rank s holds chunks s and 2cp-1-s of c = L / (2cp) positions each) and computes its
+// own queries against them. Query chunk a (original positions [a*c, (a+1)*c)) under is_causal sees every key of
+// the chunks before it in full and its own chunk causally (top-left aligned: query i sees keys <= i), and nothing
+// after it. So with K/V put back in original order (one index_select, which autograd reverses), each of this
+// rank's two query chunks is at most two flash-attention calls: against K[0, a*c) without a mask and against
+// K[a*c, (a+1)*c) with is_causal. The two partial results are merged by their log-sum-exps (as PyTorch's
+// _SDPAMerger): lse = logaddexp(lse1, lse2), out = out1 * exp(lse1 - lse) + out2 * exp(lse2 - lse). Not causal:
+// one call against all of K. No score matrix and no mask is ever materialized (the CPU flash kernel works in
+// tiles), so the memory per rank is this rank's activations plus the gathered K/V of one layer at a time.
+// Backward (RingAttention below, PyTorch's _templated_ring_attention_backward): each call's flash backward is
+// given the merged output and log-sum-exp, which makes its dq, dk, dv the exact contributions of that block to
+// the gradient of the merged softmax; dq sums over the calls, dk/dv accumulate into their key ranges. The K/V
+// all-gather is an autograd node whose backward reduce-scatters dK and dV over the CP group (each rank's queries
+// contribute to every key's gradient; each rank keeps the sum for its own keys). GQA: k/v are gathered with
+// their own heads and repeated to the query heads after the gather (autograd sums the repeats back).
+// Other devices than the CPU (whose SDPA backends libfsdp does not drive block by block yet) take one SDPA call
+// against the gathered K/V with an additive mask of the load-balanced positions: the same result, with a
+// [L/cp, L] mask per region (shared by the layers) as the extra memory.
 namespace fsdp::experimental {
 namespace {
 
@@ -114,6 +120,93 @@ torch::Tensor all_gather_seq(const torch::Tensor& x, int64_t dim, const ProcessG
   return out;
 }
 
+// One flash-attention call of a query chunk: keys [k_begin, k_begin + k_len) of K in original order.
+struct Part {
+  int64_t k_begin, k_len;
+  bool causal;
+};
+// This rank's query chunks (rows of the local q) and the key parts each attends to (Note above).
+struct QueryChunk {
+  int64_t row_begin, rows;
+  std::vector<Part> parts;
+};
+std::vector<QueryChunk> query_chunks(int64_t local_len, int64_t full_len, bool causal, int64_t cp, int64_t rank) {
+  if (!causal) return {{0, local_len, {{0, full_len, false}}}};
+  const int64_t c = local_len / 2;
+  std::vector<QueryChunk> out;
+  for (int64_t slot = 0; slot < 2; ++slot) {
+    const int64_t a = slot == 0 ? rank : 2 * cp - 1 - rank;  // the chunk's index in the original sequence
+    QueryChunk q{slot * c, c, {}};
+    if (a > 0) q.parts.push_back({0, a * c, false});
+    q.parts.push_back({a * c, c, true});
+    out.push_back(std::move(q));
+  }
+  return out;
+}
+
+// Ring attention of this rank's queries against K/V in original order, [B, H, L, E] each (K/V: all L positions).
+struct RingAttention : torch::autograd::Function<RingAttention> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, bool causal, bool has_scale, double scale, int64_t cp,
+                               int64_t rank) {
+    const std::optional<double> sc = has_scale ? std::optional<double>(scale) : std::nullopt;
+    std::vector<torch::Tensor> outs, lses;
+    for (const auto& chunk : query_chunks(q.size(2), k.size(2), causal, cp, rank)) {
+      auto qc = q.narrow(2, chunk.row_begin, chunk.rows).contiguous();
+      torch::Tensor out, lse;
+      for (const auto& part : chunk.parts) {
+        auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+            qc, k.narrow(2, part.k_begin, part.k_len).contiguous(), v.narrow(2, part.k_begin, part.k_len).contiguous(),
+            0.0, part.causal, std::nullopt, sc);
+        if (!out.defined()) {
+          out = o.to(torch::kFloat32), lse = l;
+          continue;
+        }
+        auto merged = torch::logaddexp(lse, l);
+        out = out * torch::exp(lse - merged).unsqueeze(-1) + o.to(torch::kFloat32) * torch::exp(l - merged).unsqueeze(-1);
+        lse = merged;
+      }
+      outs.push_back(out.to(q.scalar_type()));
+      lses.push_back(lse);
+    }
+    auto out = torch::cat(outs, 2), lse = torch::cat(lses, 2);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["has_scale"] = has_scale;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["cp"] = cp;
+    ctx->saved_data["rank"] = rank;
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const std::optional<double> sc =
+        ctx->saved_data["has_scale"].toBool() ? std::optional<double>(ctx->saved_data["scale"].toDouble()) : std::nullopt;
+    auto dq = torch::zeros_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(k, at::MemoryFormat::Contiguous),
+         dv = torch::zeros_like(v, at::MemoryFormat::Contiguous);
+    const auto& dout = grads[0];
+    for (const auto& chunk : query_chunks(q.size(2), k.size(2), causal, ctx->saved_data["cp"].toInt(),
+                                          ctx->saved_data["rank"].toInt())) {
+      auto qc = q.narrow(2, chunk.row_begin, chunk.rows).contiguous();
+      auto oc = out.narrow(2, chunk.row_begin, chunk.rows).contiguous();
+      auto lc = lse.narrow(2, chunk.row_begin, chunk.rows).contiguous();
+      auto gc = dout.narrow(2, chunk.row_begin, chunk.rows).contiguous();
+      for (const auto& part : chunk.parts) {
+        auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+            gc, qc, k.narrow(2, part.k_begin, part.k_len).contiguous(), v.narrow(2, part.k_begin, part.k_len).contiguous(),
+            oc, lc, 0.0, part.causal, std::nullopt, sc);
+        dq.narrow(2, chunk.row_begin, chunk.rows).add_(gq);
+        dk.narrow(2, part.k_begin, part.k_len).add_(gk);
+        dv.narrow(2, part.k_begin, part.k_len).add_(gv);
+      }
+    }
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 const torch::Tensor& causal_mask(CPState& st, int64_t local_len, const torch::Tensor& like) {
   auto key = std::make_tuple(local_len, static_cast<int>(like.scalar_type()), like.device().str());
   auto it = st.masks.find(key);
@@ -158,6 +251,29 @@ bool cp_sdpa(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Sta
   }
   auto k_full = all_gather_seq(k, seq_dim, st->group);
   auto v_full = all_gather_seq(v, seq_dim, st->group);
+  if (q.device().is_cpu() && q.dim() == 4) {
+    // [Note: ring attention by all-gather]: flash attention block by block, K/V in original order.
+    if (enable_gqa && k_full.size(1) != q.size(1)) {
+      TORCH_CHECK(k_full.size(1) > 0 && q.size(1) % k_full.size(1) == 0, where, ": enable_gqa needs the query heads (",
+                  q.size(1), ") to be a multiple of the key/value heads (", k_full.size(1), ")");
+      const int64_t rep = q.size(1) / k_full.size(1);
+      k_full = k_full.repeat_interleave(rep, 1);
+      v_full = v_full.repeat_interleave(rep, 1);
+    }
+    if (is_causal) {
+      auto restore = context_parallel_load_balance_indices(lq * st->cp, st->cp, /*restore=*/true).to(q.device());
+      k_full = k_full.index_select(2, restore);
+      v_full = v_full.index_select(2, restore);
+    }
+    torch::Tensor out;
+    {
+      fsdp::detail::NoInterception below;  // its ops are plain ones on activations
+      out = RingAttention::apply(q, k_full, v_full, is_causal, scale.has_value(), scale.value_or(0.0), st->cp, st->rank);
+    }
+    torch::jit::drop(*stack, 8);
+    torch::jit::push(*stack, std::move(out));
+    return true;
+  }
   torch::Tensor mask;
   if (is_causal) mask = causal_mask(*st, lq, q);
   torch::Tensor out;

@@ -1,0 +1,80 @@
+"""train_gpt with context parallelism (issue 35 item 4; CTest labels context_parallel, train_gpt).
+
+Tiny preset (2 heads, context 32), 6 AdamW steps, fp32, one thread per rank. The global batch is the same in every
+layout (4 sequences: --batch-size counts sequences per data-parallel rank, and a CP group, like a TP group, shares
+its batch while each of its ranks holds 1/cp of every sequence, load-balanced), so every layout must train like one
+process on the full sequences (--cp 1, --batch-size 4): losses, evaluation losses and gradient norms within 1e-5
+(relative; the ring attention and FSDP's reductions sum in another order). Layouts: --cp 2 (2 ranks), --cp 2 --tp 2
+(4 ranks), --cp 4 (4 ranks), --cp 2 with 2 FSDP ranks (4 ranks: the (dp_shard, cp) HSDP mesh). Unsupported
+combinations fail naming the flag.
+
+PyTorch's own context_parallel does not run on the CPU (PyTorch 2.13, Gloo: "Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"), so the
+reference here is the semantics it implements: one process on the full sequence.
+
+FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
+"""
+
+import pytest
+
+from fsdp_testing import FSDPRUN, TRAIN_GPT, metrics, run, show
+
+BINARIES = (FSDPRUN, TRAIN_GPT)
+
+RTOL = 1e-5
+STEPS = 6
+
+
+def args(text_files, tmp_path, name, *extra, steps=STEPS):
+    return ["--model", "tiny", "--data", *text_files, "--seed", "7", "--threads", "1", "--steps", str(steps),
+            "--log-every", "1", "--eval-every", "3", "--warmup-steps", "2", "--sample-tokens", "0",
+            "--metrics", tmp_path / f"{name}.jsonl", *extra]
+
+
+def by_step(path):
+    return {r["step"]: r for r in metrics(path)}
+
+
+@pytest.fixture(scope="module")
+def one_process(text_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cp1")
+    p = run(args(text_files, d, "m", "--batch-size", "4"), nproc=1)
+    assert p.returncode == 0, show(p)
+    return by_step(d / "m.jsonl")
+
+
+@pytest.mark.parametrize("name,nproc,extra", [
+    ("cp2", 2, ["--cp", "2", "--batch-size", "4"]),
+    ("cp2_tp2", 4, ["--cp", "2", "--tp", "2", "--batch-size", "4"]),
+    ("cp4", 4, ["--cp", "4", "--batch-size", "4"]),
+    ("dp2_cp2", 4, ["--cp", "2", "--batch-size", "2"]),
+])
+def test_context_parallel_trains_like_one_process(text_files, tmp_path, one_process, name, nproc, extra):
+    p = run(args(text_files, tmp_path, name, *extra), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    assert "context-parallel" in p.stdout, p.stdout[-2000:]
+    got = by_step(tmp_path / f"{name}.jsonl")
+    assert sorted(got) == sorted(one_process), (sorted(got), sorted(one_process))
+    worst = 0.0
+    for s in sorted(one_process):
+        for k in ("loss", "eval_loss", "grad_norm"):
+            a, b = got[s].get(k), one_process[s].get(k)
+            if b is None:
+                continue
+            assert a is not None, f"{name}: step {s} has no {k}"
+            worst = max(worst, abs(a - b) / abs(b))
+            assert abs(a - b) <= RTOL * abs(b), f"{name}: step {s} {k} {a} vs {b} (--cp 1, one process)"
+    print(f"{name}: max relative difference {worst:.2e} over {len(one_process)} steps")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--cp", "2", "--tp", "2", "--sequence-parallel"], "--cp 2: does not combine with --sequence-parallel"),
+    (["--cp", "2", "--block-size", "30"], "--cp 2: the context of 30 tokens (--block-size) is not a multiple of 2 x --cp = 4"),
+    (["--cp", "2", "--model-impl", "plain"], "--cp 2: needs --model-impl holder"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp 2: --dropout > 0 is not supported"),
+    (["--cp", "3", "--block-size", "24"], "WORLD_SIZE 4 is not divisible by --dp-replicate(1) x --cp(3) x --tp(1) = 3"),
+])
+def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
+    p = run(args(text_files, tmp_path, "bad", "--batch-size", "2", *extra, steps=2), nproc=4)
+    assert p.returncode != 0, show(p)
+    assert message in p.stdout + p.stderr, show(p)
