@@ -43,13 +43,15 @@
 // K[a*c, (a+1)*c) with is_causal. The two partial results are merged by their log-sum-exps (as PyTorch's
 // _SDPAMerger): lse = logaddexp(lse1, lse2), out = out1 * exp(lse1 - lse) + out2 * exp(lse2 - lse). Not causal:
 // one call against all of K. No score matrix and no mask is ever materialized (the CPU flash kernel works in
-// tiles), so the memory per rank is this rank's activations plus the gathered K/V of one layer at a time.
+// tiles). Only this rank's q, k, v, output and log-sum-exp are saved for backward; the backward gathers K/V again
+// (one more all-gather per layer, as PyTorch's ring backward rotates K/V again), so the memory per rank is 1/cp of
+// one process's activations plus the gathered K/V of the one layer being computed.
 // Backward (RingAttention below, PyTorch's _templated_ring_attention_backward): each call's flash backward is
 // given the merged output and log-sum-exp, which makes its dq, dk, dv the exact contributions of that block to
-// the gradient of the merged softmax; dq sums over the calls, dk/dv accumulate into their key ranges. The K/V
-// all-gather is an autograd node whose backward reduce-scatters dK and dV over the CP group (each rank's queries
-// contribute to every key's gradient; each rank keeps the sum for its own keys). GQA: k/v are gathered with
-// their own heads and repeated to the query heads after the gather (autograd sums the repeats back).
+// the gradient of the merged softmax; dq sums over the calls, dk/dv accumulate into their key ranges, and dK/dV
+// are reduce-scattered over the CP group (each rank's queries contribute to every key's gradient; each rank keeps
+// the sum for its own keys): the backward of the all-gather. GQA: k/v are gathered with their own heads (fewer
+// bytes) and repeated to the query heads after the gather; the backward sums the repeats.
 // Other devices than the CPU (whose SDPA backends libfsdp does not drive block by block yet) take one SDPA call
 // against the gathered K/V with an additive mask of the load-balanced positions: the same result, with a
 // [L/cp, L] mask per region (shared by the layers) as the extra memory.
@@ -144,20 +146,49 @@ std::vector<QueryChunk> query_chunks(int64_t local_len, int64_t full_len, bool c
   return out;
 }
 
-// Ring attention of this rank's queries against K/V in original order, [B, H, L, E] each (K/V: all L positions).
+// K and V of the whole sequence for this rank's attention: gathered over the CP group (rank-major), their heads
+// repeated to the query heads (GQA), and, for is_causal, put back in original order. No autograd: RingAttention
+// differentiates it by hand.
+std::pair<torch::Tensor, torch::Tensor> gather_kv(const torch::Tensor& k, const torch::Tensor& v, ProcessGroup& pg,
+                                                   bool causal, int64_t rep) {
+  auto kf = gather_seq(k, 2, pg), vf = gather_seq(v, 2, pg);
+  if (rep > 1) kf = kf.repeat_interleave(rep, 1), vf = vf.repeat_interleave(rep, 1);
+  if (causal) {
+    auto restore = context_parallel_load_balance_indices(kf.size(2), pg.size(), /*restore=*/true).to(kf.device());
+    kf = kf.index_select(2, restore), vf = vf.index_select(2, restore);
+  }
+  return {kf.contiguous(), vf.contiguous()};
+}
+
+// The gradient of gather_kv's output (dK or dV of the whole sequence, query heads, original order) as the gradient
+// of this rank's K or V: back to the gathered order, the repeated heads summed, reduce-scattered over the group.
+torch::Tensor scatter_grad_kv(torch::Tensor g, ProcessGroup& pg, bool causal, int64_t rep) {
+  if (causal) g = g.index_select(2, context_parallel_load_balance_indices(g.size(2), pg.size()).to(g.device()));
+  if (rep > 1) g = g.view({g.size(0), g.size(1) / rep, rep, g.size(2), g.size(3)}).sum(2);
+  return reduce_scatter_seq(g, 2, pg);
+}
+
+// Ring attention of this rank's queries [B, H, L/cp, E] against the whole sequence's K/V, from this rank's k and v
+// [B, Hkv, L/cp, E]. Saves only this rank's q, k, v, the output and its log-sum-exp: the backward gathers K/V
+// again (PyTorch's ring backward rotates K/V again too), so nothing of full length outlives one attention call.
+// The group travels as a raw pointer (an IValue cannot hold it), as TP's autograd functions do: the CP mesh must
+// outlive the backward.
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, bool causal, bool has_scale, double scale, int64_t cp,
-                               int64_t rank) {
+                               const torch::Tensor& v, bool causal, bool has_scale, double scale, int64_t group,
+                               int64_t rank, int64_t rep) {
+    auto& pg = *reinterpret_cast<ProcessGroup*>(group);
+    const int64_t cp = pg.size();
     const std::optional<double> sc = has_scale ? std::optional<double>(scale) : std::nullopt;
+    auto [kf, vf] = gather_kv(k, v, pg, causal, rep);
     std::vector<torch::Tensor> outs, lses;
-    for (const auto& chunk : query_chunks(q.size(2), k.size(2), causal, cp, rank)) {
+    for (const auto& chunk : query_chunks(q.size(2), kf.size(2), causal, cp, rank)) {
       auto qc = q.narrow(2, chunk.row_begin, chunk.rows).contiguous();
       torch::Tensor out, lse;
       for (const auto& part : chunk.parts) {
         auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
-            qc, k.narrow(2, part.k_begin, part.k_len).contiguous(), v.narrow(2, part.k_begin, part.k_len).contiguous(),
-            0.0, part.causal, std::nullopt, sc);
+            qc, kf.narrow(2, part.k_begin, part.k_len), vf.narrow(2, part.k_begin, part.k_len), 0.0, part.causal,
+            std::nullopt, sc);
         if (!out.defined()) {
           out = o.to(torch::kFloat32), lse = l;
           continue;
@@ -174,8 +205,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["has_scale"] = has_scale;
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["cp"] = cp;
+    ctx->saved_data["group"] = group;
     ctx->saved_data["rank"] = rank;
+    ctx->saved_data["rep"] = rep;
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -185,25 +217,28 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const std::optional<double> sc =
         ctx->saved_data["has_scale"].toBool() ? std::optional<double>(ctx->saved_data["scale"].toDouble()) : std::nullopt;
-    auto dq = torch::zeros_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(k, at::MemoryFormat::Contiguous),
-         dv = torch::zeros_like(v, at::MemoryFormat::Contiguous);
+    auto& pg = *reinterpret_cast<ProcessGroup*>(ctx->saved_data["group"].toInt());
+    const int64_t rep = ctx->saved_data["rep"].toInt();
+    auto [kf, vf] = gather_kv(k, v, pg, causal, rep);
+    auto dq = torch::zeros_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(kf), dv = torch::zeros_like(vf);
     const auto& dout = grads[0];
-    for (const auto& chunk : query_chunks(q.size(2), k.size(2), causal, ctx->saved_data["cp"].toInt(),
-                                          ctx->saved_data["rank"].toInt())) {
+    for (const auto& chunk : query_chunks(q.size(2), kf.size(2), causal, pg.size(), ctx->saved_data["rank"].toInt())) {
       auto qc = q.narrow(2, chunk.row_begin, chunk.rows).contiguous();
       auto oc = out.narrow(2, chunk.row_begin, chunk.rows).contiguous();
       auto lc = lse.narrow(2, chunk.row_begin, chunk.rows).contiguous();
       auto gc = dout.narrow(2, chunk.row_begin, chunk.rows).contiguous();
       for (const auto& part : chunk.parts) {
         auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-            gc, qc, k.narrow(2, part.k_begin, part.k_len).contiguous(), v.narrow(2, part.k_begin, part.k_len).contiguous(),
-            oc, lc, 0.0, part.causal, std::nullopt, sc);
+            gc, qc, kf.narrow(2, part.k_begin, part.k_len), vf.narrow(2, part.k_begin, part.k_len), oc, lc, 0.0,
+            part.causal, std::nullopt, sc);
         dq.narrow(2, chunk.row_begin, chunk.rows).add_(gq);
         dk.narrow(2, part.k_begin, part.k_len).add_(gk);
         dv.narrow(2, part.k_begin, part.k_len).add_(gv);
       }
     }
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    kf = torch::Tensor(), vf = torch::Tensor();
+    return {dq, scatter_grad_kv(dk, pg, causal, rep), scatter_grad_kv(dv, pg, causal, rep), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -249,31 +284,29 @@ bool cp_sdpa(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Sta
                 " is odd, so it is not a load-balanced shard (two chunks of equal length); pass the tensors "
                 "the sequence is computed from as buffers of context_parallel");
   }
-  auto k_full = all_gather_seq(k, seq_dim, st->group);
-  auto v_full = all_gather_seq(v, seq_dim, st->group);
   if (q.device().is_cpu() && q.dim() == 4) {
     // [Note: ring attention by all-gather]: flash attention block by block, K/V in original order.
-    if (enable_gqa && k_full.size(1) != q.size(1)) {
-      TORCH_CHECK(k_full.size(1) > 0 && q.size(1) % k_full.size(1) == 0, where, ": enable_gqa needs the query heads (",
-                  q.size(1), ") to be a multiple of the key/value heads (", k_full.size(1), ")");
-      const int64_t rep = q.size(1) / k_full.size(1);
-      k_full = k_full.repeat_interleave(rep, 1);
-      v_full = v_full.repeat_interleave(rep, 1);
+    int64_t rep = 1;
+    if (enable_gqa && k.size(1) != q.size(1)) {
+      TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1), where,
+                  ": enable_gqa needs the query heads (", q.size(1), ") to be a multiple of the key/value heads (",
+                  k.size(1), ")");
+      rep = q.size(1) / k.size(1);
     }
-    if (is_causal) {
-      auto restore = context_parallel_load_balance_indices(lq * st->cp, st->cp, /*restore=*/true).to(q.device());
-      k_full = k_full.index_select(2, restore);
-      v_full = v_full.index_select(2, restore);
-    }
+    TORCH_CHECK(k.size(1) * rep == q.size(1) && v.size(1) == k.size(1), where,
+                ": expected as many key/value heads as query heads (or enable_gqa)");
     torch::Tensor out;
     {
       fsdp::detail::NoInterception below;  // its ops are plain ones on activations
-      out = RingAttention::apply(q, k_full, v_full, is_causal, scale.has_value(), scale.value_or(0.0), st->cp, st->rank);
+      out = RingAttention::apply(q, k, v, is_causal, scale.has_value(), scale.value_or(0.0),
+                                 reinterpret_cast<int64_t>(st->group.get()), st->rank, rep);
     }
     torch::jit::drop(*stack, 8);
     torch::jit::push(*stack, std::move(out));
     return true;
   }
+  auto k_full = all_gather_seq(k, seq_dim, st->group);
+  auto v_full = all_gather_seq(v, seq_dim, st->group);
   torch::Tensor mask;
   if (is_causal) mask = causal_mask(*st, lq, q);
   torch::Tensor out;
