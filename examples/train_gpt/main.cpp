@@ -312,10 +312,11 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   }
   report.open_metrics(plan.resume ? start_step : -1);
   if (mesh->ndim() > 1) {  // FSDP's and TP's collectives run on the mesh's dims, not on the world group
-    report.watch_groups({{"dp_replicate", mesh->get_group("dp_replicate")},
-                         {"dp_shard", mesh->get_group("dp_shard")},
-                         {"tp", mesh->get_group("tp")}});
-    if (s.parallel.cp > 1) report.watch_groups({{"cp", mesh->get_group("cp")}});
+    std::vector<std::pair<std::string, fsdp::ProcessGroupPtr>> groups = {
+        {"dp_replicate", mesh->get_group("dp_replicate")}, {"dp_shard", mesh->get_group("dp_shard")}};
+    if (s.parallel.cp > 1) groups.push_back({"cp", mesh->get_group("cp")});
+    groups.push_back({"tp", mesh->get_group("tp")});
+    report.watch_groups(std::move(groups));
   }
   auto run_eval = [&](int64_t step) {
     const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg, s.masked_targets);

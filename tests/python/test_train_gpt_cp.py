@@ -64,7 +64,13 @@ def test_context_parallel_trains_like_one_process(text_files, tmp_path, one_proc
             assert a is not None, f"{name}: step {s} has no {k}"
             worst = max(worst, abs(a - b) / abs(b))
             assert abs(a - b) <= RTOL * abs(b), f"{name}: step {s} {k} {a} vs {b} (--cp 1, one process)"
-    print(f"{name}: max relative difference {worst:.2e} over {len(one_process)} steps")
+    # The sequence really was split: the cp group carries the ring attention's all-gathers (K and V of each of the
+    # 2 blocks, in forward and again in backward: 8 per step) besides FSDP's (at least one per group: 3), where
+    # FSDP alone would issue 5; and its reduce-scatters of dK/dV (4) besides FSDP's 3.
+    comm = got[max(got)]["comm_per_step"]["cp"]
+    assert comm["all_gather_into_tensor"]["count"] >= 8 + 3, comm
+    assert comm["reduce_scatter_tensor"]["count"] >= 4 + 3, comm
+    print(f"{name}: max relative difference {worst:.2e} over {len(one_process)} steps; cp group per step: {comm}")
 
 
 @pytest.mark.parametrize("extra,message", [
