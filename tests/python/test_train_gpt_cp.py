@@ -10,14 +10,21 @@ combinations fail naming the flag.
 
 PyTorch's own context_parallel does not run on the CPU (PyTorch 2.13, Gloo: "Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"), so the
-reference here is the semantics it implements: one process on the full sequence.
+reference here is the semantics it implements: one process on the full sequence, train_gpt's own (--cp 1) and
+PyTorch's (bench/gpt_twin.py: the same GPT under PyTorch's fully_shard, F.scaled_dot_product_attention on whole
+sequences, torch.optim.AdamW; same initial weights and batches).
 
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
+import sys
+
 import pytest
 
-from fsdp_testing import FSDPRUN, TRAIN_GPT, metrics, run, show
+from fsdp_testing import FSDPRUN, REPO, TRAIN_GPT, metrics, run, show
+
+sys.path.insert(0, str(REPO / "bench"))
+import compare_fsdp2 as cmp  # noqa: E402  (bench/compare_fsdp2.py: the launchers of train_gpt and gpt_twin.py)
 
 BINARIES = (FSDPRUN, TRAIN_GPT)
 
@@ -84,3 +91,22 @@ def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
     p = run(args(text_files, tmp_path, "bad", "--batch-size", "2", *extra, steps=2), nproc=4)
     assert p.returncode != 0, show(p)
     assert message in p.stdout + p.stderr, show(p)
+
+
+@pytest.mark.parametrize("name,nproc,extra", [("cp2", 2, ["--cp", "2"]), ("cp2_tp2", 4, ["--cp", "2", "--tp", "2"])])
+def test_context_parallel_matches_pytorch_on_whole_sequences(tmp_path, name, nproc, extra):
+    # Every rank of ours holds 1/cp of each sequence; every rank of the twin holds the same whole sequences (train_gpt
+    # --dump-batches records each rank's batch before context_parallel shards it, the same on the ranks of a CP/TP
+    # group), so the twin's FSDP mean over its ranks is one process's loss. 10 steps, fp32, within 1e-5.
+    flags = ["--model", "tiny", "--batch-size", "4", "--seed", "7", "--steps", "10", "--warmup-steps", "3", *extra]
+    ours = cmp.run_ours(flags, cmp.default_data(), tmp_path / "ours.jsonl", nproc=nproc,
+                        save_init=tmp_path / "init.safetensors", dump_batches=tmp_path / "batches", timeout=300)
+    theirs = cmp.run_torch(tmp_path / "init.safetensors", tmp_path / "batches", tmp_path / "torch.jsonl", nproc=nproc,
+                           math="torch", timeout=300)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, 11)), (ours, theirs)
+    dl = max(abs(a["loss"] - b["loss"]) for a, b in zip(ours, theirs))
+    dg = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(ours, theirs))
+    print(f"{name} vs PyTorch: max |dloss| {dl:.3g}, max relative grad-norm difference {dg:.3g}")
+    assert dl <= RTOL, [(a["loss"], b["loss"]) for a, b in zip(ours, theirs)]
+    assert dg <= RTOL, [(a["grad_norm"], b["grad_norm"]) for a, b in zip(ours, theirs)]
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.3, [r["loss"] for r in ours]
