@@ -181,26 +181,29 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const int64_t cp = pg.size();
     const std::optional<double> sc = has_scale ? std::optional<double>(scale) : std::nullopt;
     auto [kf, vf] = gather_kv(k, v, pg, causal, rep);
-    std::vector<torch::Tensor> outs, lses;
+    // The output in the CPU flash kernel's layout, [B, L, H, E] in memory seen as [B, H, L, E] (what SDPA returns
+    // there): the model's transpose(1, 2).reshape back to [B, L, H * E] is then a view, not a copy that the next
+    // Linear would save for backward besides this output.
+    auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
     for (const auto& chunk : query_chunks(q.size(2), kf.size(2), causal, cp, rank)) {
       auto qc = q.narrow(2, chunk.row_begin, chunk.rows).contiguous();
-      torch::Tensor out, lse;
+      torch::Tensor acc, acc_lse;
       for (const auto& part : chunk.parts) {
         auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
             qc, kf.narrow(2, part.k_begin, part.k_len), vf.narrow(2, part.k_begin, part.k_len), 0.0, part.causal,
             std::nullopt, sc);
-        if (!out.defined()) {
-          out = o.to(torch::kFloat32), lse = l;
+        if (!acc.defined()) {
+          acc = o.to(torch::kFloat32), acc_lse = l;
           continue;
         }
-        auto merged = torch::logaddexp(lse, l);
-        out = out * torch::exp(lse - merged).unsqueeze(-1) + o.to(torch::kFloat32) * torch::exp(l - merged).unsqueeze(-1);
-        lse = merged;
+        auto merged = torch::logaddexp(acc_lse, l);
+        acc = acc * torch::exp(acc_lse - merged).unsqueeze(-1) + o.to(torch::kFloat32) * torch::exp(l - merged).unsqueeze(-1);
+        acc_lse = merged;
       }
-      outs.push_back(out.to(q.scalar_type()));
-      lses.push_back(lse);
+      out.narrow(2, chunk.row_begin, chunk.rows).copy_(acc);
+      lse.narrow(2, chunk.row_begin, chunk.rows).copy_(acc_lse);
     }
-    auto out = torch::cat(outs, 2), lse = torch::cat(lses, 2);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["has_scale"] = has_scale;
