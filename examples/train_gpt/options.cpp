@@ -228,9 +228,8 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                                "Fix: drop --sequence-parallel");
     need(cfg.dropout == 0.0, "--dropout > 0 is not supported (attention dropout under ring attention is refused). "
                              "Fix: --dropout 0");
-    need(o.activation_checkpointing == "none" && !o.activation_offload && !o.no_shard && o.sft.empty(),
-         "does not combine with --activation-checkpointing, --activation-offload, --no-shard or --sft yet. Fix: drop "
-         "them or --cp 1");
+    need(!o.activation_offload && !o.no_shard && o.sft.empty(),
+         "does not combine with --activation-offload, --no-shard or --sft yet. Fix: drop them or --cp 1");
     need(cfg.block_size % (2 * o.cp) == 0,
          "the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) is not a multiple of 2 x --cp = " +
              std::to_string(2 * o.cp) + " (causal load balancing cuts each sequence into 2 x cp equal chunks). Fix: a " +

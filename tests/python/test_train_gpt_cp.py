@@ -5,7 +5,8 @@ layout (4 sequences: --batch-size counts sequences per data-parallel rank, and a
 its batch while each of its ranks holds 1/cp of every sequence, load-balanced), so every layout must train like one
 process on the full sequences (--cp 1, --batch-size 4): losses, evaluation losses and gradient norms within 1e-5
 (relative; the ring attention and FSDP's reductions sum in another order). Layouts: --cp 2 (2 ranks), --cp 2 --tp 2
-(4 ranks), --cp 4 (4 ranks), --cp 2 with 2 FSDP ranks (4 ranks: the (dp_shard, cp) HSDP mesh). Unsupported
+(4 ranks), --cp 4 (4 ranks), --cp 2 with 2 FSDP ranks (4 ranks: the (dp_shard, cp) HSDP mesh), --cp 2 with full
+activation checkpointing and --cp 2 --tp 2 with selective-op checkpointing. Unsupported
 combinations fail naming the flag.
 
 PyTorch's own context_parallel does not run on the CPU (PyTorch 2.13, Gloo: "Operator
@@ -55,6 +56,11 @@ def one_process(text_files, tmp_path_factory):
     ("cp2_tp2", 4, ["--cp", "2", "--tp", "2", "--batch-size", "4"]),
     ("cp4", 4, ["--cp", "4", "--batch-size", "4"]),
     ("dp2_cp2", 4, ["--cp", "2", "--batch-size", "2"]),
+    # Activation checkpointing: the blocks' recomputation in backward runs the ring attention (and its all-gathers)
+    # again, inside the same region; under selective-op the ring attention is recomputed too (the policy sees the
+    # ops on the ring attention's inputs, not the attention itself, which context parallelism runs below the layers).
+    ("cp2_ac_full", 2, ["--cp", "2", "--batch-size", "4", "--activation-checkpointing", "full"]),
+    ("cp2_tp2_sac", 4, ["--cp", "2", "--tp", "2", "--batch-size", "4", "--activation-checkpointing", "selective-op"]),
 ])
 def test_context_parallel_trains_like_one_process(text_files, tmp_path, one_process, name, nproc, extra):
     p = run(args(text_files, tmp_path, name, *extra), nproc=nproc)
