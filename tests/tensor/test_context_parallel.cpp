@@ -86,6 +86,10 @@ TEST(ContextParallelBuffers, ShardedInPlaceAndRestored) {
         EXPECT_TRUE(torch::equal(pos.narrow(0, 0, c), torch::arange(r * c, (r + 1) * c, torch::kLong)));
         EXPECT_TRUE(torch::equal(pos.narrow(0, c, c),
                                  torch::arange((2 * cp - 1 - r) * c, (2 * cp - r) * c, torch::kLong)));
+        // context_parallel_unshard puts the shards of all ranks back in original order.
+        auto whole = experimental::context_parallel_unshard(mesh, {tokens, pos}, {1, -1});
+        EXPECT_TRUE(torch::equal(whole[0], tokens0));
+        EXPECT_TRUE(torch::equal(whole[1], torch::arange(T, torch::kLong)));
       }
       EXPECT_TRUE(torch::equal(tokens, tokens0));
       EXPECT_TRUE(torch::equal(pos, torch::arange(T, torch::kLong)));

@@ -349,6 +349,35 @@ torch::Tensor context_parallel_positions(int64_t seq_length, int64_t cp_size, in
   return context_parallel_load_balance_indices(seq_length, cp_size).narrow(0, cp_rank * local, local).clone();
 }
 
+std::vector<torch::Tensor> context_parallel_unshard(const DeviceMeshPtr& cp_mesh, const std::vector<torch::Tensor>& buffers,
+                                                    const std::vector<int64_t>& seq_dims) {
+  TORCH_CHECK(cp_mesh && cp_mesh->ndim() == 1, "context_parallel_unshard: expected a 1-D cp_mesh, found ",
+              cp_mesh ? cp_mesh->str() : std::string("null"), "; pass one dimension of it, e.g. (*mesh)[\"cp\"]");
+  TORCH_CHECK(buffers.size() == seq_dims.size(), "context_parallel_unshard: buffers and seq_dims must have the same ",
+              "length, found ", buffers.size(), " buffers and ", seq_dims.size(), " seq dims");
+  std::vector<int64_t> dims;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const auto& b = buffers[i];
+    int64_t d = seq_dims[i];
+    TORCH_CHECK(b.defined() && d >= -b.dim() && d < b.dim(), "context_parallel_unshard: seq_dims[", i, "] = ", d,
+                " is out of range for buffer ", i, b.defined() ? " of shape " + shape_str(b) : std::string(" (undefined)"));
+    d = d < 0 ? d + b.dim() : d;
+    TORCH_CHECK(b.size(d) % 2 == 0, "context_parallel_unshard: buffer ", i, " (shape ", shape_str(b), ") has ", b.size(d),
+                " positions along dim ", d, ", an odd number: not a shard that context_parallel left (two chunks)");
+    dims.push_back(d);
+  }
+  torch::NoGradGuard no_grad;
+  fsdp::detail::NoInterception plain;
+  auto& pg = *cp_mesh->get_group(0);
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    auto full = gather_seq(buffers[i].detach(), dims[i], pg);
+    auto restore = context_parallel_load_balance_indices(full.size(dims[i]), pg.size(), /*restore=*/true);
+    out.push_back(full.index_select(dims[i], restore.to(full.device())));
+  }
+  return out;
+}
+
 namespace {
 struct RegionState {
   CPState cp;

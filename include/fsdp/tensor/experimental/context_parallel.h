@@ -26,6 +26,16 @@ torch::Tensor context_parallel_load_balance_indices(int64_t seq_length, int64_t 
 /// context_parallel leaves on rank `cp_rank` (int64 [seq_length / cp_size]). Example: (8, 2, 1) -> [2, 3, 4, 5].
 torch::Tensor context_parallel_positions(int64_t seq_length, int64_t cp_size, int64_t cp_rank);
 
+/// The whole sequences back from shards that context_parallel left (e.g. a model's outputs computed under it):
+/// each buffer is all-gathered over `cp_mesh` along its `seq_dims` entry and put back in original order. Returns new
+/// tensors (the inputs are unchanged), without autograd. Collective over cp_mesh (every rank calls it with the same
+/// shapes). Mirrors torch.distributed.tensor.experimental.context_parallel_unshard.
+/// Throws c10::Error (before communicating) for buffers and seq_dims of different lengths, a seq dim out of range, a
+/// mesh that is not 1-D, or a local length that is odd (not a load-balanced shard).
+/// Example: auto full = context_parallel_unshard((*mesh)["cp"], {logits}, {1})[0];  // [B, T, V] from [B, T/cp, V]
+std::vector<torch::Tensor> context_parallel_unshard(const DeviceMeshPtr& cp_mesh, const std::vector<torch::Tensor>& buffers,
+                                                    const std::vector<int64_t>& seq_dims);
+
 /// Context parallelism for the lifetime of the object (the C++ counterpart of PyTorch's context manager
 /// `with context_parallel(cp_mesh, buffers=..., buffer_seq_dims=..., no_restore_buffers=...)`):
 ///
