@@ -209,6 +209,9 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
   g->add_flag("--cpu-offload", o.cpu_offload, "Keep shards, gradients and optimizer state on the CPU");
   add_integer(g, "--tp", o.tp, "Tensor-parallel ranks: each block's heads and MLP columns split across them; "
               "WORLD_SIZE = --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));
+  add_integer(g, "--cp", o.cp, "Context-parallel ranks: each sequence split across them (load-balanced for causal "
+              "attention; ring attention over them); WORLD_SIZE = FSDP ranks x --cp x --tp; --block-size must be "
+              "a multiple of 2 x --cp (Default: 1)", int(1));
   add_integer(g, "--dp-replicate", o.dp_replicate, "HSDP: replicas of the FSDP group (Default: 1)", int(1));
   add_integer(g, "--pp", o.pp, "Pipeline-parallel ranks: the blocks split into --pp x --stages-per-rank stages, "
               "each fully_shard'ed over its data-parallel ranks; WORLD_SIZE = --pp x --dp-replicate x FSDP ranks x --tp (Default: 1)", int(1));

@@ -78,7 +78,19 @@ struct Training {
   std::vector<torch::Tensor> params;       // local shards: what clipping sees
   bool foreach_optimizer;
   fsdp::ProcessGroupPtr replicate_group = nullptr;  // HSDP (--dp-replicate > 1): the replicas of this shard group
+  fsdp::DeviceMeshPtr cp_mesh = nullptr;  // --cp > 1: the mesh's "cp" dim
 };
+
+/// --cp: the positions of GPT's wpe become a buffer that context_parallel shards (GPT::positions); the other
+/// models refuse --cp (options.cpp), so they never get here with a cp mesh.
+template <typename Model>
+void set_positions(Model& model, const torch::Tensor& pos) {
+  if constexpr (std::is_same_v<Model, fsdp::FSDPModule<GPT>>) {
+    model->positions = pos;
+  } else {
+    TORCH_CHECK(!pos.defined(), "train_gpt: --cp needs the GPT-2 holder model");
+  }
+}
 
 /// This rank's model states, bytes: the parameters' storage (a sharded parameter's is FSDP's padded
 /// shard), the gradients and AdamW's state (local rows).
@@ -141,6 +153,14 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
       if (o.reduce_scatter_each_microbatch) fsdp::fsdp_api(t.model).set_requires_all_reduce(last);
       if (o.keep_unsharded) fsdp::fsdp_api(t.model).set_reshard_after_backward(last);
     }
+    // --cp: x, y and the positions sharded along the sequence (load-balanced), and SDPA as ring attention,
+    // for this microbatch's forward and backward; the loss is this rank's mean, averaged over cp like dp.
+    std::optional<fsdp::experimental::context_parallel> cp_region;
+    if (t.cp_mesh) {
+      auto pos = torch::arange(x.size(1), torch::TensorOptions(torch::kLong).device(device));
+      set_positions(t.model, pos);
+      cp_region.emplace(t.cp_mesh, std::vector<torch::Tensor>{x, y, pos}, std::vector<int64_t>{1, 1, 0});
+    }
     torch::Tensor logits, loss;
     {
       // --activation-offload: what the forward (and the loss) saves for backward goes to host memory.
@@ -156,6 +176,10 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
     }
     (t.scaler ? t.scaler->scale(loss) : loss).backward();
     loss_sum += loss.detach();
+    if (t.cp_mesh) {
+      cp_region.reset();
+      set_positions(t.model, torch::Tensor());
+    }
   }
   // The norm of the full gradient (an all-reduce of the shards' partial norms): identical on every
   // rank, so every rank scales its shard by the same factor.
@@ -186,7 +210,7 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   if (own_loss_all_reduce) fsdp::all_reduce(loss_sum, t.pg, fsdp::ReduceOp::SUM);
   // HSDP: the norm's group is the shard group; the replicas' losses are summed too.
   if (t.replicate_group) fsdp::all_reduce(loss_sum, *t.replicate_group, fsdp::ReduceOp::SUM);
-  return {loss_sum.item<double>() / (t.pg.size() / t.s.parallel.tp), norm, states};
+  return {loss_sum.item<double>() / (t.pg.size() / t.s.parallel.tp), norm, states};  // (the dp x cp ranks' means)
 }
 
 // [Note: glibc keeps freed memory]
@@ -215,7 +239,8 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   const torch::Device device = pg->device();
   if (device.is_cpu()) keep_freed_memory();
   auto mesh = make_mesh(device.type(), world, s.parallel);  // 1-D, or (dp_replicate, dp_shard, tp)
-  const int tp = s.parallel.tp, data_rank = rank / tp, data_world = world / tp;  // a TP group shares its data
+  // A TP group and a CP group share their data (CP splits each sequence, not the batch).
+  const int tp = s.parallel.tp * s.parallel.cp, data_rank = rank / tp, data_world = world / tp;
 
   // Identical initial weights on every rank (and for every world size): one seed. Sharded runs build the
   // model with fsdp::deferred_init (no rank ever holds the full model: each fills only its rows, with the
@@ -263,7 +288,10 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   // fp16's scaler steps torch::optim::AdamW itself.
   Training<Model> t{s, *pg, model, optimizer, scaler, sampler, recorder, model->unique_parameters(),
              !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda())),
-             s.parallel.dp_replicate > 1 ? mesh->get_group("dp_replicate") : nullptr};
+             s.parallel.dp_replicate > 1                           ? mesh->get_group("dp_replicate")
+             : s.parallel.cp > 1 && s.parallel.dp_shard > 1 ? mesh->get_group("dp_shard")  // (dp_shard, cp) HSDP mesh
+                                                            : nullptr,
+             s.parallel.cp > 1 ? (*mesh)["cp"] : nullptr};
   const auto kill_at = kill_after_checkpoint(plan.restart);
   report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
 
@@ -284,9 +312,11 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   }
   report.open_metrics(plan.resume ? start_step : -1);
   if (mesh->ndim() > 1) {  // FSDP's and TP's collectives run on the mesh's dims, not on the world group
-    report.watch_groups({{"dp_replicate", mesh->get_group("dp_replicate")},
-                         {"dp_shard", mesh->get_group("dp_shard")},
-                         {"tp", mesh->get_group("tp")}});
+    std::vector<std::pair<std::string, fsdp::ProcessGroupPtr>> groups = {
+        {"dp_replicate", mesh->get_group("dp_replicate")}, {"dp_shard", mesh->get_group("dp_shard")}};
+    if (s.parallel.cp > 1) groups.push_back({"cp", mesh->get_group("cp")});
+    groups.push_back({"tp", mesh->get_group("tp")});
+    report.watch_groups(std::move(groups));
   }
   auto run_eval = [&](int64_t step) {
     const double loss = evaluate(model, s.val, s.eval_batches, o.batch_size, tp, *pg, s.masked_targets);

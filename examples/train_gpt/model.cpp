@@ -236,7 +236,7 @@ GPTImpl::GPTImpl(const GPTConfig& config) : cfg(config) {
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
-  auto pos = torch::arange(T, idx.options());
+  auto pos = positions.defined() ? positions : torch::arange(T, idx.options());  // (--cp: this rank's positions)
   auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
   // Through FSDP: unshard before, reshard after each block. With --sequence-parallel the plan's
   // PrepareModuleInput on h.0 splits the sequence and PrepareModuleOutput on the last block gathers it

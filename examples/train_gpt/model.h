@@ -138,6 +138,10 @@ struct GPTImpl : torch::nn::Module {
   /// (tp::PrepareModuleInput on h.0, tp::PrepareModuleOutput on the last block, run by the blocks' holders);
   /// the forward does not read this field (generate() does: it pads the sequence to a multiple of tp).
   fsdp::DeviceMeshPtr sequence_parallel_mesh;
+  /// The tokens' positions for wpe, int64 [T], when defined; undefined (the default): 0..T-1. Set by train_gpt
+  /// with --cp around each microbatch: fsdp::experimental::context_parallel shards it with the tokens, so that
+  /// each CP rank embeds its load-balanced positions (PyTorch's models take it as a buffer, e.g. freqs_cis).
+  torch::Tensor positions;
 
  private:
   int64_t num_params_ = 0;

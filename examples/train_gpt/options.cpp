@@ -204,6 +204,30 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
   }
   p.cpu_offload = o.cpu_offload;
   p.tp = o.tp;
+  p.cp = o.cp;
+  if (o.cp > 1) {
+    // Context parallelism (issue 35): GPT-2 with the holder model, FSDP (with or without TP), one step of
+    // --grad-accum-steps or more; what it has not been built or tested with is refused, naming the flag.
+    auto need = [&](bool ok, const std::string& what) {
+      if (!ok) throw UsageError("--cp " + std::to_string(o.cp) + ": " + what);
+    };
+    need(!cfg.is_llama(), "context parallelism is implemented for GPT-2 only (Llama's RoPE positions are not yet a "
+                          "sharded buffer). Fix: --cp 1 or a GPT-2 model");
+    need(o.model_impl == "holder", "needs --model-impl holder (the model that takes its positions as a buffer). Fix: "
+                                   "--model-impl holder");
+    need(o.pp == 1 && o.dp_replicate == 1 && o.data_parallel == "fully_shard",
+         "does not combine with --pp, --dp-replicate or --data-parallel replicate yet. Fix: drop them or --cp 1");
+    need(!o.sequence_parallel, "does not combine with --sequence-parallel (the sequence is already split by CP). "
+                               "Fix: drop --sequence-parallel");
+    need(cfg.dropout == 0.0, "--dropout > 0 is not supported (attention dropout under ring attention is refused). "
+                             "Fix: --dropout 0");
+    need(!o.activation_offload && !o.no_shard && o.sft.empty(),
+         "does not combine with --activation-offload, --no-shard or --sft yet. Fix: drop them or --cp 1");
+    need(cfg.block_size % (2 * o.cp) == 0,
+         "the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) is not a multiple of 2 x --cp = " +
+             std::to_string(2 * o.cp) + " (causal load balancing cuts each sequence into 2 x cp equal chunks). Fix: a " +
+             "--block-size that 2 x --cp divides");
+  }
   p.dp_replicate = o.dp_replicate;
   p.sequence_parallel = o.sequence_parallel;
   p.replicate = o.data_parallel == "replicate";
@@ -243,10 +267,11 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                                                                                                  : "--pp-schedule") +
                      " needs --pp > 1 (pipeline parallelism). Fix: add --pp N or drop it");
   }
-  const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate * p.pp;
+  const int64_t tp_x_rep = static_cast<int64_t>(o.tp) * o.dp_replicate * p.pp * o.cp;
   if (o.pp == 1 && world_size % tp_x_rep != 0) {
     throw UsageError("WORLD_SIZE " + std::to_string(world_size) + " is not divisible by --dp-replicate(" +
-                     std::to_string(o.dp_replicate) + ") x --tp(" + std::to_string(o.tp) + ") = " +
+                     std::to_string(o.dp_replicate) + ")" + (o.cp > 1 ? " x --cp(" + std::to_string(o.cp) + ")" : std::string()) +
+                     " x --tp(" + std::to_string(o.tp) + ") = " +
                      std::to_string(tp_x_rep) + ": the ranks form a dp_replicate x dp_shard x tp mesh. Fix: a " +
                      "--tp and --dp-replicate whose product divides the number of ranks");
   }
@@ -355,7 +380,7 @@ void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   // The data-parallel ranks (a TP group and a pipeline share their batch): rank / tp of world / tp, or the
   // dp_shard coordinate of a (pp, dp_shard) mesh.
   const int data_world = s.parallel.data_ranks(env.world_size);
-  const int data_rank = s.parallel.pp > 1 ? env.rank % data_world : env.rank / o.tp;
+  const int data_rank = s.parallel.pp > 1 ? env.rank % data_world : env.rank / (o.tp * o.cp);
   const int64_t global_batch = o.batch_size * data_world;
   // --estimate-memory trains nothing: the model and the world size matter, not whether the text fills their
   // batches (an estimate for 512 ranks runs on a small corpus).

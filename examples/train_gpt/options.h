@@ -73,6 +73,7 @@ struct Options {
   bool cpu_offload = false;
   bool estimate_memory = false;  // print fsdp::estimate_memory's per-rank breakdown and exit (issue 14)
   int tp = 1;                      // tensor-parallel ranks per block (issue 15): heads split across them
+  int cp = 1;                      // context-parallel ranks (issue 35): each sequence split across them
   int dp_replicate = 1;            // HSDP: replicas of the FSDP group; WORLD_SIZE = dp_replicate x dp_shard x tp
   bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
   std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)

@@ -74,12 +74,16 @@ fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const Paralle
   if (p.pp > 1) {
     return fsdp::init_device_mesh(device, {p.pp, p.dp_replicate, p.dp_shard, p.tp}, {"pp", "dp_replicate", "dp_shard", "tp"});
   }
+  if (p.cp > 1) {  // torchtitan's order: ["dp_replicate", "dp_shard", "cp", "tp"]
+    return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.cp, p.tp}, {"dp_replicate", "dp_shard", "cp", "tp"});
+  }
   if (p.tp == 1 && p.dp_replicate == 1) return fsdp::init_device_mesh(device, {world});
   return fsdp::init_device_mesh(device, {p.dp_replicate, p.dp_shard, p.tp}, {"dp_replicate", "dp_shard", "tp"});
 }
 
 fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (mesh->ndim() == 1) return mesh;
+  if (p.cp > 1) return p.dp_shard == 1 ? (*mesh)["cp"] : mesh->slice({"dp_shard", "cp"});
   return p.dp_replicate > 1 ? mesh->slice({"dp_replicate", "dp_shard"}) : (*mesh)["dp_shard"];
 }
 

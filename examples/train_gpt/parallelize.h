@@ -20,6 +20,7 @@ struct ParallelOptions {
   fsdp::CheckpointOptions checkpoint_options;  ///< for each checkpointed block's region (--checkpoint-impl)
   bool cpu_offload = false;
   int tp = 1;             ///< tensor-parallel ranks (the mesh's "tp" dim)
+  int cp = 1;             ///< context-parallel ranks (the mesh's "cp" dim, between dp_shard and tp)
   int dp_replicate = 1;   ///< HSDP replicas (the mesh's "dp_replicate" dim)
   int dp_shard = 1;       ///< FSDP ranks (the mesh's "dp_shard" dim)
   int pp = 1;             ///< pipeline ranks (the mesh's leading "pp" dim; pipeline.h)
@@ -28,7 +29,7 @@ struct ParallelOptions {
   int stages_per_rank = 1;   ///< pipeline stages per pp rank (resolved: never 0)
   int num_stages() const { return pp * stages_per_rank; }
   /// The ranks that draw different batches: the FSDP (and HSDP) ranks, not the TP or PP ranks of one batch.
-  int data_ranks(int world) const { return world / (tp * pp); }
+  int data_ranks(int world) const { return world / (tp * pp * cp); }
   bool sequence_parallel = false;
   bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
   std::optional<torch::ScalarType> all_gather_dtype;  ///< LowPrecisionAllGather of the weight matrices
@@ -46,7 +47,10 @@ int freeze_parameters(torch::nn::Module& model, const ParallelOptions& p);
 /// The device mesh of a run: 1-D over every rank for FSDP alone, (pp, dp_shard) with --pp > 1, else
 /// (dp_replicate, dp_shard, tp) with those names (sizes of 1 allowed). Collective over the world.
 fsdp::DeviceMeshPtr make_mesh(torch::DeviceType device, int world, const ParallelOptions& p);
-/// FSDP's mesh: the whole 1-D mesh, mesh["dp_shard"], or the (dp_replicate, dp_shard) slice for HSDP.
+/// FSDP's mesh: the whole 1-D mesh, mesh["dp_shard"], or the (dp_replicate, dp_shard) slice for HSDP. With
+/// --cp the gradients must be averaged over cp too (torchtitan flattens dp_shard and cp into "dp_shard_cp"):
+/// mesh["cp"] when dp_shard is 1 (FSDP over the cp ranks), else the (dp_shard, cp) slice as an HSDP mesh
+/// (replicated over dp_shard, sharded over cp: the same gradients, more parameter memory than one flat group).
 fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p);
 
 /// Applies FSDP2 (with --tp, tensor parallelism first) to the full model, built identically on every

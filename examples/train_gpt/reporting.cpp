@@ -197,7 +197,11 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << "model: " << (o_.init_from.empty() ? o_.model : "--init-from " + o_.init_from) << ": " << describe(s_.cfg) << ", " << fmt("%.2f", num_params_ / 1e6)
      << "M parameters, " << (s_.parallel.replicate ? "replicated (fsdp::replicate)" : "sharded") << " over "
      << world << " rank" << (world > 1 ? "s" : "")
-     << ((s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1) && s_.parallel.pp == 1
+     << (s_.parallel.cp > 1
+             ? " (dp_replicate x dp_shard x cp x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
+                   std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.cp) + " x " +
+                   std::to_string(s_.parallel.tp) + ")"
+         : (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1) && s_.parallel.pp == 1
              ? " (dp_replicate x dp_shard x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
                    std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +
                    (s_.parallel.sequence_parallel ? ", sequence parallel)" : ")")
@@ -209,12 +213,13 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
      << steps_per_epoch << " steps per epoch\n"
      << "batch: " << o_.batch_size << " x " << s_.cfg.block_size << " tokens x " << o_.grad_accum_steps
      << " microbatch" << (o_.grad_accum_steps > 1 ? "es" : "") << " x " << s_.parallel.data_ranks(world)
-     << (s_.parallel.tp > 1 || s_.parallel.pp > 1
+     << (s_.parallel.tp > 1 || s_.parallel.pp > 1 || s_.parallel.cp > 1
              ? " data-parallel ranks (x" +
+                   (s_.parallel.cp > 1 ? " " + std::to_string(s_.parallel.cp) + " context-parallel" : std::string()) +
                    (s_.parallel.tp > 1 ? " " + std::to_string(s_.parallel.tp) + " tensor-parallel" : std::string()) +
                    (s_.parallel.pp > 1 ? " " + std::to_string(s_.parallel.pp) + " pipeline-parallel" : std::string()) + ")"
              : std::string(" ranks"))
-     << " = " << tokens_per_step_ * (world / s_.parallel.tp) << " tokens per step\n"
+     << " = " << tokens_per_step_ * (world / (s_.parallel.tp * s_.parallel.cp)) << " tokens per step\n"
      << "optim: AdamW lr " << fmt("%.2e", o_.lr) << " -> " << fmt("%.2e", o_.min_lr) << " (warmup "
      << o_.warmup_steps << ", cosine), weight decay " << o_.weight_decay << ", clip "
      << (o_.clip_grad > 0 ? fmt("%g", o_.clip_grad) : std::string("off"))
@@ -386,7 +391,7 @@ void Reporter::summary(int64_t start_step, int64_t last_step, double wall_second
   std::ostringstream os;
   os << "done: " << steps_run << " steps in " << fmt("%.1f", wall_seconds) << " s ("
      << fmt("%.0f", 1e3 * train_seconds_ / std::max<int64_t>(steps_run, 1)) << " ms/step, "
-     << fmt("%.0f", tokens / seconds) << " tok/s/rank, " << fmt("%.0f", tokens * (pg_->size() / s_.parallel.tp) / seconds)
+     << fmt("%.0f", tokens / seconds) << " tok/s/rank, " << fmt("%.0f", tokens * (pg_->size() / (s_.parallel.tp * s_.parallel.cp)) / seconds)
      << " tok/s in all)\n";
   if (device_.is_cuda()) {
     os << "gpu: peak " << fmt("%.0f", peak_gpu_mem_mb(device_)) << " MiB allocated (rank 0), MFU "

@@ -19,6 +19,7 @@
 #include "fsdp/tensor/dtensor.h"
 #include "fsdp/tensor/dtensor_factories.h"
 #include "fsdp/tensor/dtensor_ops.h"
+#include "fsdp/tensor/experimental/context_parallel.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 #include "fsdp/tensor/parallel/style.h"
 // torch.distributed.fsdp

@@ -22,6 +22,7 @@ std::array<std::atomic<InterceptFn>, kLayers> layer_fallback{};
 std::array<std::atomic<InterceptFn>, kLayers> layer_composite{};
 std::atomic<InterceptFn> current_fallback{nullptr};
 std::atomic<InterceptFn> current_composite{nullptr};
+std::atomic<SdpaHandler> sdpa_handler{nullptr};
 std::mutex install_mu;
 int highest_installed = -1;
 
@@ -33,6 +34,14 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
 void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const InterceptFn fn = current_composite.load(std::memory_order_acquire);
   fn ? fn(op, ks, stack) : redispatch_below_intercept(op, ks, stack);
+}
+
+// aten::scaled_dot_product_attention: context parallelism first, then the layers as for any other op (without a
+// kernel of its own it reached the fallback as it does now when the handler declines).
+void sdpa_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const SdpaHandler handler = sdpa_handler.load(std::memory_order_acquire);
+  if (handler && handler(op, ks, stack)) return;
+  fallback(op, ks, stack);
 }
 
 // The key's kernels are registered when libfsdp is loaded (before main: no other thread dispatches yet), not when
@@ -54,6 +63,7 @@ const Registration& registration() {
       reg.aten = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kInterceptKey, __FILE__, __LINE__);
       reg.aten->impl("linear", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
       reg.aten->impl("matmul", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
+      reg.aten->impl("scaled_dot_product_attention", torch::CppFunction::makeFromBoxedFunction<&sdpa_kernel>());
     } catch (const c10::Error& e) {
       reg.error = e.what_without_backtrace();
     }
@@ -114,6 +124,14 @@ void install_intercept_layer(InterceptLayer layer, InterceptFn fallback_fn, Inte
     current_composite.store(composite_fn, std::memory_order_release);
   }
   highest_installed = std::max(highest_installed, level);
+}
+
+void install_sdpa_handler(SdpaHandler handler) {
+  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
+              kInterceptKey, " could not be registered when libfsdp was loaded: ", registration().error,
+              ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
+  SdpaHandler expected = nullptr;
+  sdpa_handler.compare_exchange_strong(expected, handler, std::memory_order_acq_rel);
 }
 
 torch::Tensor intercepted(const torch::Tensor& t) {

@@ -41,6 +41,16 @@ enum class InterceptLayer { TensorParallel = 0, FSDP = 1, Checkpoint = 2 };
 /// loaded in the same process).
 void install_intercept_layer(InterceptLayer layer, InterceptFn fallback, InterceptFn composite);
 
+/// The handler of aten::scaled_dot_product_attention on the key ahead of the layers: returns true when it ran
+/// the op (context parallelism's ring attention, while a context_parallel region lives on this thread), false to
+/// hand it to the layers as any other op. See [Note: context parallel interception] in
+/// tensor/experimental/context_parallel.cpp.
+using SdpaHandler = bool (*)(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+/// Installs the SDPA handler (once per process; later calls are no-ops). aten::scaled_dot_product_attention is
+/// CompositeImplicitAutograd: its kernel on the key is registered at load like linear's and matmul's.
+void install_sdpa_handler(SdpaHandler handler);
+
 /// Hands `op` to the highest installed layer below `layer` (its composite handler when `composite`), or
 /// runs it below the key when there is none.
 void call_layer_below(InterceptLayer layer, bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
