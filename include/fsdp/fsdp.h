@@ -17,6 +17,8 @@
 #include "fsdp/tensor/device_mesh.h"
 #include "fsdp/tensor/dtensor.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
+#include "fsdp/tensor/parallel/loss.h"
+#include "fsdp/tensor/random.h"
 // torch.distributed.fsdp
 #include "fsdp/fsdp/deferred_init.h"
 #include "fsdp/fsdp/fully_shard.h"

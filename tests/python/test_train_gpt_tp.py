@@ -8,6 +8,10 @@ gradient norms within 1e-5 (relative; TP sums the blocks' matmuls in another ord
 (--model-impl plain) with sequence parallelism, and with full or selective activation checkpointing. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
 precision. Checkpoints move between layouts; bad layouts fail with the flag to change.
 
+Issue 35: with --tp the tied wte/lm_head are vocabulary-parallel under loss_parallel by default (the logits are
+never gathered), so every layout above trains that way (and "tp2_no_loss_parallel" the gathered way); dropout
+under --tp draws from the DTensor RNG and trains like --tp 1 with --dtensor-rng (same seed, same data ranks).
+
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
@@ -52,6 +56,7 @@ def fsdp_alone(text_files, tmp_path_factory):
 
 @pytest.mark.parametrize("name,extra", [
     ("tp2", ["--tp", "2"]),
+    ("tp2_no_loss_parallel", ["--tp", "2", "--no-loss-parallel"]),
     ("tp2_sp", ["--tp", "2", "--sequence-parallel"]),
     ("hsdp_tp2", ["--tp", "2", "--dp-replicate", "2"]),
     ("plain_tp2_sp", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain"]),
@@ -66,6 +71,8 @@ def test_tensor_parallel_layouts_train_like_fsdp_alone(text_files, tmp_path, fsd
     p = run(args(text_files, tmp_path, name, "--batch-size", "4", *extra), nproc=4)
     assert p.returncode == 0, show(p)
     assert "x 2 tensor-parallel" in p.stdout, p.stdout[-2000:]
+    # loss_parallel (issue 35) is on by default with --tp for the holder model's tied head.
+    assert ("loss parallel" in p.stdout) == ("plain" not in name and "no_loss_parallel" not in name), p.stdout[-2000:]
     got = by_step(tmp_path / f"{name}.jsonl")
     assert sorted(got) == sorted(fsdp_alone), (sorted(got), sorted(fsdp_alone))
     assert_same_training(got, fsdp_alone, name)
@@ -121,9 +128,37 @@ def test_checkpoints_move_between_tensor_parallel_layouts(text_files, tmp_path, 
     (["--tp", "3"], "WORLD_SIZE 4 is not divisible by --dp-replicate(1) x --tp(3) = 3"),
     (["--tp", "4"], "--tp 4: the 2 heads (--n-head) do not split evenly"),
     (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
-    (["--tp", "2", "--dropout", "0.1"], "--dropout > 0 is not supported with tensor parallelism yet"),
+    (["--tp", "2", "--dropout", "0.1", "--model-impl", "plain"],
+     "--dropout > 0 with tensor parallelism needs --model-impl holder and no --pp"),
+    (["--loss-parallel"], "--loss-parallel: it needs --tp > 1"),
+    (["--tp", "2", "--loss-parallel", "--model-impl", "plain"], "--loss-parallel: it needs --model-impl holder"),
 ])
 def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
     p = run(args(text_files, tmp_path, "bad", "--batch-size", "2", *extra, steps=2), nproc=4)
     assert p.returncode != 0, show(p)
     assert message in p.stdout + p.stderr, show(p)
+
+
+# Dropout under TP (issue 35): the DTensor RNG gives every layout the masks one process would draw, so --tp 2 with
+# dropout trains like --tp 1 with --dtensor-rng on the same data ranks: 2 ranks (tp 2) vs 1 rank, and 4 ranks
+# (dp 2 x tp 2, also with sequence parallelism) vs 2 ranks (dp 2). Losses, evaluation losses and gradient norms
+# within 1e-5; the dropout must matter (the losses differ from a run without it).
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--tp", "2"]),
+    (4, ["--tp", "2"]),
+    (4, ["--tp", "2", "--sequence-parallel"]),
+])
+def test_dropout_under_tp_trains_like_one_tp_rank(text_files, tmp_path, nproc, extra):
+    common = ["--batch-size", "4", "--dropout", "0.1"]
+    p = run(args(text_files, tmp_path, "ref", *common, "--dtensor-rng", steps=5), nproc=nproc // 2)
+    assert p.returncode == 0, show(p)
+    assert "DTensor RNG" in p.stdout, p.stdout[-2000:]
+    ref = by_step(tmp_path / "ref.jsonl")
+    p = run(args(text_files, tmp_path, "tp", *common, *extra, steps=5), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    assert "DTensor RNG" in p.stdout and "loss parallel" in p.stdout, p.stdout[-2000:]
+    assert_same_training(by_step(tmp_path / "tp.jsonl"), ref, f"dropout {extra} on {nproc} ranks")
+    p = run(args(text_files, tmp_path, "nodrop", "--batch-size", "4", "--dtensor-rng", steps=5), nproc=nproc // 2)
+    assert p.returncode == 0, show(p)
+    nodrop = by_step(tmp_path / "nodrop.jsonl")
+    assert abs(nodrop[1]["loss"] - ref[1]["loss"]) > 1e-4, (nodrop[1], ref[1])
