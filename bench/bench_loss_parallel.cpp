@@ -33,7 +33,7 @@ struct Result {
   torch::Tensor loss, x_grad;
 };
 
-Result measure(const torch::nn::Linear& head, const torch::Tensor& x_in, const torch::Tensor& target,
+Result measure(torch::nn::Linear head, const torch::Tensor& x_in, const torch::Tensor& target,
                const fsdp::DeviceMeshPtr& loss_mesh) {
   auto x = x_in.clone().requires_grad_(true);
   reset_peak();

@@ -240,7 +240,11 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   if (!sharded_init && device.is_cuda() && !o.cpu_offload) model->to(device);
   if (!o.no_shard) parallelize(model, mesh, s.parallel);
   if constexpr (std::is_same_v<Model, fsdp::FSDPModule<GPT>>) {
-    if (s.parallel.dtensor_rng) apply_dtensor_rng(*model, mesh, s.parallel, o.seed);
+    if (s.parallel.dtensor_rng) {
+      apply_dtensor_rng(*model, mesh, s.parallel, o.seed);
+      report.say("dropout: DTensor RNG (fsdp::manual_seed(" + std::to_string(o.seed) + ", mesh)): each rank applies "
+                 "its piece of the masks one process would draw");
+    }
   }
   if (sharded_init) {
     fsdp::materialize_module(model);

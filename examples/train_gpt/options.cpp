@@ -287,10 +287,10 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     no_loss_parallel = "the vocabulary of " + std::to_string(cfg.vocab_size) + " does not divide by --tp " +
                        std::to_string(o.tp) + " (pad it with --vocab-size)";
   }
-  if (o.loss_parallel.value_or(false) && !no_loss_parallel.empty()) {
+  if (o.loss_parallel && !no_loss_parallel.empty()) {
     throw UsageError("--loss-parallel: " + no_loss_parallel + ". Fix: drop --loss-parallel");
   }
-  p.loss_parallel = o.loss_parallel.value_or(true) && no_loss_parallel.empty();
+  p.loss_parallel = !o.no_loss_parallel && no_loss_parallel.empty();
   if (o.dtensor_rng && (o.model_impl != "holder" || o.pp > 1)) {
     throw UsageError("--dtensor-rng needs --model-impl holder and no --pp. Fix: drop --dtensor-rng");
   }

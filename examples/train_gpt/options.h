@@ -75,7 +75,8 @@ struct Options {
   int tp = 1;                      // tensor-parallel ranks per block (issue 15): heads split across them
   int dp_replicate = 1;            // HSDP: replicas of the FSDP group; WORLD_SIZE = dp_replicate x dp_shard x tp
   bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
-  std::optional<bool> loss_parallel;  // --[no-]loss-parallel (issue 35); unset: on with --tp where it applies
+  bool loss_parallel = false;     // --loss-parallel (issue 35): demanded (an error where it does not apply)
+  bool no_loss_parallel = false;  // --no-loss-parallel; neither: on with --tp where it applies
   bool dtensor_rng = false;           // --dtensor-rng: dropout from the DTensor RNG also without --tp
   std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)
   bool reduce_scatter_each_microbatch = false;  // accumulate sharded sums; HSDP: all-reduce on the last only

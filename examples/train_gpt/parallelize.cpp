@@ -116,7 +116,7 @@ void apply_dtensor_rng(GPTImpl& model, const fsdp::DeviceMeshPtr& mesh, const Pa
     rng->heads.push_back(is_tp ? fsdp::Shard(1) : fsdp::Shard(0));
   }
   model.rng = rng;
-  for (const auto& b : model.blocks) {
+  for (auto& b : model.blocks) {
     b->attn->rng = rng;
     b->mlp->rng = rng;
   }

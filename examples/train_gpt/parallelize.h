@@ -60,8 +60,10 @@ fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOpt
 ///      mlp.c_proj row-parallel over mesh["tp"] (each TP rank computes H / tp heads and 4C / tp MLP
 ///      features; one all-reduce after each projection, in forward and backward); with
 ///      sequence_parallel, ln_1 and ln_2 on sequence-sharded activations (the all-reduces become
-///      all-gathers and reduce-scatters). The root's modules (wte, wpe, ln_f, lm_head) are not
-///      tensor-parallel: every TP rank computes them, FSDP shards them over dp;
+///      all-gathers and reduce-scatters). The root's modules (wpe, ln_f; wte and lm_head without
+///      loss_parallel) are not tensor-parallel: every TP rank computes them, FSDP shards them over dp;
+///      with loss_parallel (the default with --tp where it applies) apply_loss_parallel makes wte and the
+///      tied lm_head vocabulary-parallel; with dropout, apply_dtensor_rng (called by main) seeds the masks;
 ///   0. activation checkpointing of each block (apply_activation_checkpointing);
 ///   1. each block becomes a fully_shard group of its own: in forward and backward only one block's
 ///      parameters (plus the prefetched next one) are gathered at a time;

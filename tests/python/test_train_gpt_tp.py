@@ -157,7 +157,11 @@ def test_dropout_under_tp_trains_like_one_tp_rank(text_files, tmp_path, nproc, e
     p = run(args(text_files, tmp_path, "tp", *common, *extra, steps=5), nproc=nproc)
     assert p.returncode == 0, show(p)
     assert "DTensor RNG" in p.stdout and "loss parallel" in p.stdout, p.stdout[-2000:]
-    assert_same_training(by_step(tmp_path / "tp.jsonl"), ref, f"dropout {extra} on {nproc} ranks")
+    got = by_step(tmp_path / "tp.jsonl")
+    assert_same_training(got, ref, f"dropout {extra} on {nproc} ranks")
+    worst = max(abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in ref for k in ("loss", "eval_loss", "grad_norm")
+                if ref[s].get(k) is not None)
+    print(f"dropout {extra} on {nproc} ranks vs --tp 1: max relative diff {worst:.3g}")
     p = run(args(text_files, tmp_path, "nodrop", "--batch-size", "4", "--dtensor-rng", steps=5), nproc=nproc // 2)
     assert p.returncode == 0, show(p)
     nodrop = by_step(tmp_path / "nodrop.jsonl")
