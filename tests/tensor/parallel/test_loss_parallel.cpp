@@ -162,6 +162,61 @@ TEST(LossParallel, ColwiseHeadGradientsMatchOneProcess) {
   std::cout << "[loss_parallel] ColwiseParallel head, tp 2/3/4: max |diff| " << diff.value << std::endl;
 }
 
+// A tied head ([Note: tied TP styles]): an Embedding RowwiseParallel and a custom head module whose only parameter
+// is the Embedding's weight, planned ColwiseParallel, under loss_parallel: the loss and the tied weight's gradient
+// (the sum of both uses', this rank's vocabulary rows) equal one process's, on tp 2 and 4 (vocab 12). A custom
+// module whose weight is its own is refused, naming the module and what a tied head is.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+struct TiedLMImpl : torch::nn::Module {
+  TiedLMImpl(int64_t vocab, int64_t d)
+      : emb(register_module("emb", torch::nn::Embedding(vocab, d))), head(register_module("head", TiedHead(emb->weight))) {
+    torch::NoGradGuard no_grad;
+    emb->weight.copy_((torch::arange(vocab * d, torch::kFloat32).view({vocab, d}) * 0.27).sin());
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::tanh(emb(ids))); }
+  torch::nn::Embedding emb;
+  TiedHead head;
+};
+TORCH_MODULE(TiedLM);
+
+TEST(LossParallel, TiedEmbeddingAndHead) {
+  const int64_t vocab = 12, d = 5;
+  MaxDiff diff;
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {tp}, {"tp"});
+      TiedLM ref(vocab, d), model(vocab, d);
+      tp::parallelize_module(model, mesh, {{"emb", tp::RowwiseParallel()}, {"head", tp::ColwiseParallel()}});
+      auto ids = (torch::arange(14, torch::kInt64) * 5 + 1).remainder(vocab).view({2, 7});
+      auto target = (ids * 3 + 2).remainder(vocab).view(-1);
+      auto ref_loss = torch::nn::functional::cross_entropy(ref(ids).view({-1, vocab}), target);
+      ref_loss.backward();
+      auto local = model(ids);
+      ASSERT_EQ(local.size(-1), vocab / tp);
+      auto loss = tp::vocab_parallel_cross_entropy(local.view({-1, vocab / tp}), target, mesh);
+      loss.backward();
+      const auto r = chunk_range(vocab, tp, mesh->get_local_rank(0));
+      diff.see(loss.detach(), ref_loss.detach(), "tied tp " + std::to_string(tp) + " loss");
+      diff.see(model->emb->weight.grad(), ref->emb->weight.grad().narrow(0, r.offset, r.length),
+               "tied tp " + std::to_string(tp) + " weight grad");
+      EXPECT_TRUE(model->head->weight.is_same(model->emb->weight));
+    });
+  }
+  std::cout << "[loss_parallel] tied Embedding + head, tp 2/4: max |diff| " << diff.value << std::endl;
+  auto errors = run_ranks_collect(2, [](ProcessGroupPtr) {
+    auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"});
+    torch::nn::Sequential untied(TiedHead(torch::zeros({4, 3})));
+    tp::parallelize_module(untied, mesh, {{"0", tp::ColwiseParallel()}});
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("is not the weight of an Embedding planned RowwiseParallel"), std::string::npos) << e;
+}
+
 // Bad input: the same c10::Error on every rank (validated from the all-gathered shapes), naming what was
 // expected, what was found and the fix.
 TEST(LossParallel, BadInputThrowsOnEveryRank) {
