@@ -166,3 +166,18 @@ def test_dropout_under_tp_trains_like_one_tp_rank(text_files, tmp_path, nproc, e
     assert p.returncode == 0, show(p)
     nodrop = by_step(tmp_path / "nodrop.jsonl")
     assert abs(nodrop[1]["loss"] - ref[1]["loss"]) > 1e-4, (nodrop[1], ref[1])
+
+
+# --sft under loss_parallel (lm_loss_sum's reduction "sum" with ignore_index -100 on the vocabulary-sharded logits):
+# --tp 2 on 2 ranks trains like one rank on the same batch (losses, evaluation losses, gradient norms, 1e-5).
+def test_sft_under_loss_parallel_trains_like_one_rank(tmp_path):
+    from test_train_gpt_data import sft_file
+    data = sft_file(tmp_path / "sft.jsonl")
+    common = ["--model", "tiny", "--seed", "7", "--threads", "1", "--sample-tokens", "0", "--log-every", "1", "--sft",
+              data, "--steps", "6", "--eval-every", "3", "--warmup-steps", "2", "--batch-size", "4"]
+    p = run(common + ["--metrics", tmp_path / "one.jsonl"], nproc=1)
+    assert p.returncode == 0, show(p)
+    p = run(common + ["--metrics", tmp_path / "tp.jsonl", "--tp", "2"], nproc=2)
+    assert p.returncode == 0, show(p)
+    assert "loss parallel" in p.stdout and "prompt tokens masked" in p.stdout, p.stdout[-2000:]
+    assert_same_training(by_step(tmp_path / "tp.jsonl"), by_step(tmp_path / "one.jsonl"), "--sft --tp 2")
