@@ -295,6 +295,12 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
     throw UsageError("--dtensor-rng needs --model-impl holder and no --pp. Fix: drop --dtensor-rng");
   }
   p.dtensor_rng = o.dtensor_rng || (o.tp > 1 && cfg.dropout > 0.0);
+  if (p.dtensor_rng && cfg.dropout > 0.0 && o.activation_checkpointing != "none") {
+    // Recomputation would take new offsets, so new masks: its gradients would not be the forward's.
+    throw UsageError("--dropout > 0 from the DTensor RNG (--tp or --dtensor-rng) with --activation-checkpointing " +
+                     o.activation_checkpointing + ": the recomputed blocks would draw other masks than the forward "
+                     "(the DTensor RNG's offsets are not replayed yet). Fix: --activation-checkpointing none or --dropout 0");
+  }
   // reshard_after_forward's int counts ranks of the FSDP (shard) group.
   p.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, p.dp_shard);
   return p;

@@ -131,6 +131,8 @@ def test_checkpoints_move_between_tensor_parallel_layouts(text_files, tmp_path, 
     (["--tp", "2", "--dropout", "0.1", "--model-impl", "plain"],
      "--dropout > 0 with tensor parallelism needs --model-impl holder and no --pp"),
     (["--loss-parallel"], "--loss-parallel: it needs --tp > 1"),
+    (["--tp", "2", "--dropout", "0.1", "--activation-checkpointing", "full"],
+     "the recomputed blocks would draw other masks than the forward"),
     (["--tp", "2", "--loss-parallel", "--model-impl", "plain"], "--loss-parallel: it needs --model-impl holder"),
 ])
 def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):

@@ -27,14 +27,19 @@ namespace random {
 /// Example: `fsdp::random::manual_seed(1234, mesh);  // then fsdp::random::dropout(...)`
 void manual_seed(uint64_t seed, const DeviceMeshPtr& device_mesh);
 
-/// Whether manual_seed was called for `device_mesh`'s root mesh.
+/// Whether manual_seed was called for `device_mesh`'s root mesh (no communication, never throws).
+/// Example: `if (!fsdp::random::is_seeded(mesh)) fsdp::manual_seed(0, mesh);`
 bool is_seeded(const DeviceMeshPtr& device_mesh);
 
 /// The state of `device_mesh`'s root: {seed, offset}. The offset counts the random numbers drawn so far
 /// (each draw of n elements advances it by n rounded up to a multiple of 4, PyTorch's rule). Throws c10::Error
 /// when the mesh was never seeded. Mirrors OffsetBasedRNGTracker.get_offset / get_seed.
+/// Example: `auto [seed, offset] = fsdp::random::get_rng_state(mesh);`
 std::pair<uint64_t, uint64_t> get_rng_state(const DeviceMeshPtr& device_mesh);
-/// Sets the offset (e.g. to replay a step, as activation checkpointing's recomputation must).
+/// Sets the offset of `device_mesh`'s root (every rank alike: no communication), e.g. to start each training step
+/// at a fixed offset so that a resumed run draws what it would have, or to replay a region. Throws c10::Error when
+/// the mesh was never seeded. Mirrors OffsetBasedRNGTracker.set_offset.
+/// Example: `fsdp::random::set_offset(mesh, step << 40);`
 void set_offset(const DeviceMeshPtr& device_mesh, uint64_t offset);
 
 /// This rank's piece of `torch::rand(global_shape)` laid out as `placements` (one per mesh dim: Shard(d) takes
@@ -62,8 +67,8 @@ torch::Tensor dropout(const torch::Tensor& x, double p, bool train, const Device
 
 }  // namespace random
 
-/// fsdp::random::manual_seed, spelled as PyTorch users import it (torch.distributed.tensor.manual_seed... via
-/// torch.distributed.tensor._random.manual_seed). Example: `fsdp::manual_seed(0, mesh);`
+/// fsdp::random::manual_seed under the name the issue and PyTorch's docs use
+/// (torch.distributed.tensor._random.manual_seed). Example: `fsdp::manual_seed(0, mesh);`
 inline void manual_seed(uint64_t seed, const DeviceMeshPtr& device_mesh) { random::manual_seed(seed, device_mesh); }
 
 }  // namespace fsdp

@@ -17,7 +17,9 @@
 namespace fsdp::tp {
 
 /// The options of vocab_parallel_cross_entropy, spelled as torch::nn::functional::CrossEntropyFuncOptions
-/// (no class weights: PyTorch's loss_parallel takes a replicated `weight`; libfsdp's does not yet).
+/// (no class weights: PyTorch's loss_parallel takes a replicated `weight`; libfsdp's does not yet). Validated by
+/// vocab_parallel_cross_entropy (c10::Error for a reduction other than mean/sum/none, a smoothing outside [0, 1]).
+/// Example: `tp::LossParallelOptions().set_reduction("sum").set_ignore_index(-100).set_label_smoothing(0.1)`
 struct LossParallelOptions {
   /// "mean" (over the targets that are not ignore_index; NaN when every target is ignored, as PyTorch),
   /// "sum" or "none" (one loss per row, 0 for an ignored row).
