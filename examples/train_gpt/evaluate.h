@@ -15,10 +15,14 @@
 
 namespace train_gpt {
 
-inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+/// Mean cross-entropy of logits [B, T, vocab] against targets [B, T]; with `vocab_mesh` (loss_parallel), of the
+/// TP rank's vocabulary columns [B, T, vocab / tp] (fsdp::tp::vocab_parallel_cross_entropy: the same value).
+inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+                             const fsdp::DeviceMeshPtr& vocab_mesh = nullptr) {
   // In fp32 whatever the compute dtype: a log-softmax over 256 classes in bf16 loses the small probabilities.
-  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, logits.size(-1)}),
-                                              targets.reshape({-1}));
+  auto flat = logits.to(torch::kFloat32).reshape({-1, logits.size(-1)});
+  if (vocab_mesh) return fsdp::tp::vocab_parallel_cross_entropy(flat, targets.reshape({-1}), vocab_mesh);
+  return torch::nn::functional::cross_entropy(flat, targets.reshape({-1}));
 }
 
 // `Model`, here and below: the model holder of --model-impl, fsdp::FSDPModule<GPT> (holder) or PlainGPT

@@ -243,6 +243,14 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
               "replicas on the last microbatch only (FSDPModule::set_requires_all_reduce)");
   g->add_flag("--sequence-parallel", o.sequence_parallel,
               "With --tp: LayerNorms and residuals on sequence-sharded activations (less activation memory)");
+  auto* lp = g->add_flag("--loss-parallel", o.loss_parallel,
+              "With --tp: wte and the tied lm_head vocabulary-parallel, the loss computed on the vocabulary-sharded "
+              "logits without gathering them (loss_parallel; Default: on with --tp for GPT-2 with a tied head, "
+              "a vocabulary that divides by --tp and no --pp)");
+  g->add_flag("--no-loss-parallel", o.no_loss_parallel, "With --tp: gather the logits (no loss_parallel)")->excludes(lp);
+  g->add_flag("--dtensor-rng", o.dtensor_rng,
+              "Dropout masks from the DTensor RNG (fsdp::manual_seed on the mesh: what one process would draw, "
+              "whatever the --tp layout); always on with --tp and --dropout > 0");
   g->add_flag("--estimate-memory", o.estimate_memory,
               "Print the predicted per-rank peak memory (fsdp::estimate_memory, one row per component) for "
               "this model, world size and options, and exit without training");

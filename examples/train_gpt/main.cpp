@@ -172,7 +172,10 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
         CpuAutocast autocast(t.s.parallel.param_dtype, device.type());
         logits = t.model(x);
       }
-      loss = token_scale ? lm_loss_sum(logits, y) * *token_scale : lm_loss(logits, y) / static_cast<double>(o.grad_accum_steps);
+      fsdp::DeviceMeshPtr vocab_mesh;  // loss_parallel: the logits are this TP rank's vocabulary columns
+      if constexpr (std::is_same_v<Model, fsdp::FSDPModule<GPT>>) vocab_mesh = t.model->loss_parallel_mesh;
+      loss = token_scale ? lm_loss_sum(logits, y, vocab_mesh) * *token_scale
+                         : lm_loss(logits, y, vocab_mesh) / static_cast<double>(o.grad_accum_steps);
     }
     (t.scaler ? t.scaler->scale(loss) : loss).backward();
     loss_sum += loss.detach();
@@ -261,6 +264,13 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   // (with --cpu-offload the shards stay on the CPU: fully_shard puts them in pinned host memory).
   if (!sharded_init && device.is_cuda() && !o.cpu_offload) model->to(device);
   if (!o.no_shard) parallelize(model, mesh, s.parallel);
+  if constexpr (std::is_same_v<Model, fsdp::FSDPModule<GPT>>) {
+    if (s.parallel.dtensor_rng) {
+      apply_dtensor_rng(*model, mesh, s.parallel, o.seed);
+      report.say("dropout: DTensor RNG (fsdp::manual_seed(" + std::to_string(o.seed) + ", mesh)): each rank applies "
+                 "its piece of the masks one process would draw");
+    }
+  }
   if (sharded_init) {
     fsdp::materialize_module(model);
     for (auto& b : model->buffers()) {
@@ -331,6 +341,8 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     const double lr = lr_at(step, o);
+    // The DTensor RNG's stream of each step starts at a fixed offset: a resumed run draws what it would have.
+    if (s.parallel.dtensor_rng) fsdp::random::set_offset(mesh, static_cast<uint64_t>(step) << 40);
     const StepResult r = train_step(t, lr, /*count_states=*/step == start_step + 1);
     report.step(step, lr, r.loss, r.grad_norm, seconds_since(t0), [&] { return run_eval(step); });
     if (step == start_step + 1) {  // rank 0's (it holds ceil(dim0 / N) rows of every parameter: the most)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -184,10 +185,21 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto T = qkv[0].size(1), local_C = qkv[0].size(2);
   const int64_t heads_here = n_head * local_C / C;
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, heads_here, C / n_head}).transpose(1, 2); };
-  // [B, H, T, D]; is_causal masks the future (no explicit mask tensor).
-  auto y = torch::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
-                                               /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
+  torch::Tensor y;
+  if (rng && is_training() && dropout > 0) {
+    // SDPA's math with the DTensor RNG's mask on this rank's heads (SDPA would draw from the default generator).
+    auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+    auto future = torch::ones({T, T}, torch::TensorOptions(torch::kBool).device(x.device())).triu(1);
+    att = torch::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    y = torch::matmul((*rng)(att, dropout, true, rng->heads), v);
+  } else {
+    // [B, H, T, D]; is_causal masks the future (no explicit mask tensor).
+    y = torch::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
+                                            /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
+  }
   y = y.transpose(1, 2).contiguous().view({B, T, local_C});
+  if (rng) return (*rng)(linear(c_proj, y), resid_dropout->options.p(), is_training(), rng->residual);
   return resid_dropout(linear(c_proj, y));
 }
 
@@ -198,7 +210,8 @@ MLPImpl::MLPImpl(const GPTConfig& cfg) {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return dropout(linear(c_proj, torch::gelu(linear(c_fc, x), "tanh")));
+  auto y = linear(c_proj, torch::gelu(linear(c_fc, x), "tanh"));
+  return rng ? (*rng)(y, dropout->options.p(), is_training(), rng->residual) : dropout(y);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& cfg) {
@@ -237,12 +250,16 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg.block_size, "GPT: sequence of ", T, " tokens exceeds the context of ", cfg.block_size);
   auto pos = positions.defined() ? positions : torch::arange(T, idx.options());  // (--cp: this rank's positions)
-  auto x = drop(wte(idx) + wpe(pos));  // [B, T, C]
+  auto x = wte(idx) + wpe(pos);  // [B, T, C]
+  x = rng ? (*rng)(x, drop->options.p(), is_training(), rng->replicated) : drop(x);
   // Through FSDP: unshard before, reshard after each block. With --sequence-parallel the plan's
   // PrepareModuleInput on h.0 splits the sequence and PrepareModuleOutput on the last block gathers it
   // (parallelize.cpp), at the holders' call boundary: nothing to do here.
   for (auto& b : blocks) x = b(x);
-  return lm_head(ln_f(x));             // [B, T, vocab]
+  auto logits = lm_head(ln_f(x));  // [B, T, vocab], or [B, T, vocab / tp] under loss_parallel
+  // Training: the loss takes the vocabulary-sharded logits (lm_loss); evaluation and sampling the whole.
+  if (loss_parallel_mesh && !is_training()) logits = fsdp::tp::gather_sequence(logits, loss_parallel_mesh, -1);
+  return logits;
 }
 
 // ---- Pipeline stages (--pp) --------------------------------------------------------------------------

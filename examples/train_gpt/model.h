@@ -18,6 +18,7 @@
 
 #include "fsdp/fsdp/fully_shard.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
+#include "fsdp/tensor/random.h"
 
 namespace train_gpt {
 
@@ -67,6 +68,22 @@ int64_t init_gpt2_weights(torch::nn::Module& model, const GPTConfig& cfg);
 /// must see. Module::parameters() lists a tied weight under both of its names.
 std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model);
 
+/// Dropout from the DTensor RNG (issue 35; --tp with --dropout, or --dtensor-rng): each mask is this rank's
+/// piece of the mask one process would draw for the whole global batch (fsdp::random::dropout), so every
+/// layout (dp x tp, sequence parallel or not) trains alike and the TP ranks of a replicated activation drop
+/// the same elements. Set by parallelize() on the modules that drop; null: LibTorch's own dropout.
+struct TPDropout {
+  fsdp::DeviceMeshPtr mesh;                  ///< the run's mesh (its root is seeded with fsdp::manual_seed)
+  std::vector<fsdp::Placement> replicated;   ///< [B, T, C] replicated over tp: Shard(0) on the data dims
+  std::vector<fsdp::Placement> residual;     ///< the blocks' residual stream: `replicated` or, with SP, Shard(1) on tp
+  std::vector<fsdp::Placement> heads;        ///< attention probabilities [B, H / tp, T, T]: Shard(1) on tp
+  /// `x` through dropout with probability p in training mode, its mask laid out as `placements` (even splits).
+  torch::Tensor operator()(const torch::Tensor& x, double p, bool training,
+                           const std::vector<fsdp::Placement>& placements) const {
+    return fsdp::random::dropout(x, p, training, mesh, placements);
+  }
+};
+
 /// Causal multi-head self-attention: one fused qkv projection (c_attn), SDPA with is_causal, c_proj.
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
@@ -79,6 +96,9 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   /// Set by parallelize() under tensor parallelism (--tp): c_attn is column-parallel, and this rank
   /// computes n_head / tp heads (fsdp::tp::local_heads_of_fused), which the row-parallel c_proj sums.
   fsdp::DeviceMeshPtr tp_mesh;
+  /// Set by parallelize() with the DTensor RNG: attention dropout on explicit probabilities (SDPA draws from
+  /// the default generator), resid_dropout on the residual stream's layout.
+  std::shared_ptr<const TPDropout> rng;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -89,6 +109,7 @@ struct MLPImpl : torch::nn::Module {
 
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
+  std::shared_ptr<const TPDropout> rng;  ///< as CausalSelfAttentionImpl::rng
 };
 TORCH_MODULE(MLP);
 
@@ -118,7 +139,9 @@ struct GPTImpl : torch::nn::Module {
   /// Builds the model with GPT-2's initialisation (draws from the global torch generator: seed it with
   /// torch::manual_seed first so that every rank builds the same weights).
   explicit GPTImpl(const GPTConfig& cfg);
-  /// Logits [B, T, vocab] of the tokens `idx` [B, T] (int64, T <= block_size).
+  /// Logits [B, T, vocab] of the tokens `idx` [B, T] (int64, T <= block_size). With loss_parallel_mesh set
+  /// and in training mode: this TP rank's vocabulary columns [B, T, vocab / tp] (for lm_loss's
+  /// vocab_parallel_cross_entropy); in eval mode gathered whole.
   torch::Tensor forward(const torch::Tensor& idx);
 
   /// Parameters without duplicates (a tied weight appears once): see train_gpt::unique_parameters.
@@ -142,6 +165,10 @@ struct GPTImpl : torch::nn::Module {
   /// with --cp around each microbatch: fsdp::experimental::context_parallel shards it with the tokens, so that
   /// each CP rank embeds its load-balanced positions (PyTorch's models take it as a buffer, e.g. freqs_cis).
   torch::Tensor positions;
+  /// Set by parallelize() with loss_parallel (issue 35): wte and the tied lm_head are vocabulary-parallel over
+  /// this TP mesh, and forward returns vocabulary-sharded logits in training mode.
+  fsdp::DeviceMeshPtr loss_parallel_mesh;
+  std::shared_ptr<const TPDropout> rng;  ///< as CausalSelfAttentionImpl::rng (the embeddings' dropout)
 
  private:
   int64_t num_params_ = 0;

@@ -287,14 +287,43 @@ ParallelOptions parallel_options(const Options& o, const GPTConfig& cfg, int wor
                                          "split evenly; use a --tp that divides them");
     need(cfg.mlp_width() % o.tp == 0, "the MLP width " + std::to_string(cfg.mlp_width()) + " does not split evenly; " +
                                           "use a --tp that divides it");
-    need(cfg.dropout == 0.0, "--dropout > 0 is not supported with tensor parallelism yet (the TP ranks would drop "
-                             "different elements of the same activation). Fix: --dropout 0");
+    // Dropout draws from the DTensor RNG (every TP rank the mask one process would draw), which the GPT-2 holder
+    // model's unpipelined forward applies (model.cpp, TPDropout); Llama's forward does not use it yet.
+    need(cfg.dropout == 0.0 || (o.model_impl == "holder" && o.pp == 1 && !cfg.is_llama()),
+         "--dropout > 0 with tensor parallelism needs the GPT-2 holder model and no --pp (the DTensor RNG's masks are "
+         "applied by the GPT-2 holder model's forward, not yet by Llama's). Fix: --dropout 0, or drop --model-impl "
+         "plain / --pp");
     need(!o.cpu_offload && o.mixed_precision != "fp16",
          "--cpu-offload and --mixed-precision fp16 are not supported with tensor parallelism yet. Fix: drop them or "
          "--tp 1");
     need(!o.sequence_parallel || cfg.block_size % o.tp == 0,
          "--sequence-parallel splits the context of " + std::to_string(cfg.block_size) + " tokens (--block-size) " +
              "evenly; use a --tp that divides it");
+  }
+  // loss_parallel (issue 35): the tied head vocabulary-parallel. Where it applies, on by default with --tp.
+  std::string no_loss_parallel;  // why it does not apply ("" when it does)
+  if (o.tp == 1) no_loss_parallel = "it needs --tp > 1";
+  else if (o.model_impl != "holder") no_loss_parallel = "it needs --model-impl holder";
+  else if (!cfg.tie_weights) no_loss_parallel = "it needs the tied head (--tie-weights)";
+  else if (o.pp > 1) no_loss_parallel = "it does not combine with --pp (the last stage's head is a copy of wte)";
+  else if (cfg.vocab_size % o.tp != 0) {
+    no_loss_parallel = "the vocabulary of " + std::to_string(cfg.vocab_size) + " does not divide by --tp " +
+                       std::to_string(o.tp) + " (pad it with --vocab-size)";
+  }
+  if (o.loss_parallel && !no_loss_parallel.empty()) {
+    throw UsageError("--loss-parallel: " + no_loss_parallel + ". Fix: drop --loss-parallel");
+  }
+  p.loss_parallel = !o.no_loss_parallel && no_loss_parallel.empty();
+  if (o.dtensor_rng && (o.model_impl != "holder" || o.pp > 1 || cfg.is_llama())) {
+    throw UsageError("--dtensor-rng needs the GPT-2 holder model (--model-impl holder, not Llama) and no --pp. Fix: drop "
+                     "--dtensor-rng");
+  }
+  p.dtensor_rng = o.dtensor_rng || (o.tp > 1 && cfg.dropout > 0.0);
+  if (p.dtensor_rng && cfg.dropout > 0.0 && o.activation_checkpointing != "none") {
+    // Recomputation would take new offsets, so new masks: its gradients would not be the forward's.
+    throw UsageError("--dropout > 0 from the DTensor RNG (--tp or --dtensor-rng) with --activation-checkpointing " +
+                     o.activation_checkpointing + ": the recomputed blocks would draw other masks than the forward "
+                     "(the DTensor RNG's offsets are not replayed yet). Fix: --activation-checkpointing none or --dropout 0");
   }
   // reshard_after_forward's int counts ranks of the FSDP (shard) group.
   p.reshard_after_forward = parse_reshard_after_forward(o.reshard_after_forward, p.dp_shard);

@@ -76,6 +76,9 @@ struct Options {
   int cp = 1;                      // context-parallel ranks (issue 35): each sequence split across them
   int dp_replicate = 1;            // HSDP: replicas of the FSDP group; WORLD_SIZE = dp_replicate x dp_shard x tp
   bool sequence_parallel = false;  // with --tp: norms and residuals on sequence-sharded activations
+  bool loss_parallel = false;     // --loss-parallel (issue 35): demanded (an error where it does not apply)
+  bool no_loss_parallel = false;  // --no-loss-parallel; neither: on with --tp where it applies
+  bool dtensor_rng = false;           // --dtensor-rng: dropout from the DTensor RNG also without --tp
   std::string data_parallel = "fully_shard";   // or "replicate": whole parameters on every rank (DDP)
   bool reduce_scatter_each_microbatch = false;  // accumulate sharded sums; HSDP: all-reduce on the last only
   bool keep_unsharded = false;  // set_reshard_after_backward(false) but on the last microbatch: no re-gathers

@@ -137,8 +137,36 @@ void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, con
   if (p.sequence_parallel) *sequence_parallel_mesh = tp_mesh;
 }
 
+void apply_loss_parallel(GPTImpl& model, const fsdp::DeviceMeshPtr& mesh) {
+  using namespace fsdp::tp;
+  auto tp_mesh = (*mesh)["tp"];
+  // Both on wte.weight's vocabulary rows ([Note: tied TP styles] in tensor_parallel.cpp).
+  parallelize_module(model.shared_from_this(), tp_mesh, {{"wte", RowwiseParallel()}, {"lm_head", ColwiseParallel()}});
+  model.loss_parallel_mesh = tp_mesh;
+}
+
+void apply_dtensor_rng(GPTImpl& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p, uint64_t seed) {
+  fsdp::manual_seed(seed, mesh);
+  auto rng = std::make_shared<TPDropout>();
+  rng->mesh = mesh;
+  // The data dims shard the batch (dim 0); tp replicates, or shards the sequence (SP) or the heads.
+  const bool has_tp = mesh->ndim() > 1;
+  for (int64_t d = 0; d < mesh->ndim(); ++d) {
+    const bool is_tp = has_tp && mesh->dim_names()[d] == "tp";
+    rng->replicated.push_back(is_tp ? fsdp::Replicate() : fsdp::Shard(0));
+    rng->residual.push_back(is_tp ? (p.sequence_parallel ? fsdp::Shard(1) : fsdp::Replicate()) : fsdp::Shard(0));
+    rng->heads.push_back(is_tp ? fsdp::Shard(1) : fsdp::Shard(0));
+  }
+  model.rng = rng;
+  for (auto& b : model.blocks) {
+    b->attn->rng = rng;
+    b->mlp->rng = rng;
+  }
+}
+
 void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p) {
   if (p.tp > 1) apply_tp(*model, model->h, mesh, p, &model->sequence_parallel_mesh);
+  if (p.loss_parallel) apply_loss_parallel(*model, mesh);
   if (p.activation_checkpointing != "none") apply_activation_checkpointing(model, p);
   apply_fsdp(model, fsdp_mesh(mesh, p), p);
 }

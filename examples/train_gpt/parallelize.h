@@ -31,6 +31,11 @@ struct ParallelOptions {
   /// The ranks that draw different batches: the FSDP (and HSDP) ranks, not the TP or PP ranks of one batch.
   int data_ranks(int world) const { return world / (tp * pp * cp); }
   bool sequence_parallel = false;
+  /// wte RowwiseParallel and the tied lm_head ColwiseParallel: the model returns vocabulary-sharded logits,
+  /// which lm_loss reduces with fsdp::tp::vocab_parallel_cross_entropy (issue 35).
+  bool loss_parallel = false;
+  /// Dropout from the DTensor RNG (fsdp::random, seeded with --seed on the mesh): forced by --tp with dropout.
+  bool dtensor_rng = false;
   bool replicate = false;  ///< fsdp::replicate instead of fully_shard (--data-parallel replicate)
   std::optional<torch::ScalarType> all_gather_dtype;  ///< LowPrecisionAllGather of the weight matrices
   int shard_dim = 0;  ///< shard_placement_fn: 2-D weights on this dim where it divides by dp_shard
@@ -59,8 +64,10 @@ fsdp::DeviceMeshPtr fsdp_mesh(const fsdp::DeviceMeshPtr& mesh, const ParallelOpt
 ///      mlp.c_proj row-parallel over mesh["tp"] (each TP rank computes H / tp heads and 4C / tp MLP
 ///      features; one all-reduce after each projection, in forward and backward); with
 ///      sequence_parallel, ln_1 and ln_2 on sequence-sharded activations (the all-reduces become
-///      all-gathers and reduce-scatters). The root's modules (wte, wpe, ln_f, lm_head) are not
-///      tensor-parallel: every TP rank computes them, FSDP shards them over dp;
+///      all-gathers and reduce-scatters). The root's modules (wpe, ln_f; wte and lm_head without
+///      loss_parallel) are not tensor-parallel: every TP rank computes them, FSDP shards them over dp;
+///      with loss_parallel (the default with --tp where it applies) apply_loss_parallel makes wte and the
+///      tied lm_head vocabulary-parallel; with dropout, apply_dtensor_rng (called by main) seeds the masks;
 ///   0. activation checkpointing of each block (apply_activation_checkpointing);
 ///   1. each block becomes a fully_shard group of its own: in forward and backward only one block's
 ///      parameters (plus the prefetched next one) are gathered at a time;
@@ -76,6 +83,17 @@ void parallelize(fsdp::FSDPModule<GPT>& model, const fsdp::DeviceMeshPtr& mesh, 
 /// is told its TP mesh (it computes its local heads: CausalSelfAttentionImpl::tp_mesh) and, with
 /// sequence parallelism, the model its TP mesh (the residual stream is split along the sequence before
 /// the first block and gathered after the last: sequence_parallel_mesh). Works on either model.
+/// loss_parallel (issue 35; after apply_tp): wte RowwiseParallel (vocabulary rows) and the tied lm_head
+/// ColwiseParallel on the same rows over mesh["tp"], so the model returns vocabulary-sharded logits in training
+/// (GPTImpl::loss_parallel_mesh) and lm_loss reduces them with fsdp::tp::vocab_parallel_cross_entropy: the
+/// [B, T, vocab] logits and their gradient are never whole on a rank.
+void apply_loss_parallel(GPTImpl& model, const fsdp::DeviceMeshPtr& mesh);
+
+/// The DTensor RNG for dropout (--tp with --dropout, or --dtensor-rng): fsdp::manual_seed(seed, mesh) and each
+/// dropping module told how its activation lies on `mesh` (TPDropout): batch Shard(0) on the data dims;
+/// replicated, sequence-sharded (SP) or head-sharded on tp. Collective over the mesh (the seed check).
+void apply_dtensor_rng(GPTImpl& model, const fsdp::DeviceMeshPtr& mesh, const ParallelOptions& p, uint64_t seed);
+
 void apply_tp(torch::nn::Module& model, const torch::nn::ModuleList& blocks, const fsdp::DeviceMeshPtr& mesh,
               const ParallelOptions& p, fsdp::DeviceMeshPtr* sequence_parallel_mesh);
 

@@ -204,7 +204,9 @@ void Reporter::banner(int64_t steps_per_epoch, bool foreach_optimizer) {
          : (s_.parallel.tp > 1 || s_.parallel.dp_replicate > 1) && s_.parallel.pp == 1
              ? " (dp_replicate x dp_shard x tp = " + std::to_string(s_.parallel.dp_replicate) + " x " +
                    std::to_string(s_.parallel.dp_shard) + " x " + std::to_string(s_.parallel.tp) +
-                   (s_.parallel.sequence_parallel ? ", sequence parallel)" : ")")
+                   (s_.parallel.sequence_parallel ? ", sequence parallel" : "") +
+                   (s_.parallel.loss_parallel ? ", loss parallel" : "") +
+                   (s_.parallel.dtensor_rng ? ", DTensor RNG" : "") + ")"
              : std::string())
      << (s_.parallel.pp > 1 ? " (" + pipeline_layout(s_.parallel) + ")" : std::string())
      << (o_.model_impl == "plain" ? " (unchanged model code: --model-impl plain)" : "") << "\n"

@@ -72,9 +72,14 @@ SftData load_sft(const std::string& path, const Tokenizer& tok, int64_t block_si
   return d;
 }
 
-torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
+torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets, const fsdp::DeviceMeshPtr& vocab_mesh) {
   namespace F = torch::nn::functional;
-  return F::cross_entropy(logits.to(torch::kFloat32).reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+  auto flat = logits.to(torch::kFloat32).reshape({-1, logits.size(-1)});
+  if (vocab_mesh) {  // loss_parallel: this TP rank's vocabulary columns
+    return fsdp::tp::vocab_parallel_cross_entropy(flat, targets.reshape({-1}), vocab_mesh,
+                                                  fsdp::tp::LossParallelOptions().set_reduction("sum").set_ignore_index(-100));
+  }
+  return F::cross_entropy(flat, targets.reshape({-1}),
                           F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
 }
 

@@ -62,7 +62,8 @@ struct SftData {
 SftData load_sft(const std::string& path, const Tokenizer& tok, int64_t block_size, double val_fraction);
 
 /// The summed cross-entropy of `logits` [..., V] against `targets` [...] (int64; -100 ignored), in fp32.
-torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
+torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets,
+                          const fsdp::DeviceMeshPtr& vocab_mesh = nullptr);
 
 /// The factor that makes the global mean over unmasked tokens out of per-rank sums: FSDP (and DDP)
 /// average the ranks' gradients, so rank r's loss is (its summed token loss) x data_world / N, N the

@@ -22,6 +22,8 @@
 #include "fsdp/tensor/experimental/context_parallel.h"
 #include "fsdp/tensor/parallel/tensor_parallel.h"
 #include "fsdp/tensor/parallel/style.h"
+#include "fsdp/tensor/parallel/loss.h"
+#include "fsdp/tensor/random.h"
 // torch.distributed.fsdp
 #include "fsdp/fsdp/deferred_init.h"
 #include "fsdp/fsdp/fully_shard.h"

@@ -10,6 +10,10 @@ gradient norms within 1e-5 (relative; TP sums the blocks' matmuls in another ord
 PrepareModuleOutput/PrepareModuleInput plan entries) and its plain model. bf16 mixed precision tracks FSDP alone in bf16 to bf16's
 precision. Checkpoints move between layouts; bad layouts fail with the flag to change.
 
+Issue 35: with --tp the tied wte/lm_head are vocabulary-parallel under loss_parallel by default (the logits are
+never gathered), so every layout above trains that way (and "tp2_no_loss_parallel" the gathered way); dropout
+under --tp draws from the DTensor RNG and trains like --tp 1 with --dtensor-rng (same seed, same data ranks).
+
 FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
@@ -54,6 +58,7 @@ def fsdp_alone(text_files, tmp_path_factory):
 
 @pytest.mark.parametrize("name,extra", [
     ("tp2", ["--tp", "2"]),
+    ("tp2_no_loss_parallel", ["--tp", "2", "--no-loss-parallel"]),
     ("tp2_sp", ["--tp", "2", "--sequence-parallel"]),
     ("hsdp_tp2", ["--tp", "2", "--dp-replicate", "2"]),
     ("plain_tp2_sp", ["--tp", "2", "--sequence-parallel", "--model-impl", "plain"]),
@@ -68,6 +73,8 @@ def test_tensor_parallel_layouts_train_like_fsdp_alone(text_files, tmp_path, fsd
     p = run(args(text_files, tmp_path, name, "--batch-size", "4", *extra), nproc=4)
     assert p.returncode == 0, show(p)
     assert "x 2 tensor-parallel" in p.stdout, p.stdout[-2000:]
+    # loss_parallel (issue 35) is on by default with --tp for the holder model's tied head.
+    assert ("loss parallel" in p.stdout) == ("plain" not in name and "no_loss_parallel" not in name), p.stdout[-2000:]
     got = by_step(tmp_path / f"{name}.jsonl")
     assert sorted(got) == sorted(fsdp_alone), (sorted(got), sorted(fsdp_alone))
     assert_same_training(got, fsdp_alone, name)
@@ -156,9 +163,58 @@ def test_llama_sequence_parallel_trains_like_fsdp_alone(text_files, tmp_path, ll
     (["--tp", "3"], "WORLD_SIZE 4 is not divisible by --dp-replicate(1) x --tp(3) = 3"),
     (["--tp", "4"], "--tp 4: the 2 heads (--n-head) do not split evenly"),
     (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
-    (["--tp", "2", "--dropout", "0.1"], "--dropout > 0 is not supported with tensor parallelism yet"),
+    (["--tp", "2", "--dropout", "0.1", "--model-impl", "plain"],
+     "--dropout > 0 with tensor parallelism needs the GPT-2 holder model and no --pp"),
+    (["--loss-parallel"], "--loss-parallel: it needs --tp > 1"),
+    (["--tp", "2", "--dropout", "0.1", "--activation-checkpointing", "full"],
+     "the recomputed blocks would draw other masks than the forward"),
+    (["--tp", "2", "--loss-parallel", "--model-impl", "plain"], "--loss-parallel: it needs --model-impl holder"),
 ])
 def test_bad_layouts_fail_naming_the_flag(text_files, tmp_path, extra, message):
     p = run(args(text_files, tmp_path, "bad", "--batch-size", "2", *extra, steps=2), nproc=4)
     assert p.returncode != 0, show(p)
     assert message in p.stdout + p.stderr, show(p)
+
+
+# Dropout under TP (issue 35): the DTensor RNG gives every layout the masks one process would draw, so --tp 2 with
+# dropout trains like --tp 1 with --dtensor-rng on the same data ranks: 2 ranks (tp 2) vs 1 rank, and 4 ranks
+# (dp 2 x tp 2, also with sequence parallelism) vs 2 ranks (dp 2). Losses, evaluation losses and gradient norms
+# within 1e-5; the dropout must matter (the losses differ from a run without it).
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--tp", "2"]),
+    (4, ["--tp", "2"]),
+    (4, ["--tp", "2", "--sequence-parallel"]),
+])
+def test_dropout_under_tp_trains_like_one_tp_rank(text_files, tmp_path, nproc, extra):
+    common = ["--batch-size", "4", "--dropout", "0.1"]
+    p = run(args(text_files, tmp_path, "ref", *common, "--dtensor-rng", steps=5), nproc=nproc // 2)
+    assert p.returncode == 0, show(p)
+    assert "DTensor RNG" in p.stdout, p.stdout[-2000:]
+    ref = by_step(tmp_path / "ref.jsonl")
+    p = run(args(text_files, tmp_path, "tp", *common, *extra, steps=5), nproc=nproc)
+    assert p.returncode == 0, show(p)
+    assert "DTensor RNG" in p.stdout and "loss parallel" in p.stdout, p.stdout[-2000:]
+    got = by_step(tmp_path / "tp.jsonl")
+    assert_same_training(got, ref, f"dropout {extra} on {nproc} ranks")
+    worst = max(abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in ref for k in ("loss", "eval_loss", "grad_norm")
+                if ref[s].get(k) is not None)
+    print(f"dropout {extra} on {nproc} ranks vs --tp 1: max relative diff {worst:.3g}")
+    p = run(args(text_files, tmp_path, "nodrop", "--batch-size", "4", "--dtensor-rng", steps=5), nproc=nproc // 2)
+    assert p.returncode == 0, show(p)
+    nodrop = by_step(tmp_path / "nodrop.jsonl")
+    assert abs(nodrop[1]["loss"] - ref[1]["loss"]) > 1e-4, (nodrop[1], ref[1])
+
+
+# --sft under loss_parallel (lm_loss_sum's reduction "sum" with ignore_index -100 on the vocabulary-sharded logits):
+# --tp 2 on 2 ranks trains like one rank on the same batch (losses, evaluation losses, gradient norms, 1e-5).
+def test_sft_under_loss_parallel_trains_like_one_rank(tmp_path):
+    from test_train_gpt_data import sft_file
+    data = sft_file(tmp_path / "sft.jsonl")
+    common = ["--model", "tiny", "--seed", "7", "--threads", "1", "--sample-tokens", "0", "--log-every", "1", "--sft",
+              data, "--steps", "6", "--eval-every", "3", "--warmup-steps", "2", "--batch-size", "4"]
+    p = run(common + ["--metrics", tmp_path / "one.jsonl"], nproc=1)
+    assert p.returncode == 0, show(p)
+    p = run(common + ["--metrics", tmp_path / "tp.jsonl", "--tp", "2"], nproc=2)
+    assert p.returncode == 0, show(p)
+    assert "loss parallel" in p.stdout and "prompt tokens masked" in p.stdout, p.stdout[-2000:]
+    assert_same_training(by_step(tmp_path / "tp.jsonl"), by_step(tmp_path / "one.jsonl"), "--sft --tp 2")

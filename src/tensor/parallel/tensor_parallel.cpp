@@ -76,7 +76,54 @@ struct Work {
   ParallelStyle style;
   torch::Tensor weight, bias;   // bias undefined when absent or not sharded
   int64_t weight_dim = 0;       // the weight dim that is sharded
+  bool tied_head = false;       // a second (Linear) use of a RowwiseParallel Embedding's weight: [Note: tied TP styles]
 };
+
+// [Note: tied TP styles]
+// The TP registry holds one record per parameter, and a record has one style. A tied head (GPT-2's lm_head,
+// whose weight is wte.weight) uses one parameter in two modules: the Embedding looks rows up (RowwiseParallel:
+// Shard(0), vocabulary rows) and the head multiplies by it through F::linear (ColwiseParallel: Shard(0), the
+// output features, i.e. the same vocabulary rows). The two shardings agree, so one shard serves both: the
+// record keeps the Embedding's style and adds the head's (TPParam::tied_linear_style); the op side runs
+// aten::embedding with the first and linear/matmul/addmm on the weight's transpose with the second. Its
+// gradient is the sum of both uses' gradients of the same rows, as one process's. Only this pairing is
+// accepted (an Embedding ColwiseParallel would shard dim 1, a Linear RowwiseParallel dim 1 too, but nothing
+// needs it yet): the head is any module whose only parameter is that weight and which uses it through
+// F::linear (a custom module such as train_gpt's LMHead; not a torch::nn::Linear, whose weight is its own),
+// planned ColwiseParallel with a Replicate() input, in the same plan as the Embedding or a later one. Its Shard(-1) output (the default) is the vocabulary-sharded
+// logits that vocab_parallel_cross_entropy takes (loss.h).
+Work validate_tied_head(const std::string& fqn, const std::shared_ptr<torch::nn::Module>& m, const ParallelStyle& style,
+                        const std::vector<Work>& planned) {
+  const std::string what = std::string(style_name(style)) + " on " + in_quotes(fqn);
+  auto params = m->named_parameters(/*recurse=*/false);
+  Work w;
+  w.fqn = fqn;
+  w.module = m;
+  w.style = style;
+  w.tied_head = true;
+  w.weight = params.contains("weight") ? params["weight"] : torch::Tensor();
+  TORCH_CHECK(params.size() == 1 && w.weight.defined() && w.weight.dim() == 2 && m->children().empty(),
+              "parallelize_module: ", what, " (a ", m->name(), "): expected a torch::nn::Linear or torch::nn::Embedding, "
+              "or a head whose only parameter, 'weight', is the weight of an Embedding planned RowwiseParallel (a tied "
+              "head); plan the Linear/Embedding modules inside it instead (e.g. ", in_quotes(fqn.empty() ? "*" : fqn + ".*"),
+              ")");
+  bool tied = false;
+  for (const auto& o : planned) {
+    tied = tied || (o.is_embedding && !o.tied_head && o.weight.unsafeGetTensorImpl() == w.weight.unsafeGetTensorImpl() &&
+                    o.style.kind == ParallelStyle::Kind::ROWWISE);
+  }
+  const auto* rec = tp::detail::find_tp_param(w.weight);
+  tied = tied || (rec && rec->is_embedding && rec->style.kind == ParallelStyle::Kind::ROWWISE && !rec->tied_linear_style);
+  TORCH_CHECK(tied, "parallelize_module: ", what, " (a ", m->name(), "): its weight ", c10::str(w.weight.sizes()),
+              " is not the weight of an Embedding planned RowwiseParallel, so it is not a tied head; expected a "
+              "torch::nn::Linear or torch::nn::Embedding (or plan the tied Embedding RowwiseParallel in the same plan)");
+  TORCH_CHECK(style.kind == ParallelStyle::Kind::COLWISE && style.input_layout.is_replicate() &&
+                  (style.output_layout.is_replicate() || (style.output_layout.is_shard() && style.output_layout.dim == -1)),
+              "parallelize_module: ", what, ": a tied head (its weight is a RowwiseParallel Embedding's, sharded on the "
+              "vocabulary rows) must be ColwiseParallel with input_layouts Replicate() and output_layouts Shard(-1) or "
+              "Replicate(), which shard the same rows; got ", style.str());
+  return w;
+}
 
 // fully_shard first, then parallelize_module: FSDP's shards are rows of the whole tensor, not of this
 // rank's TP part, so the two cannot compose in this order. Refused before anything changes, naming the
@@ -283,6 +330,16 @@ void apply_work(const Work& w, const DeviceMeshPtr& mesh) {
   }
 }
 
+// The second style of a tied Embedding weight ([Note: tied TP styles]): same shard, one more use.
+void apply_tied_head(const Work& w) {
+  const auto* rec = tp::detail::find_tp_param(w.weight);
+  TORCH_CHECK(rec && rec->is_embedding, "parallelize_module: internal error: tied head '", w.fqn, "' without its Embedding");
+  auto info = *rec;
+  info.tied_linear_style = w.style;
+  info.tied_linear_fqn = w.fqn;
+  tp::detail::register_tp_param(w.weight, std::move(info));
+}
+
 void check_mesh(const DeviceMeshPtr& mesh) {
   TORCH_CHECK(mesh, "parallelize_module: expected a TP mesh, got null");
   TORCH_CHECK(mesh->ndim() == 1, "parallelize_module: expected a 1-D TP mesh, got ", mesh->str(),
@@ -309,7 +366,10 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
                     " is matched by plan keys ", in_quotes(matched_by[i]), " and ", in_quotes(pattern),
                     "; plan each module once");
       }
-      work.push_back(validate_one(item.key(), item.value(), style, tp_mesh));
+      const auto& mod = item.value();
+      const bool head = style.kind == ParallelStyle::Kind::COLWISE && !dynamic_cast<torch::nn::LinearImpl*>(mod.get()) &&
+                        !dynamic_cast<torch::nn::EmbeddingImpl*>(mod.get());
+      work.push_back(head ? validate_tied_head(item.key(), mod, style, work) : validate_one(item.key(), mod, style, tp_mesh));
       matched_by.push_back(pattern);
     }
     if (!any) {
@@ -328,8 +388,11 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
                   "); use names from named_modules(), with '*' for one path segment");
     }
   }
-  // Everything is valid: change the model.
-  for (const auto& w : work) apply_work(w, tp_mesh);
+  // Everything is valid: change the model (tied heads last: they extend their Embedding's record).
+  for (const auto& w : work)
+    if (!w.tied_head) apply_work(w, tp_mesh);
+  for (const auto& w : work)
+    if (w.tied_head) apply_tied_head(w);
 }
 
 void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMeshPtr& tp_mesh,

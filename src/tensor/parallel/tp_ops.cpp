@@ -346,7 +346,7 @@ const TPParam* find_transposed_weight(const torch::Tensor& t, torch::Tensor* wei
     if (sit == r.storages.end() || sit->second.storage.expired()) return nullptr;
     pit = r.params.find(sit->second.weight);
   }
-  if (pit == r.params.end() || pit->second.info.is_embedding) return nullptr;
+  if (pit == r.params.end() || (pit->second.info.is_embedding && !pit->second.info.tied_linear_style)) return nullptr;
   auto impl = pit->second.impl.lock();
   if (!impl) return nullptr;
   torch::Tensor w(std::move(impl));
@@ -384,7 +384,8 @@ TPOp match_tp_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
     const auto& wv = arg(is_linear ? 1 : 0);
     if (!wv.isTensor()) return m;
     const TPParam* p = find_tp_param(wv.toTensor());
-    if (!p || !p->is_weight || p->is_embedding == is_linear) return m;
+    if (!p || !p->is_weight) return m;
+    if (p->is_embedding == is_linear && !(is_linear && p->tied_linear_style)) return m;
     m.p = p;
     m.w = wv.toTensor();
     m.kind = is_linear ? TPOp::Kind::LINEAR : TPOp::Kind::EMBEDDING;
@@ -472,18 +473,27 @@ bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   // The collectives and the local op run without interception (they see the weight itself).
   fsdp::detail::NoInterception no_interception;
   torch::Tensor out;
+  // A tied Embedding weight used as a Linear weight: run the Linear's style ([Note: tied TP styles]).
+  std::optional<TPParam> as_linear;
+  if (m.p->is_embedding && m.kind != TPOp::Kind::EMBEDDING) {
+    as_linear = *m.p;
+    as_linear->is_embedding = false;
+    as_linear->style = *m.p->tied_linear_style;
+    as_linear->fqn = m.p->tied_linear_fqn;
+  }
+  const TPParam& lp = as_linear ? *as_linear : *m.p;
   switch (m.kind) {
     case TPOp::Kind::LINEAR:
-      out = tp_linear(*m.p, arg(0).toTensor(), m.w, arg(2).toOptional<torch::Tensor>());
+      out = tp_linear(lp, arg(0).toTensor(), m.w, arg(2).toOptional<torch::Tensor>());
       break;
     case TPOp::Kind::EMBEDDING:
       out = tp_embedding(*m.p, m.w, arg(1).toTensor(), to_int(arg(2)), arg(3).toBool(), arg(4).toBool());
       break;
     case TPOp::Kind::ADDMM:
-      out = tp_linear(*m.p, arg(1).toTensor(), m.w, arg(0).toTensor());
+      out = tp_linear(lp, arg(1).toTensor(), m.w, arg(0).toTensor());
       break;
     case TPOp::Kind::MATMUL:
-      out = tp_linear(*m.p, arg(0).toTensor(), m.w, c10::nullopt);
+      out = tp_linear(lp, arg(0).toTensor(), m.w, c10::nullopt);
       break;
   }
   torch::jit::drop(*stack, nargs);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <optional>
 
 #include <string>
 #include <utility>
@@ -31,6 +32,11 @@ struct TPParam {
   DeviceMeshPtr mesh;                 ///< 1-D TP mesh (keeps the group alive for the autograd functions)
   Placement placement;                ///< of this parameter on the mesh
   std::vector<int64_t> global_shape;  ///< before sharding
+  /// A RowwiseParallel Embedding's weight (Shard(0): vocabulary rows) that a tied head also uses through
+  /// F::linear as a ColwiseParallel weight (Shard(0): the same rows), e.g. GPT-2's wte and lm_head: the style of
+  /// that second use and its module's FQN. See [Note: tied TP styles] in tensor_parallel.cpp.
+  std::optional<ParallelStyle> tied_linear_style;
+  std::string tied_linear_fqn;
 };
 
 /// "ColwiseParallel", "RowwiseParallel" or "SequenceParallel" (for messages).

@@ -67,6 +67,10 @@ struct ParallelStyle {
 /// and the bias stays whole (unlike PyTorch, which shards it: F::linear adds the bias outside the op
 /// libfsdp intercepts). Embedding: weight [num, dim] sharded on dim 1; output
 /// this rank's dim/tp features. The input's gradient is all-reduced over the TP group in backward.
+/// Tied head: a module whose only parameter is the weight of an Embedding planned RowwiseParallel (GPT-2's
+/// lm_head sharing wte.weight, used through F::linear) may be planned ColwiseParallel (input Replicate()): the
+/// shard of vocabulary rows serves both, and its Shard(-1) output is the local logits that
+/// vocab_parallel_cross_entropy (loss.h) takes. Example: `{{"wte", RowwiseParallel()}, {"lm_head", ColwiseParallel()}}`.
 /// Mirrors torch.distributed.tensor.parallel.ColwiseParallel().
 inline ParallelStyle ColwiseParallel() {
   return ParallelStyle{ParallelStyle::Kind::COLWISE, Replicate(), Shard(-1), true};
