@@ -215,16 +215,21 @@ void run_join_accum(const JoinAccumCase& c, Model reference_model, std::function
     }
     // An evaluation forward leaves the root unsharded (reshard_after_forward false for the root).
     m.reshard();
-    // Gradients of the steps this rank took itself, then parameters, against the reference.
+    // Gradients of the steps this rank took itself, then parameters, against the reference. This rank's rows of the
+    // reference, sliced locally: ranks take different numbers of steps, so a collective (distribute_tensor's
+    // broadcast from rank 0, its default since issue 35) would pair different tensors across ranks.
+    auto my_rows = [&](const torch::Tensor& full) {
+      return distribute_tensor(full, mesh, {Shard(0)}, /*src_data_rank=*/std::nullopt).to_local();
+    };
     for (size_t s = 0; s < grads_before_step.size(); ++s) {
       for (const auto& [name, g] : grads_before_step[s]) {
-        auto expect = distribute_tensor(ref_grads[s].at(name), mesh, {Shard(0)}).to_local();
+        auto expect = my_rows(ref_grads[s].at(name));
         EXPECT_TRUE(torch::allclose(g, expect, 1e-5, 1e-6)) << "gradient of " << name << " at step " << s << " on rank "
                                                             << rank;
       }
     }
     for (const auto& p : model->named_parameters()) {
-      auto expect = distribute_tensor(ref_params.at(p.key()), mesh, {Shard(0)}).to_local();
+      auto expect = my_rows(ref_params.at(p.key()));
       EXPECT_TRUE(torch::allclose(p.value(), expect, 1e-5, 1e-6))
           << p.key() << " on rank " << rank << ": " << max_abs_diff(p.value(), expect);
     }
@@ -390,12 +395,13 @@ void run_join_case(int ws, bool divide_by_initial) {
     run(holder_sharded(pg, {}, &hnet), holder[rank], holder_ag[rank]);
     PlainNet pnet{nullptr};
     run(plain_sharded(pg, {}, &pnet), plain[rank], plain_ag[rank]);
-    // This rank's gradient shards of the steps it trained itself: the reference's.
+    // This rank's gradient shards of the steps it trained itself: the reference's, sliced locally (ranks trained
+    // different numbers of steps: a collective such as distribute_tensor's default broadcast would not pair up).
     auto mesh = init_device_mesh(torch::kCPU, {ws});
     for (size_t s = 0; s < plain[rank].local_grads.size(); ++s) {
       EXPECT_EQ(plain[rank].local_grads[s].size(), ref_grads[s].size()) << what << ": gradients at step " << s;
       for (const auto& [k, g] : plain[rank].local_grads[s]) {
-        auto expect = distribute_tensor(ref_grads[s].at(k), mesh, {Shard(0)}).to_local();
+        auto expect = distribute_tensor(ref_grads[s].at(k), mesh, {Shard(0)}, /*src_data_rank=*/std::nullopt).to_local();
         EXPECT_TRUE(torch::allclose(g, expect, kGradRtol, kGradAtol))
             << what << ": gradient of " << k << " at step " << s << " on rank " << rank << ": max |diff| "
             << max_abs_diff(g, expect);
