@@ -23,6 +23,7 @@ std::array<std::atomic<InterceptFn>, kLayers> layer_composite{};
 std::atomic<InterceptFn> current_fallback{nullptr};
 std::atomic<InterceptFn> current_composite{nullptr};
 std::atomic<SdpaHandler> sdpa_handler{nullptr};
+std::atomic<CrossEntropyHandler> cross_entropy_handler{nullptr};
 std::mutex install_mu;
 int highest_installed = -1;
 
@@ -40,6 +41,13 @@ void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
 // kernel of its own it reached the fallback as it does now when the handler declines).
 void sdpa_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const SdpaHandler handler = sdpa_handler.load(std::memory_order_acquire);
+  if (handler && handler(op, ks, stack)) return;
+  fallback(op, ks, stack);
+}
+
+// aten::cross_entropy_loss: loss parallelism first, then the layers (as SDPA above).
+void cross_entropy_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const CrossEntropyHandler handler = cross_entropy_handler.load(std::memory_order_acquire);
   if (handler && handler(op, ks, stack)) return;
   fallback(op, ks, stack);
 }
@@ -64,6 +72,7 @@ const Registration& registration() {
       reg.aten->impl("linear", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
       reg.aten->impl("matmul", torch::CppFunction::makeFromBoxedFunction<&composite_kernel>());
       reg.aten->impl("scaled_dot_product_attention", torch::CppFunction::makeFromBoxedFunction<&sdpa_kernel>());
+      reg.aten->impl("cross_entropy_loss", torch::CppFunction::makeFromBoxedFunction<&cross_entropy_kernel>());
     } catch (const c10::Error& e) {
       reg.error = e.what_without_backtrace();
     }
@@ -132,6 +141,14 @@ void install_sdpa_handler(SdpaHandler handler) {
               ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
   SdpaHandler expected = nullptr;
   sdpa_handler.compare_exchange_strong(expected, handler, std::memory_order_acq_rel);
+}
+
+void install_cross_entropy_handler(CrossEntropyHandler handler) {
+  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
+              kInterceptKey, " could not be registered when libfsdp was loaded: ", registration().error,
+              ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
+  CrossEntropyHandler expected = nullptr;
+  cross_entropy_handler.compare_exchange_strong(expected, handler, std::memory_order_acq_rel);
 }
 
 torch::Tensor intercepted(const torch::Tensor& t) {

@@ -51,6 +51,15 @@ using SdpaHandler = bool (*)(const c10::OperatorHandle& op, c10::DispatchKeySet 
 /// CompositeImplicitAutograd: its kernel on the key is registered at load like linear's and matmul's.
 void install_sdpa_handler(SdpaHandler handler);
 
+/// The handler of aten::cross_entropy_loss on the key ahead of the layers: returns true when it ran the op
+/// (the vocab-parallel loss, while a loss_parallel region lives on this thread), false to hand it to the layers
+/// as any other op. See [Note: loss_parallel guard] in tensor/parallel/loss_parallel.cpp.
+using CrossEntropyHandler = bool (*)(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+/// Installs the cross-entropy handler (once per process; later calls are no-ops). aten::cross_entropy_loss is
+/// CompositeImplicitAutograd: its kernel on the key is registered at load like SDPA's.
+void install_cross_entropy_handler(CrossEntropyHandler handler);
+
 /// Hands `op` to the highest installed layer below `layer` (its composite handler when `composite`), or
 /// runs it below the key when there is none.
 void call_layer_below(InterceptLayer layer, bool composite, const c10::OperatorHandle& op, c10::DispatchKeySet ks,

@@ -13,6 +13,7 @@
 #include <torch/autograd.h>
 
 #include "fsdp/c10d/collectives.h"
+#include "tensor/parallel/loss_parallel.h"
 #include "tensor/parallel/prepare_module.h"
 #include "utils/intercept.h"
 
@@ -495,6 +496,11 @@ bool tp_handle_op(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
     case TPOp::Kind::MATMUL:
       out = tp_linear(lp, arg(0).toTensor(), m.w, c10::nullopt);
       break;
+  }
+  // A colwise Linear's vocabulary-sharded output: what a loss_parallel region recognises ([Note: loss_parallel
+  // guard] in loss_parallel.cpp).
+  if (m.kind != TPOp::Kind::EMBEDDING && lp.style.kind == ParallelStyle::Kind::COLWISE && lp.style.output_layout.is_shard()) {
+    register_vocab_sharded_output(out, lp.mesh, m.w.size(0));
   }
   torch::jit::drop(*stack, nargs);
   torch::jit::push(*stack, std::move(out));

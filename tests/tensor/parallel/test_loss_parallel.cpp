@@ -3,12 +3,18 @@
 // logits (fp32, 1e-5) on tp 2, 3 and 4, with vocabularies that do not divide (torch.chunk shards, an empty one
 // at V = 5, tp = 4), ignore_index (the default and a valid class id), label smoothing and each reduction; under a
 // ColwiseParallel head (parallelize_module) the head's weight and input gradients equal one process's; bad
-// input throws the same message on every rank.
+// input throws the same message on every rank. The loss_parallel() guard (src/tensor/parallel/loss_parallel.cpp):
+// F::cross_entropy on a ColwiseParallel head's output (through flatten / view) inside it gives the explicit
+// function's and one process's loss and gradients (logits, head weight and bias, input; plain and tied heads) on
+// tp 2 and 3 for every case above (vocabularies that divide: ColwiseParallel refuses others); an unrelated cross_entropy inside it, and the head's output outside it, are
+// computed as without it; class weights and views that lose the rows are refused on every rank.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "fsdp/fsdp.h"
 #include "multi_rank.h"
@@ -247,6 +253,208 @@ TEST(LossParallel, BadInputThrowsOnEveryRank) {
   expect_all(2, [&](const DeviceMeshPtr& m, int64_t) {
     tp::vocab_parallel_cross_entropy(torch::zeros({3, 2}), target, m, tp::LossParallelOptions().set_reduction("avg"));
   }, "reduction 'avg' is not supported");
+}
+
+
+// ---- the loss_parallel() guard ----
+
+// A ColwiseParallel head on [B, T, d] inputs: one process's loss (cross_entropy on the full logits) against
+// F::cross_entropy under loss_parallel() on the head's local output (through `view`: .flatten(0, 1) or
+// .view({-1, V_r})) and against the explicit vocab_parallel_cross_entropy: loss, logits gradient (through a
+// retained view), head weight and bias gradients (this rank's rows) and the input gradient.
+void guard_cases(int tp, int64_t vocab, MaxDiff& diff) {
+  const int64_t b = 2, t = 5, d = 6, rows = b * t;
+  auto wfull = (torch::arange(vocab * d, torch::kFloat32).view({vocab, d}) * 0.31).sin();
+  auto bfull = torch::linspace(-0.5, 0.5, vocab);
+  auto xfull = (torch::arange(rows * d, torch::kFloat32).view({b, t, d}) * 0.13).cos();
+  auto w_none = torch::arange(1, rows + 1, torch::kFloat32) / rows;
+  for (size_t ci = 0; ci < cases().size(); ++ci) {
+    const Case& c = cases()[ci];
+    auto target = (torch::arange(rows, torch::kInt64) * 7 + 2).remainder(vocab);
+    target.index_put_({1}, c.ignore_index);
+    target.index_put_({6}, c.ignore_index);
+    auto opts = F::CrossEntropyFuncOptions().ignore_index(c.ignore_index).label_smoothing(c.smoothing);
+    if (c.reduction == "sum") opts.reduction(torch::kSum);
+    else if (c.reduction == "none") opts.reduction(torch::kNone);
+    else opts.reduction(torch::kMean);
+    auto finish = [&](const torch::Tensor& loss) { return c.reduction == "none" ? (loss * w_none).sum() : loss * 1.5; };
+    // One process.
+    torch::nn::Linear ref(d, vocab);
+    {
+      torch::NoGradGuard no_grad;
+      ref->weight.copy_(wfull);
+      ref->bias.copy_(bfull);
+    }
+    auto x_ref = xfull.clone().requires_grad_(true);
+    auto ref_logits = ref(x_ref);
+    ref_logits.retain_grad();
+    auto ref_loss = F::cross_entropy(ref_logits.flatten(0, 1), target, opts);
+    finish(ref_loss).backward();
+    const bool use_view = ci % 2 == 1;
+    const std::string what = "guard tp " + std::to_string(tp) + " V " + std::to_string(vocab) + " " + c.reduction +
+                             " ignore " + std::to_string(c.ignore_index) + " smoothing " + std::to_string(c.smoothing) +
+                             (use_view ? " view" : " flatten");
+    run_ranks(tp, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {tp}, {"tp"});
+      const auto r = chunk_range(vocab, tp, mesh->get_local_rank(0));
+      auto make_head = [&] {
+        torch::nn::Linear head(d, vocab);
+        {
+          torch::NoGradGuard no_grad;
+          head->weight.copy_(wfull);
+          head->bias.copy_(bfull);
+        }
+        tp::parallelize_module(head, mesh, tp::ColwiseParallel());
+        return head;
+      };
+      auto flat = [&](const torch::Tensor& y) {
+        // view({-1, 0}) is ambiguous for an empty shard: flatten there.
+        return use_view && r.length > 0 ? y.view({-1, r.length}) : y.flatten(0, 1);
+      };
+      // The guard.
+      auto head = make_head();
+      auto x = xfull.clone().requires_grad_(true);
+      auto logits = head(x);
+      logits.retain_grad();
+      torch::Tensor loss;
+      {
+        auto guard = tp::loss_parallel();
+        loss = F::cross_entropy(flat(logits), target, opts);
+      }
+      finish(loss).backward();
+      // The explicit function.
+      auto head2 = make_head();
+      auto x2 = xfull.clone().requires_grad_(true);
+      auto loss2 = tp::vocab_parallel_cross_entropy(
+          flat(head2(x2)), target, mesh,
+          tp::LossParallelOptions().set_reduction(c.reduction).set_ignore_index(c.ignore_index).set_label_smoothing(c.smoothing));
+      finish(loss2).backward();
+      diff.see(loss.detach(), ref_loss.detach(), what + ": loss vs one process");
+      diff.see(loss.detach(), loss2.detach(), what + ": loss vs vocab_parallel_cross_entropy");
+      ASSERT_TRUE(logits.grad().defined()) << what;
+      diff.see(logits.grad(), ref_logits.grad().narrow(2, r.offset, r.length), what + ": logits grad");
+      diff.see(head->weight.grad(), ref->weight.grad().narrow(0, r.offset, r.length), what + ": head.weight grad");
+      diff.see(head->bias.grad(), ref->bias.grad().narrow(0, r.offset, r.length), what + ": head.bias grad");
+      diff.see(x.grad(), x_ref.grad(), what + ": input grad");
+      diff.see(head->weight.grad(), head2->weight.grad(), what + ": head.weight grad vs explicit");
+      diff.see(x.grad(), x2.grad(), what + ": input grad vs explicit");
+    });
+  }
+}
+
+// ColwiseParallel refuses an out_features that the TP size does not divide (parallelize_module), so a head's
+// vocabulary always divides: the uneven and empty shards are the explicit function's tests above.
+TEST(LossParallelGuard, MatchesExplicitAndOneProcessTp2) {
+  MaxDiff diff;
+  guard_cases(2, 12, diff);
+  guard_cases(2, 6, diff);
+  std::cout << "[loss_parallel guard] tp 2: max |diff| " << diff.value << std::endl;
+}
+TEST(LossParallelGuard, MatchesExplicitAndOneProcessTp3) {
+  MaxDiff diff;
+  guard_cases(3, 12, diff);
+  guard_cases(3, 9, diff);
+  std::cout << "[loss_parallel guard] tp 3: max |diff| " << diff.value << std::endl;
+}
+
+// The tied head ([Note: tied TP styles]) under the guard: loss and the tied weight's gradient equal one process's.
+TEST(LossParallelGuard, TiedHead) {
+  const int64_t vocab = 12, d = 5;
+  MaxDiff diff;
+  for (int tp : {2, 3}) {
+    run_ranks(tp, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {tp}, {"tp"});
+      TiedLM ref(vocab, d), model(vocab, d);
+      tp::parallelize_module(model, mesh, {{"emb", tp::RowwiseParallel()}, {"head", tp::ColwiseParallel()}});
+      auto ids = (torch::arange(14, torch::kInt64) * 5 + 1).remainder(vocab).view({2, 7});
+      auto target = (ids * 3 + 2).remainder(vocab).view(-1);
+      auto opts = F::CrossEntropyFuncOptions().label_smoothing(0.1);
+      auto ref_loss = F::cross_entropy(ref(ids).view({-1, vocab}), target, opts);
+      ref_loss.backward();
+      torch::Tensor loss;
+      {
+        auto guard = tp::loss_parallel();
+        loss = F::cross_entropy(model(ids).flatten(0, 1), target, opts);
+      }
+      loss.backward();
+      const auto r = chunk_range(vocab, tp, mesh->get_local_rank(0));
+      diff.see(loss.detach(), ref_loss.detach(), "guard tied tp " + std::to_string(tp) + " loss");
+      diff.see(model->emb->weight.grad(), ref->emb->weight.grad().narrow(0, r.offset, r.length),
+               "guard tied tp " + std::to_string(tp) + " weight grad");
+    });
+  }
+  std::cout << "[loss_parallel guard] tied Embedding + head, tp 2/3: max |diff| " << diff.value << std::endl;
+}
+
+// Inside the guard, cross_entropy on anything but a head's output (a plain tensor, a copy of the head's output
+// with class weights) is the ordinary loss, value and gradient; outside it, cross_entropy on the head's output is
+// the ordinary local one (nothing changes); the guard restores the thread's dispatch state.
+TEST(LossParallelGuard, UnrelatedCrossEntropyUnchanged) {
+  run_ranks(2, [](ProcessGroupPtr) {
+    auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"});
+    torch::nn::Linear head(4, 10);
+    tp::parallelize_module(head, mesh, tp::ColwiseParallel());
+    auto logits = torch::randn({6, 5}, torch::TensorOptions().dtype(torch::kFloat32));
+    auto target = torch::tensor({0, 4, 2, 1, 3, 0}, torch::kInt64);
+    auto class_w = torch::linspace(0.5, 1.5, 5);
+    auto opts = F::CrossEntropyFuncOptions().weight(class_w).label_smoothing(0.05);
+    auto a = logits.clone().requires_grad_(true), b = logits.clone().requires_grad_(true);
+    auto want = F::cross_entropy(a, target, opts);
+    want.backward();
+    auto x = torch::randn({6, 4});
+    auto y = head(x);  // [6, 5] on each rank
+    const bool was_included = c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::DeferredInit);
+    torch::Tensor got, got_copy, want_copy;
+    {
+      auto guard = tp::loss_parallel();
+      got = F::cross_entropy(b, target, opts);
+      got_copy = F::cross_entropy(y.detach().clone(), target);  // a copy: a storage of its own
+    }
+    EXPECT_EQ(c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::DeferredInit), was_included);
+    got.backward();
+    EXPECT_TRUE(torch::equal(got, want)) << got << " vs " << want;
+    EXPECT_TRUE(torch::equal(b.grad(), a.grad()));
+    want_copy = F::cross_entropy(y.detach().clone(), target);
+    EXPECT_TRUE(torch::equal(got_copy, want_copy)) << got_copy << " vs " << want_copy;
+    // Outside the guard: the head's own output is the local logits (the ordinary local cross_entropy).
+    auto outside = F::cross_entropy(head(x), target);
+    EXPECT_TRUE(torch::allclose(outside, want_copy, 1e-6, 1e-6)) << outside << " vs " << want_copy;
+  });
+}
+
+// Under the guard, on a head's output: class weights, a view that loses the rows (a slice of the class dim) and
+// a 3-D input throw the same c10::Error on every rank, naming what was found and the fix.
+TEST(LossParallelGuard, RefusalsOnEveryRank) {
+  auto expect_all = [](int tp, int64_t vocab, const std::function<void(const torch::Tensor&, int64_t)>& fn,
+                       const std::string& needle, bool same) {
+    auto errors = run_ranks_collect(tp, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {tp}, {"tp"});
+      torch::nn::Linear head(4, vocab);
+      tp::parallelize_module(head, mesh, tp::ColwiseParallel());
+      auto y = head(torch::randn({2, 3, 4}));
+      auto guard = tp::loss_parallel();
+      fn(y, chunk_range(vocab, tp, mesh->get_local_rank(0)).length);
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_NE(errors[r].find(needle), std::string::npos) << "rank " << r << ": " << errors[r];
+      if (same) EXPECT_EQ(errors[r], errors[0]) << "rank " << r;
+    }
+  };
+  auto target = torch::tensor({0, 1, 2, 3, 1, 0}, torch::kInt64);
+  for (const auto& tv : std::vector<std::pair<int, int64_t>>{{2, 12}, {3, 12}}) {
+    const int tp = tv.first;
+    const int64_t vocab = tv.second;
+    const bool same = true;
+    expect_all(tp, vocab, [&](const torch::Tensor& y, int64_t) {
+      F::cross_entropy(y.flatten(0, 1), target, F::CrossEntropyFuncOptions().weight(torch::ones({vocab})));
+    }, "class weights are not supported", same);
+    expect_all(tp, vocab, [&](const torch::Tensor& y, int64_t v_r) {
+      F::cross_entropy(y.flatten(0, 1).narrow(1, 0, v_r - 1), target);
+    }, "expected a view that keeps the head's rows", same);
+    expect_all(tp, vocab, [&](const torch::Tensor& y, int64_t) {
+      F::cross_entropy(y, target.view({2, 3}));
+    }, "flatten a [B, T, V_r] head output with logits.flatten(0, 1)", same);
+  }
 }
 
 }  // namespace

@@ -62,4 +62,39 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
 torch::Tensor vocab_parallel_cross_entropy(const DTensor& logits, const torch::Tensor& target,
                                            const LossParallelOptions& options = {});
 
+/// The region of loss_parallel(): while it lives on this thread, torch::nn::functional::cross_entropy
+/// (aten::cross_entropy_loss) on the vocabulary-sharded output of a ColwiseParallel head (output layout
+/// Shard(-1): a parallelised Linear or the tied head of [Note: tied TP styles]), or on a view of it that keeps
+/// its storage and rows (`.view({-1, V_r})`, `.flatten(0, 1)`, `.reshape`), computes
+/// vocab_parallel_cross_entropy(logits, target, tp_mesh, {reduction, ignore_index, label_smoothing as given to
+/// cross_entropy}), forward and backward. Every other cross_entropy (and every other op) computes as without it;
+/// outside the region nothing changes. See [Note: loss_parallel guard] in src/tensor/parallel/loss_parallel.cpp.
+/// Inside the region, cross_entropy on such logits throws c10::Error (on every rank alike) for: class weights
+/// (not supported: leave `weight` unset, or gather the logits and call cross_entropy outside the region); a
+/// view whose last dim is not the head's local vocabulary V_r or whose rows are not the head's rows (a slice
+/// of the class dim, a transpose, a class dim not last: flatten to [N, V_r] with view/reshape); inputs of more
+/// than 2 dims (flatten [B, T, V_r] to [B * T, V_r]); and what vocab_parallel_cross_entropy throws.
+/// Must end on the thread that began it, innermost first (it restores the thread's dispatch state). Nests.
+/// Mirrors torch.distributed.tensor.parallel.loss_parallel (a context manager in PyTorch).
+/// Example: `{ auto guard = fsdp::tp::loss_parallel(); loss = F::cross_entropy(head(x).flatten(0, 1), y.view(-1)); loss.backward(); }`
+class LossParallelGuard {
+ public:
+  LossParallelGuard();
+  ~LossParallelGuard();
+  LossParallelGuard(const LossParallelGuard&) = delete;
+  LossParallelGuard& operator=(const LossParallelGuard&) = delete;
+  LossParallelGuard(LossParallelGuard&&) = delete;
+  LossParallelGuard& operator=(LossParallelGuard&&) = delete;
+
+ private:
+  bool key_was_included_;
+};
+
+/// Begins a loss_parallel region on this thread (see LossParallelGuard); it ends when the returned guard is
+/// destroyed. Throws c10::Error if libfsdp's interception kernels could not be registered (another library
+/// owns the dispatch key).
+/// Mirrors `with torch.distributed.tensor.parallel.loss_parallel(): ...`.
+/// Example: `auto guard = fsdp::tp::loss_parallel(); auto loss = torch::nn::functional::cross_entropy(logits, y);`
+[[nodiscard]] LossParallelGuard loss_parallel();
+
 }  // namespace fsdp::tp
