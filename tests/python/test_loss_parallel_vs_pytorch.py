@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_testing import BUILD, TORCHRUN, free_port, fsdprun_cmd, run_program, show
+from fsdp_testing import BUILD, TORCHRUN, free_port, fsdprun_cmd, run_program, run_pytorch_reference, show
 
 TWIN = BUILD / "bin" / "loss_parallel_twin"
 BINARIES = (TWIN,)
@@ -60,15 +60,17 @@ def worker(out, vocab, rows, smoothing, reduction):
     save_file({"loss": loss.full_tensor().contiguous(), "logits_grad": logits.grad.to_local().contiguous(),
                "weight_grad": head.weight.grad.to_local().contiguous(), "x_grad": x.grad.contiguous()},
               f"{out}/rank{dist.get_rank()}.safetensors")
+    # Both ranks out of every collective before either tears Gloo down (a teardown race of PyTorch's aborted
+    # one CI run with "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def run_torch(out, *args):
-    import subprocess
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", f"--master-port={free_port()}", __file__,
            "worker", str(out), *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return run_pytorch_reference(cmd, env=env, timeout=300)
 
 
 def load(out, rank):

@@ -13,13 +13,12 @@ FSDP_BUILD_DIR is the CMake build directory (default: <repo>/build).
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fsdp_testing import BUILD, FSDPRUN, fsdprun_cmd, run_program, show
+from fsdp_testing import BUILD, FSDPRUN, fsdprun_cmd, run_program, run_pytorch_reference, show
 
 TWIN = BUILD / "bin" / "tp_styles_twin"
 BINARIES = (FSDPRUN, TWIN)
@@ -110,6 +109,7 @@ def pytorch_side(rank, world, port, out, steps):
         opt.zero_grad()
     if rank == 0:
         Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dist.barrier()  # both ranks out of every collective before either tears Gloo down
     dist.destroy_process_group()
 
 
@@ -122,7 +122,7 @@ def test_boundary_styles_equal_pytorchs(tmp_path):
     p = run_program(fsdprun_cmd(2, TWIN, ours, STEPS), timeout=180)
     assert p.returncode == 0, show(p)
     theirs = tmp_path / "theirs.jsonl"
-    p = subprocess.run([sys.executable, __file__, str(theirs), str(STEPS)], capture_output=True, text=True, timeout=300)
+    p = run_pytorch_reference([sys.executable, __file__, str(theirs), str(STEPS)], timeout=300)
     assert p.returncode == 0, show(p)
     a, b = read(ours), read(theirs)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(STEPS))
