@@ -62,7 +62,7 @@ void NonReentrantFrame::recompute() {
   recomputed_count = 0;
   std::vector<torch::Tensor> detached;
   for (const auto& t : inputs) detached.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
-  RecomputeStates states(gens, rng ? &*rng : nullptr, autocast);
+  RecomputeStates states(gens, rng ? &*rng : nullptr, autocast, regions);
   torch::AutoGradMode enable(true);
   NonReentrantRecomputeDepth depth;
   SavedHooksScope hooks([this] { return std::make_unique<RecomputeHooks>(this); }, "checkpoint");
@@ -99,6 +99,7 @@ std::shared_ptr<NonReentrantFrame> make_non_reentrant_frame(const std::vector<to
   frame->gens = generators_for(inputs);
   if (options.preserve_rng_state()) frame->rng = get_states(frame->gens);
   frame->autocast = AutocastState::current();
+  frame->regions = capture_regions();
   frame->check = options.determinism_check() == "default";
   if (options.context_fn()) {
     frame->selective = std::make_unique<SelectiveRegion>(options.context_fn()(), frame->gens,
@@ -136,6 +137,7 @@ struct FnHolder : torch::CustomClassHolder {
   CheckpointFn fn;
   bool preserve_rng_state = true;
   AutocastState autocast = AutocastState::current();
+  std::vector<detail::RegionReentry> regions = detail::capture_regions();
   explicit FnHolder(CheckpointFn f) : fn(std::move(f)) {}
 };
 
@@ -171,12 +173,13 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     for (const auto& t : saved) {
       inputs.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
     }
-    // Recompute under the forward's RNG and autocast states; leave the caller's as they were.
+    // Recompute under the forward's RNG, autocast and thread-region states; leave the caller's as they were.
     auto rng_list = ctx->saved_data["rng"].toTensorList();
     std::vector<torch::Tensor> rng(rng_list.begin(), rng_list.end());
     torch::autograd::variable_list outs;
     {
-      RecomputeStates states(generators_for(inputs), holder->preserve_rng_state ? &rng : nullptr, holder->autocast);
+      RecomputeStates states(generators_for(inputs), holder->preserve_rng_state ? &rng : nullptr, holder->autocast,
+                             holder->regions);
       torch::AutoGradMode enable(true);
       FrameGuard frame(static_cast<uint64_t>(ctx->saved_data["region"].toInt()), /*recompute=*/true);
       outs = holder->fn(inputs);

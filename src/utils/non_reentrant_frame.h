@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include "fsdp/utils/activation_checkpoint.h"
+#include "utils/recompute_regions.h"
 #include "utils/rng_states.h"
 #include "utils/selective_checkpoint_internal.h"
 
@@ -53,11 +54,13 @@ struct AutocastState {
   }
 };
 
-// Sets a region's RNG (optional) and autocast states for its recomputation; puts the caller's back.
+// Sets a region's RNG (optional), autocast and thread-region states ([Note: regions a recomputation re-enters])
+// for its recomputation; puts the caller's back.
 class RecomputeStates {
  public:
-  RecomputeStates(std::vector<at::Generator> gens, const std::vector<torch::Tensor>* rng, const AutocastState& autocast)
-      : gens_(std::move(gens)), autocast_before_(AutocastState::current()) {
+  RecomputeStates(std::vector<at::Generator> gens, const std::vector<torch::Tensor>* rng, const AutocastState& autocast,
+                  const std::vector<RegionReentry>& regions)
+      : gens_(std::move(gens)), autocast_before_(AutocastState::current()), regions_(regions) {
     if (rng) {
       rng_before_ = detail::get_states(gens_);
       detail::set_states(gens_, *rng);
@@ -83,6 +86,7 @@ class RecomputeStates {
   std::vector<torch::Tensor> rng_before_;
   AutocastState autocast_before_;
   bool nested_ = false;
+  ReenterRegions regions_;
 };
 
 // [Note: non-reentrant checkpoint]
@@ -90,7 +94,7 @@ class RecomputeStates {
 // first run is an ordinary forward with gradients, so the region's graph is the graph without checkpointing
 // (same nodes, same gradients, the parameters' AccumulateGrads); only the tensors its ops save for backward
 // are not kept: each one's pack hook records its description (shape, dtype, device) and its index in the
-// region. The first unpack in backward re-runs the region (same RNG and autocast states, gradients enabled,
+// region. The first unpack in backward re-runs the region (same RNG, autocast and thread-region states, gradients enabled,
 // the inputs detached) with hooks that store every saved tensor under its index, so the k-th tensor the
 // recomputation saves serves the k-th one of the first run; then each unpack takes its tensor (freed from
 // the region as it is taken: a second backward over a retained graph recomputes again). The recomputation's
@@ -118,6 +122,7 @@ struct NonReentrantFrame {
   std::vector<at::Generator> gens;
   std::optional<std::vector<torch::Tensor>> rng;
   AutocastState autocast;
+  std::vector<RegionReentry> regions;  // the thread regions the first run saw ([Note: regions a recomputation re-enters])
   bool check = true;
   std::vector<SavedMeta> saved;            // first run: per saved tensor
   std::vector<torch::Tensor> recomputed;   // recomputation: per saved tensor, until unpacked

@@ -2,7 +2,8 @@
 // load-balanced layout as PyTorch 2.13's _HeadTailLoadBalancer; buffers sharded and restored in place; ring
 // attention (all-gather of K/V) against one process's SDPA on the full sequence, forward and backward, causal
 // and not, GQA, at cp 2 and 4; a model's loss and every gradient under CP, and under FSDP x CP x TP on 8 ranks
-// (2 x 2 x 2), against one process on the same global batch (fp32, max abs diff <= 1e-5); the refusals.
+// (2 x 2 x 2), and with checkpointed blocks (non-reentrant, selective, reentrant; backward inside the region or
+// after it), against one process on the same global batch (fp32, max abs diff <= 1e-5); the refusals.
 #include <gtest/gtest.h>
 
 #include "error_message.h"
@@ -313,6 +314,62 @@ INSTANTIATE_TEST_SUITE_P(Cases, ContextParallelModel,
                            return "cp" + std::to_string(c.cp) + (c.causal ? "_causal" : "_full") + "_kv" +
                                   std::to_string(c.kv_heads) + "_T" + std::to_string(c.seq);
                          });
+
+// Checkpointed blocks under CP ([Note: regions a recomputation re-enters]): each block of the model above in
+// fsdp::checkpoint (non-reentrant, selective, reentrant), the forward in a CP region and backward inside it or
+// after it ended: the recomputation is ring attention again, so the loss and every gradient equal one process's.
+// (Before the re-entry, backward after the region recomputed plain attention over the local rows: same shapes,
+// other values, silently wrong gradients.)
+TEST(ContextParallelCheckpoint, RecomputationIsRingAttentionInsideOrAfterTheRegion) {
+  PrintMaxDiff print;
+  const int64_t B = 2, T = 12, kv = 2;
+  auto ids_full = batch_ids(B, T, 0), labels_full = (ids_full * 3 + 1).remainder(kVocab);
+  auto positions_full = torch::arange(T, torch::kLong).unsqueeze(0).expand({B, T}).contiguous();
+  AttnNet ref(kv, true);
+  auto loss_ref = torch::cross_entropy_loss(ref(ids_full, positions_full).view({-1, kVocab}), labels_full.view({-1}));
+  loss_ref.backward();
+  const std::vector<std::string> kinds = {"non-reentrant", "selective", "reentrant"};
+  for (const auto& kind : kinds) {
+    for (const bool backward_inside : {true, false}) {
+      const std::string what = kind + (backward_inside ? ", backward in the region" : ", backward after the region");
+      run_ranks(2, [&](ProcessGroupPtr) {
+        auto mesh = init_device_mesh(torch::kCPU, {2}, {"cp"});
+        auto& pg = *mesh->get_group(0);
+        AttnNet net(kv, true);
+        auto options = kind == "reentrant" ? CheckpointOptions().use_reentrant(true)
+                       : kind == "selective"
+                           ? CheckpointOptions().context_fn([] { return create_selective_checkpoint_contexts({"aten::mm"}); })
+                           : CheckpointOptions();
+        auto ids = ids_full.clone(), labels = labels_full.clone(), positions = positions_full.clone();
+        torch::Tensor loss;
+        {
+          context_parallel region(mesh, {ids, labels, positions}, {1, 1, 1});
+          // Copies of the sharded buffers: the region restores the buffers in place at its end, which a backward
+          // after it would see as a modification of the embedding's saved indices.
+          auto x = net->tok(ids.clone()) + net->pos(positions.clone());
+          for (const auto& b : *net->blocks) {
+            auto* block = b->as<BlockImpl>();
+            x = checkpoint(options, [block](const torch::Tensor& t) { return block->forward(t); }, x);
+          }
+          loss = torch::cross_entropy_loss(net->head(x).view({-1, kVocab}), labels.clone().reshape({-1}));
+          if (backward_inside) loss.backward();
+        }
+        if (!backward_inside) loss.backward();
+        auto global = loss.detach().clone();
+        all_reduce(global, pg, ReduceOp::AVG).wait();
+        EXPECT_NEAR_T(global, loss_ref.detach(), what + ": loss");
+        auto ref_params = ref->named_parameters();
+        for (auto& item : net->named_parameters()) {
+          auto g = item.value().grad();
+          ASSERT_TRUE(g.defined()) << what << ": " << item.key();
+          g = g.clone();
+          all_reduce(g, pg, ReduceOp::AVG).wait();
+          EXPECT_NEAR_T(g, ref_params[item.key()].grad(), what + ": grad of " + item.key());
+        }
+      });
+    }
+  }
+}
 
 // FSDP x CP x TP on 8 ranks, mesh (dp 2, cp 2, tp 2) in torchtitan's order: TP splits the heads and the MLP,
 // CP the sequence, dp the batch; fully_shard takes the (dp, cp) slice as an HSDP mesh, so that the gradient

@@ -5,6 +5,7 @@
 
 #include <limits>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <tuple>
 
@@ -14,6 +15,7 @@
 
 #include "fsdp/c10d/collectives.h"
 #include "utils/intercept.h"
+#include "utils/recompute_regions.h"
 
 // [Note: context parallel interception]
 // PyTorch swaps F.scaled_dot_product_attention (monkey patch) or installs a dispatcher handler for the SDPA
@@ -69,6 +71,42 @@ struct CPState {
 };
 
 thread_local CPState* tls_state = nullptr;
+thread_local std::shared_ptr<CPState> tls_keep;  // owns tls_state's region while a checkpoint holds a capture of it
+
+// A checkpoint's recomputation sees this thread's CP region as its forward did ([Note: regions a recomputation
+// re-enters] in utils/recompute_regions.h): attention in a checkpointed block is recomputed as ring attention
+// over the same group (or as plain attention when its forward ran outside a region), whether backward runs in
+// the region, after it or on an autograd thread. Without it, the recomputation's plain attention has the ring's
+// shapes and other values: silently wrong gradients.
+class CPReentry {
+ public:
+  explicit CPReentry(std::shared_ptr<CPState> state)
+      : keep_before_(std::move(tls_keep)), state_before_(tls_state),
+        key_was_included_(c10::impl::tls_is_dispatch_key_included(fsdp::detail::kInterceptKey)) {
+    tls_keep = std::move(state);
+    tls_state = tls_keep.get();
+    if (tls_state) c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, true);
+  }
+  ~CPReentry() {
+    tls_keep = std::move(keep_before_);
+    tls_state = state_before_;
+    c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, key_was_included_);
+  }
+  CPReentry(const CPReentry&) = delete;
+  CPReentry& operator=(const CPReentry&) = delete;
+
+ private:
+  std::shared_ptr<CPState> keep_before_;
+  CPState* state_before_;
+  bool key_was_included_;
+};
+
+fsdp::detail::RegionReentry capture_cp() {
+  std::shared_ptr<CPState> state = tls_keep;
+  return [state]() -> std::shared_ptr<void> { return std::make_shared<CPReentry>(state); };
+}
+
+const bool capture_registered = (fsdp::detail::register_region_capture(&capture_cp), true);
 
 std::string shape_str(const torch::Tensor& t) {
   std::ostringstream os;
@@ -448,13 +486,15 @@ context_parallel::context_parallel(const DeviceMeshPtr& cp_mesh, std::vector<tor
   fsdp::detail::install_sdpa_handler(&cp_sdpa);
   region->included_before = c10::impl::tls_is_dispatch_key_included(kInterceptKey);
   c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
-  tls_state = &region->cp;
+  tls_keep = std::shared_ptr<CPState>(region, &region->cp);
+  tls_state = tls_keep.get();
   state_ = region;
 }
 
 context_parallel::~context_parallel() {
   auto region = std::static_pointer_cast<RegionState>(state_);
   tls_state = nullptr;
+  tls_keep.reset();
   c10::impl::tls_set_dispatch_key_included(kInterceptKey, region->included_before);
   torch::NoGradGuard no_grad;
   fsdp::detail::NoInterception plain;

@@ -31,10 +31,14 @@
 //   view. Class weights are refused (vocab_parallel_cross_entropy has none). Every check reads local shapes that
 //   agree across ranks (the same view of every rank's head output), so every rank throws alike, before any
 //   collective.
+// - Checkpointing: a checkpointed function recomputed in backward sees the region as its forward did ([Note:
+//   regions a recomputation re-enters] in utils/recompute_regions.h), whether backward runs inside the region
+//   (PyTorch's usage), after it, or on another thread.
 #include "tensor/parallel/loss_parallel.h"
 
 #include <algorithm>
 #include <iterator>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -45,6 +49,7 @@
 
 #include "fsdp/tensor/parallel/loss.h"
 #include "utils/intercept.h"
+#include "utils/recompute_regions.h"
 
 namespace fsdp::tp {
 namespace detail {
@@ -131,6 +136,34 @@ bool loss_parallel_cross_entropy(const c10::OperatorHandle&, c10::DispatchKeySet
   torch::jit::push(*stack, std::move(loss));
   return true;
 }
+
+// A checkpoint's recomputation sees this thread's region depth as its forward did ([Note: regions a recomputation
+// re-enters]): cross_entropy inside a checkpointed function is recomputed as the loss it was.
+class DepthReentry {
+ public:
+  explicit DepthReentry(int depth)
+      : depth_before_(tls_depth), key_was_included_(c10::impl::tls_is_dispatch_key_included(fsdp::detail::kInterceptKey)) {
+    tls_depth = depth;
+    if (depth > 0) c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, true);
+  }
+  ~DepthReentry() {
+    tls_depth = depth_before_;
+    c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, key_was_included_);
+  }
+  DepthReentry(const DepthReentry&) = delete;
+  DepthReentry& operator=(const DepthReentry&) = delete;
+
+ private:
+  int depth_before_;
+  bool key_was_included_;
+};
+
+fsdp::detail::RegionReentry capture_depth() {
+  const int depth = tls_depth;
+  return [depth]() -> std::shared_ptr<void> { return std::make_shared<DepthReentry>(depth); };
+}
+
+const bool capture_registered = (fsdp::detail::register_region_capture(&capture_depth), true);
 
 }  // namespace
 }  // namespace detail

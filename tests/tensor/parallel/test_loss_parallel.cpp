@@ -386,6 +386,91 @@ TEST(LossParallelGuard, TiedHead) {
   std::cout << "[loss_parallel guard] tied Embedding + head, tp 2/3: max |diff| " << diff.value << std::endl;
 }
 
+// loss_parallel and activation checkpointing (both use the intercept key; [Note: regions a recomputation
+// re-enters]): the region inside a selectively checkpointed function, a checkpointed head + loss inside the region
+// with backward after the region ended (non-reentrant with a selective policy, and reentrant), give one process's
+// loss and gradients on tp 2; a checkpointed local loss whose forward ran outside any region is recomputed as
+// the local loss when backward runs inside one.
+TEST(LossParallelGuard, WithActivationCheckpointing) {
+  const int64_t vocab = 12, d = 5;
+  auto xfull = (torch::arange(3 * 4 * d, torch::kFloat32).view({3, 4, d}) * 0.37).sin();
+  auto target = (torch::arange(12, torch::kInt64) * 5 + 1).remainder(vocab);
+  auto wfull = (torch::arange(vocab * d, torch::kFloat32).view({vocab, d}) * 0.23).cos();
+  torch::nn::Linear ref(torch::nn::LinearOptions(d, vocab).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    ref->weight.copy_(wfull);
+  }
+  auto x_ref = xfull.clone().requires_grad_(true);
+  auto ref_loss = F::cross_entropy(ref(torch::relu(x_ref)).flatten(0, 1), target);
+  ref_loss.backward();
+  enum Mode { REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE };
+  MaxDiff diff;
+  for (const Mode mode : {REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE}) {
+    const std::string what = mode == REGION_INSIDE       ? "region inside a selective checkpoint"
+                             : mode == CHECKPOINT_INSIDE ? "selective checkpoint inside the region"
+                             : mode == REENTRANT_INSIDE  ? "reentrant checkpoint inside the region"
+                                                         : "forward outside, backward inside the region";
+    run_ranks(2, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"});
+      const auto r = chunk_range(vocab, 2, mesh->get_local_rank(0));
+      torch::nn::Linear head(torch::nn::LinearOptions(d, vocab).bias(false));
+      {
+        torch::NoGradGuard no_grad;
+        head->weight.copy_(wfull);
+      }
+      tp::parallelize_module(head, mesh, tp::ColwiseParallel());
+      auto x = xfull.clone().requires_grad_(true);
+      // relu gives the policy an op to recompute; mm is saved. (relu after the head would be a copy: cross_entropy
+      // on it is the ordinary local one, as PyTorch's to_local() would give.)
+      auto options = mode == REENTRANT_INSIDE
+                         ? CheckpointOptions().use_reentrant(true)
+                         : CheckpointOptions().context_fn([] { return create_selective_checkpoint_contexts({"aten::mm"}); });
+      auto body = [&](const torch::Tensor& in) {
+        auto flat = head(torch::relu(in)).flatten(0, 1);
+        if (mode == FORWARD_OUTSIDE) return F::cross_entropy(flat, target.remainder(r.length));  // the local loss
+        if (mode != REGION_INSIDE) return F::cross_entropy(flat, target);
+        auto guard = tp::loss_parallel();
+        return F::cross_entropy(flat, target);
+      };
+      if (mode == FORWARD_OUTSIDE) {
+        // The local loss of the local logits, checkpointed, then backward in a region: as without checkpointing.
+        auto loss = checkpoint(options, body, x);
+        {
+          auto guard = tp::loss_parallel();
+          loss.backward();
+        }
+        torch::nn::Linear plain(torch::nn::LinearOptions(d, r.length).bias(false));
+        {
+          torch::NoGradGuard no_grad;
+          plain->weight.copy_(wfull.narrow(0, r.offset, r.length));
+        }
+        auto x_plain = xfull.clone().requires_grad_(true);
+        auto want = F::cross_entropy(plain(torch::relu(x_plain)).flatten(0, 1), target.remainder(r.length));
+        want.backward();
+        auto x_plain_grad = x_plain.grad().clone();
+        all_reduce(x_plain_grad, *mesh->get_group(0), ReduceOp::SUM).wait();  // ColwiseParallel's input gradient
+        diff.see(loss.detach(), want.detach(), what + ": loss");
+        diff.see(head->weight.grad(), plain->weight.grad(), what + ": head.weight grad");
+        diff.see(x.grad(), x_plain_grad, what + ": input grad");
+        return;
+      }
+      torch::Tensor loss;
+      if (mode == REGION_INSIDE) {
+        loss = checkpoint(options, body, x);
+      } else {
+        auto guard = tp::loss_parallel();
+        loss = checkpoint(options, body, x);
+      }
+      loss.backward();  // outside the region
+      diff.see(loss.detach(), ref_loss.detach(), what + ": loss");
+      diff.see(head->weight.grad(), ref->weight.grad().narrow(0, r.offset, r.length), what + ": head.weight grad");
+      diff.see(x.grad(), x_ref.grad(), what + ": input grad");
+    });
+  }
+  std::cout << "[loss_parallel guard] with activation checkpointing, tp 2: max |diff| " << diff.value << std::endl;
+}
+
 // Inside the guard, cross_entropy on anything but a head's output (a plain tensor, a copy of the head's output
 // with class weights) is the ordinary loss, value and gradient; outside it, cross_entropy on the head's output is
 // the ordinary local one (nothing changes); the guard restores the thread's dispatch state.
