@@ -6,8 +6,9 @@
 // ran inside such a region is recomputed in backward, which may run after the region ended (backward outside
 // it), inside a region its forward was not in, or on another thread (CUDA's autograd threads, which do not see
 // the caller's thread_locals). Recomputed without the region, it computes something else: a different number
-// of saved tensors (caught by the determinism check) or, for attention, the same shapes with other values
-// (silently wrong gradients). So each region registers a capture function here, at load; a checkpoint captures
+// of saved tensors (caught by the determinism check) or, for attention under a reentrant checkpoint, a graph of
+// plain attention with the ring's shapes (silently wrong gradients: tests/tensor/test_context_parallel.cpp,
+// ContextParallelCheckpoint, off by up to 0.17 without this). So each region registers a capture function here, at load; a checkpoint captures
 // every registered region when its forward runs (make_non_reentrant_frame, the reentrant FnHolder) and re-enters
 // the captures around its recomputation (RecomputeStates), leaving the thread's own state as it was after.
 // utils/ cannot depend on tensor/: hence registration rather than calls.
