@@ -14,7 +14,9 @@
 // and two phases per model: "forward" (forward under NoGradGuard: FSDP's pre-forward / post-forward, the
 // all-gather and the reshard) and "step" (forward with grad + backward: also pre-backward / post-backward and the
 // reduce-scatter). Per group = (sharded - plain) / groups, the median over rounds of per-step medians.
-// Output: one JSON object (--json) or a readable table.
+// Output: one JSON object (--json) or a readable table. --profile NAME: only NAME's steps (for perf), then the ops
+// one step of each model dispatches, counted by name (how the per-group cost was found: [Note: small copies by
+// memcpy] in src/fsdp/fsdp_collectives.cpp).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
 
 #include "fsdp/fsdp.h"
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
   int groups = 32, steps = 200, repeats = 5, warmup = 20;
   int64_t dim = 8, batch = 4;
   bool json = false;
+  std::string profile;
   app.add_option("--groups", groups, "Layers, one fully_shard group each")->check(CLI::Range(1, 100000));
   app.add_option("--dim", dim, "Linear(dim, dim) per layer")->check(CLI::Range(1, 1 << 20));
   app.add_option("--batch", batch, "Rows of the input")->check(CLI::Range(1, 1 << 20));
@@ -87,6 +91,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "Untimed steps per model before the rounds")->check(CLI::Range(0, 1000000));
   app.add_option("--repeats", repeats, "Rounds (models interleaved); the median round is reported")->check(CLI::Range(1, 1000));
   app.add_flag("--json", json, "One JSON object on stdout");
+  app.add_option("--profile", profile, "Run only this model's steps (plain, holder or implicit), --steps x --repeats "
+                 "of them (for perf record), then print each model's ops of one step by name to stderr")->check(CLI::IsMember({"plain", "holder", "implicit"}));
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
@@ -135,6 +141,35 @@ int main(int argc, char** argv) {
     for (auto& m : models) {
       TORCH_CHECK(torch::allclose(out[m.name], out["plain"], 1e-6, 1e-6), "bench_host_overhead: ", m.name,
                   "'s output differs from the plain model's");
+    }
+    if (!profile.empty()) {
+      for (auto& m : models) {
+        if (m.name == profile) phase(m, true, steps * repeats);
+      }
+      // The ops of one step (forward + backward) of each model, by name, to stderr: what the machinery adds.
+      for (auto& m : models) {
+        static thread_local std::map<std::string, int>* counts = nullptr;
+        std::map<std::string, int> c;
+        counts = &c;
+        auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (counts) ++(*counts)[fn.name()];
+              return nullptr;
+            }).scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+        m.zero_grad();
+        m.forward(x).sum().backward();
+        at::removeCallback(handle);
+        counts = nullptr;
+        int total = 0;
+        for (const auto& [k, v] : c) total += v;
+        std::fprintf(stderr, "%s: %d ops per step\n", m.name.c_str(), total);
+        std::vector<std::pair<int, std::string>> top;
+        for (const auto& [k, v] : c) top.emplace_back(v, k);
+        std::sort(top.rbegin(), top.rend());
+        for (size_t i = 0; i < top.size() && i < 25; ++i) std::fprintf(stderr, "  %6d %s\n", top[i].first, top[i].second.c_str());
+      }
+      fsdp::destroy_process_group();
+      return 0;
     }
     for (auto& m : models) {
       phase(m, false, warmup);

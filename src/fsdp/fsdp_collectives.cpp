@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace fsdp::detail {
 
@@ -17,6 +18,17 @@ namespace fsdp::detail {
 namespace {
 constexpr int64_t kAlign = 16;  // the largest element size (complex128)
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// [Note: small copies by memcpy]
+// A group's copies (all-gather copy-in and copy-out, reduce-scatter copy-in) are per parameter and per rank;
+// as tensor ops each one is a narrow, a view or reshape and a copy_, a dispatch apiece (0.3-1 us on the CPU),
+// which is most of a small group's host time (bench/host_overhead.py: about 120 ops per group and step, 47 us).
+// Where both sides are CPU memory, contiguous, of the same dtype (no cast), and the group's piece is small,
+// the bytes move by memcpy on raw pointers instead: the same bytes, so the same results bit for bit. Larger
+// pieces keep copy_, which LibTorch spreads over the intra-op threads; CUDA keeps copy_ on its streams.
+constexpr int64_t kSmallCopyBytes = 256 * 1024;
+bool plain_cpu(const torch::Tensor& t) { return t.defined() && t.is_cpu() && t.is_contiguous() && t.has_storage(); }
+char* bytes_of(const torch::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 }  // namespace
 
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
@@ -75,13 +87,21 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
                 "allocate with torch::empty (or align the buffer to ", kAlign, " bytes)");
     // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
     input = output.narrow(0, pg.rank() * n, n);
+    const int64_t wire_size = static_cast<int64_t>(c10::elementSize(wire));
+    const bool cpu_out = plain_cpu(output);
     int64_t off = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       for (size_t j = 0; j < srcs[i].size(); ++j) {
         const auto [dt, numel] = result.pieces[i][j];
-        auto dst = result.as_bytes ? input.narrow(0, off, numel * c10::elementSize(dt)).view(dt)
-                                   : input.narrow(0, off, numel);
-        dst.copy_(srcs[i][j].reshape({-1}), non_blocking);
+        const auto& src = srcs[i][j];
+        const int64_t piece_bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
+        if (cpu_out && piece_bytes <= kSmallCopyBytes && src.scalar_type() == dt && plain_cpu(src)) {
+          // [Note: small copies by memcpy]
+          std::memcpy(bytes_of(output) + (pg.rank() * n + off) * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+        } else {
+          auto dst = result.as_bytes ? input.narrow(0, off, piece_bytes).view(dt) : input.narrow(0, off, numel);
+          dst.copy_(src.reshape({-1}), non_blocking);
+        }
         off += size(dt, numel);
       }
     }
@@ -100,9 +120,28 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
 void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPParam>& params) {
   torch::NoGradGuard no_grad;
   auto out2d = ag.output.view({ag.world, -1});
+  const int64_t row_bytes = out2d.size(1) * static_cast<int64_t>(ag.output.element_size());
+  const bool cpu_out = plain_cpu(ag.output);
   int64_t off = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
+    if (cpu_out && !ag.extended[i] && (p.shard_dim == 0 || ag.post_forward) && ag.pieces[i].size() == 1) {
+      // [Note: small copies by memcpy]: rank r's piece to rows r of the unsharded tensor, as the copy_ below.
+      const auto [dt, numel] = ag.pieces[i][0];
+      const int64_t piece_bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
+      const auto& dst = p.unsharded_padded;
+      if (piece_bytes * ag.world <= kSmallCopyBytes && dst.scalar_type() == dt && plain_cpu(dst) &&
+          dst.numel() == numel * ag.world) {
+        const int64_t off_bytes = ag.as_bytes ? off : off * static_cast<int64_t>(ag.output.element_size());
+        for (int r = 0; r < ag.world; ++r) {
+          std::memcpy(bytes_of(dst) + r * piece_bytes, bytes_of(ag.output) + r * row_bytes + off_bytes,
+                      static_cast<size_t>(piece_bytes));
+        }
+        off += ag.as_bytes ? aligned(piece_bytes) : numel;
+        p.post_forward_shard = torch::Tensor();
+        continue;
+      }
+    }
     // Each piece as [world, numel] in its dtype: in place, aligned when bytes (see the note).
     std::vector<torch::Tensor> views;
     for (const auto& [dt, numel] : ag.pieces[i]) {
@@ -186,6 +225,17 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
         } else {
           dst.zero_();
         }
+      }
+    } else if (plain_cpu(input) && p.padded_numel() * ws * input.element_size() <= kSmallCopyBytes &&
+               (!g.defined() || (g.scalar_type() == reduce_dtype && plain_cpu(g)))) {
+      // [Note: small copies by memcpy]: the rows and zero padding below, by pointers.
+      const int64_t es = input.element_size();
+      for (int r = 0; r < ws; ++r) {
+        auto range = chunk_range(p.orig_size[0], ws, r);
+        const int64_t filled = g.defined() ? range.length * p.row_numel : 0;
+        char* dst = bytes_of(input) + (r * (m + np) + off) * es;
+        if (filled > 0) std::memcpy(dst, bytes_of(g) + range.offset * p.row_numel * es, static_cast<size_t>(filled * es));
+        if (filled < p.padded_numel()) std::memset(dst + filled * es, 0, static_cast<size_t>((p.padded_numel() - filled) * es));
       }
     } else {
       for (int r = 0; r < ws; ++r) {
