@@ -25,9 +25,15 @@ int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; 
 // which is most of a small group's host time (bench/host_overhead.py: about 120 ops per group and step, 47 us).
 // Where both sides are CPU memory, contiguous, of the same dtype (no cast), and the group's piece is small,
 // the bytes move by memcpy on raw pointers instead: the same bytes, so the same results bit for bit. Larger
-// pieces keep copy_, which LibTorch spreads over the intra-op threads; CUDA keeps copy_ on its streams.
+// pieces keep copy_, which LibTorch spreads over the intra-op threads; CUDA keeps copy_ on its streams. The
+// copy-out bumps the unsharded data's version counter as copy_ does; tensors with a lazy conjugate or negative
+// bit take copy_, which applies it.
 constexpr int64_t kSmallCopyBytes = 256 * 1024;
-bool plain_cpu(const torch::Tensor& t) { return t.defined() && t.is_cpu() && t.is_contiguous() && t.has_storage(); }
+// (A conjugate or negative bit is a lazy operation that copy_ applies and raw bytes would not.)
+bool plain_cpu(const torch::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.layout() == torch::kStrided && t.is_contiguous() && t.has_storage() &&
+         !t.is_conj() && !t.is_neg();
+}
 char* bytes_of(const torch::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 }  // namespace
 
@@ -96,8 +102,10 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
         const auto& src = srcs[i][j];
         const int64_t piece_bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
         if (cpu_out && piece_bytes <= kSmallCopyBytes && src.scalar_type() == dt && plain_cpu(src)) {
-          // [Note: small copies by memcpy]
-          std::memcpy(bytes_of(output) + (pg.rank() * n + off) * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+          // [Note: small copies by memcpy] (an empty piece has nothing to copy, and maybe no pointer)
+          if (piece_bytes > 0) {
+            std::memcpy(bytes_of(output) + (pg.rank() * n + off) * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+          }
         } else {
           auto dst = result.as_bytes ? input.narrow(0, off, piece_bytes).view(dt) : input.narrow(0, off, numel);
           dst.copy_(src.reshape({-1}), non_blocking);
@@ -133,10 +141,15 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
       if (piece_bytes * ag.world <= kSmallCopyBytes && dst.scalar_type() == dt && plain_cpu(dst) &&
           dst.numel() == numel * ag.world) {
         const int64_t off_bytes = ag.as_bytes ? off : off * static_cast<int64_t>(ag.output.element_size());
-        for (int r = 0; r < ag.world; ++r) {
-          std::memcpy(bytes_of(dst) + r * piece_bytes, bytes_of(ag.output) + r * row_bytes + off_bytes,
-                      static_cast<size_t>(piece_bytes));
+        if (piece_bytes > 0) {
+          for (int r = 0; r < ag.world; ++r) {
+            std::memcpy(bytes_of(dst) + r * piece_bytes, bytes_of(ag.output) + r * row_bytes + off_bytes,
+                        static_cast<size_t>(piece_bytes));
+          }
         }
+        // As copy_ would: the unsharded data changed in place (its version counter is what autograd and the
+        // checkpoint's mutation check read).
+        dst.unsafeGetTensorImpl()->bump_version();
         off += ag.as_bytes ? aligned(piece_bytes) : numel;
         p.post_forward_shard = torch::Tensor();
         continue;
@@ -229,6 +242,8 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
     } else if (plain_cpu(input) && p.padded_numel() * ws * input.element_size() <= kSmallCopyBytes &&
                (!g.defined() || (g.scalar_type() == reduce_dtype && plain_cpu(g)))) {
       // [Note: small copies by memcpy]: the rows and zero padding below, by pointers.
+      TORCH_INTERNAL_ASSERT(!g.defined() || g.numel() == p.orig_size[0] * p.row_numel, "fully_shard: the gradient of ",
+                            p.fqn, " has ", g.numel(), " elements, its parameter ", p.orig_size[0] * p.row_numel);
       const int64_t es = input.element_size();
       for (int r = 0; r < ws; ++r) {
         auto range = chunk_range(p.orig_size[0], ws, r);

@@ -11,7 +11,10 @@
 // ContextParallelCheckpoint, off by up to 0.17 without this). So each region registers a capture function here, at load; a checkpoint captures
 // every registered region when its forward runs (make_non_reentrant_frame, the reentrant FnHolder) and re-enters
 // the captures around its recomputation (RecomputeStates), leaving the thread's own state as it was after.
-// utils/ cannot depend on tensor/: hence registration rather than calls.
+// An implicit checkpoint region (implicit_checkpoint.cpp: a checkpoint_wrapper'd module without a holder) captures
+// when it opens and stays open across the module's ops; so a region that begins or ends closes it first
+// (close_implicit_region in LossParallelGuard and context_parallel), and nothing is recorded under a state it
+// does not run in. utils/ cannot depend on tensor/: hence registration rather than calls.
 #pragma once
 
 #include <functional>

@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include "fsdp/c10d/collectives.h"
+#include "utils/implicit_checkpoint.h"
 #include "utils/intercept.h"
 #include "utils/recompute_regions.h"
 
@@ -484,6 +485,9 @@ context_parallel::context_parallel(const DeviceMeshPtr& cp_mesh, std::vector<tor
   }
 
   fsdp::detail::install_sdpa_handler(&cp_sdpa);
+  // An implicit checkpoint region open on this thread captured the thread's regions when it opened: it ends here
+  // (and at this region's end), so that what follows is recorded under the state it runs in.
+  fsdp::detail::close_implicit_region();
   region->included_before = c10::impl::tls_is_dispatch_key_included(kInterceptKey);
   c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
   tls_keep = std::shared_ptr<CPState>(region, &region->cp);
@@ -492,6 +496,7 @@ context_parallel::context_parallel(const DeviceMeshPtr& cp_mesh, std::vector<tor
 }
 
 context_parallel::~context_parallel() {
+  fsdp::detail::close_implicit_region();
   auto region = std::static_pointer_cast<RegionState>(state_);
   tls_state = nullptr;
   tls_keep.reset();

@@ -48,6 +48,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "fsdp/tensor/parallel/loss.h"
+#include "utils/implicit_checkpoint.h"
 #include "utils/intercept.h"
 #include "utils/recompute_regions.h"
 
@@ -170,12 +171,17 @@ const bool capture_registered = (fsdp::detail::register_region_capture(&capture_
 
 LossParallelGuard::LossParallelGuard() {
   fsdp::detail::install_cross_entropy_handler(&detail::loss_parallel_cross_entropy);
+  // An implicit checkpoint region open on this thread (a checkpoint_wrapper'd module without a holder) captured
+  // the thread's regions when it opened: it ends here, so that the loss is not recorded into it and replayed
+  // without the guard ([Note: regions a recomputation re-enters]). The same at the guard's end.
+  fsdp::detail::close_implicit_region();
   key_was_included_ = c10::impl::tls_is_dispatch_key_included(fsdp::detail::kInterceptKey);
   c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, true);
   ++detail::tls_depth;
 }
 
 LossParallelGuard::~LossParallelGuard() {
+  fsdp::detail::close_implicit_region();
   --detail::tls_depth;
   c10::impl::tls_set_dispatch_key_included(fsdp::detail::kInterceptKey, key_was_included_);
 }

@@ -390,7 +390,8 @@ TEST(LossParallelGuard, TiedHead) {
 // re-enters]): the region inside a selectively checkpointed function, a checkpointed head + loss inside the region
 // with backward after the region ended (non-reentrant with a selective policy, and reentrant), give one process's
 // loss and gradients on tp 2; a checkpointed local loss whose forward ran outside any region is recomputed as
-// the local loss when backward runs inside one.
+// the local loss when backward runs inside one; a checkpoint_wrapper'd head (an implicit region) followed by the
+// loss in a region gives one process's loss and gradients (the region ends the head's implicit region).
 TEST(LossParallelGuard, WithActivationCheckpointing) {
   const int64_t vocab = 12, d = 5;
   auto xfull = (torch::arange(3 * 4 * d, torch::kFloat32).view({3, 4, d}) * 0.37).sin();
@@ -404,13 +405,14 @@ TEST(LossParallelGuard, WithActivationCheckpointing) {
   auto x_ref = xfull.clone().requires_grad_(true);
   auto ref_loss = F::cross_entropy(ref(torch::relu(x_ref)).flatten(0, 1), target);
   ref_loss.backward();
-  enum Mode { REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE };
+  enum Mode { REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE, IMPLICIT_HEAD };
   MaxDiff diff;
-  for (const Mode mode : {REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE}) {
+  for (const Mode mode : {REGION_INSIDE, CHECKPOINT_INSIDE, REENTRANT_INSIDE, FORWARD_OUTSIDE, IMPLICIT_HEAD}) {
     const std::string what = mode == REGION_INSIDE       ? "region inside a selective checkpoint"
                              : mode == CHECKPOINT_INSIDE ? "selective checkpoint inside the region"
                              : mode == REENTRANT_INSIDE  ? "reentrant checkpoint inside the region"
-                                                         : "forward outside, backward inside the region";
+                             : mode == FORWARD_OUTSIDE   ? "forward outside, backward inside the region"
+                                                         : "checkpoint_wrapper'd head (implicit region), then the region";
     run_ranks(2, [&](ProcessGroupPtr) {
       auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"});
       const auto r = chunk_range(vocab, 2, mesh->get_local_rank(0));
@@ -433,6 +435,23 @@ TEST(LossParallelGuard, WithActivationCheckpointing) {
         auto guard = tp::loss_parallel();
         return F::cross_entropy(flat, target);
       };
+      if (mode == IMPLICIT_HEAD) {
+        // The head checkpointed as an unchanged module (an implicit region, opened by its first op), the loss in
+        // a region begun after the forward (PyTorch's pattern), backward after it: the loss must not be recorded
+        // into the head's region (which would replay it without the region).
+        checkpoint_wrapper(head.ptr());
+        auto flat = head(torch::relu(x)).flatten(0, 1);
+        torch::Tensor loss;
+        {
+          auto guard = tp::loss_parallel();
+          loss = F::cross_entropy(flat, target);
+        }
+        loss.backward();
+        diff.see(loss.detach(), ref_loss.detach(), what + ": loss");
+        diff.see(head->weight.grad(), ref->weight.grad().narrow(0, r.offset, r.length), what + ": head.weight grad");
+        diff.see(x.grad(), x_ref.grad(), what + ": input grad");
+        return;
+      }
       if (mode == FORWARD_OUTSIDE) {
         // The local loss of the local logits, checkpointed, then backward in a region: as without checkpointing.
         auto loss = checkpoint(options, body, x);
