@@ -83,6 +83,13 @@ const Registration& registration() {
 
 const bool registered_at_load = (registration(), true);
 
+// Throws if the key's kernels could not be registered at load; `users` names who needs them (may be empty).
+void check_registered(const char* users) {
+  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
+              kInterceptKey, users, " could not be registered when libfsdp was loaded: ", registration().error,
+              ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
+}
+
 }  // namespace
 
 bool is_metadata_op(const c10::OperatorHandle& op) {
@@ -118,10 +125,7 @@ void call_layer_below(InterceptLayer layer, bool composite, const c10::OperatorH
 }
 
 void install_intercept_layer(InterceptLayer layer, InterceptFn fallback_fn, InterceptFn composite_fn) {
-  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
-              kInterceptKey, " (implicit FSDP groups, tensor parallelism, selective checkpointing) could not be ",
-              "registered when libfsdp was loaded: ", registration().error, ". Another library in this process owns the ",
-              "key (torchdistx's deferred_init?); load only one of them");
+  check_registered(" (implicit FSDP groups, tensor parallelism, selective checkpointing)");
   const int level = static_cast<int>(layer);
   if (layer_fallback[level].load(std::memory_order_acquire)) return;  // (the fast path of every later call)
   std::lock_guard<std::mutex> lock(install_mu);
@@ -136,17 +140,13 @@ void install_intercept_layer(InterceptLayer layer, InterceptFn fallback_fn, Inte
 }
 
 void install_sdpa_handler(SdpaHandler handler) {
-  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
-              kInterceptKey, " could not be registered when libfsdp was loaded: ", registration().error,
-              ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
+  check_registered("");
   SdpaHandler expected = nullptr;
   sdpa_handler.compare_exchange_strong(expected, handler, std::memory_order_acq_rel);
 }
 
 void install_cross_entropy_handler(CrossEntropyHandler handler) {
-  TORCH_CHECK(registered_at_load && registration().error.empty(), "libfsdp: the kernels of dispatch key ",
-              kInterceptKey, " could not be registered when libfsdp was loaded: ", registration().error,
-              ". Another library in this process owns the key (torchdistx's deferred_init?); load only one of them");
+  check_registered("");
   CrossEntropyHandler expected = nullptr;
   cross_entropy_handler.compare_exchange_strong(expected, handler, std::memory_order_acq_rel);
 }
