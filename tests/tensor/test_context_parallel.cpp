@@ -322,18 +322,20 @@ INSTANTIATE_TEST_SUITE_P(Cases, ContextParallelModel,
 // other values, silently wrong gradients.)
 TEST(ContextParallelCheckpoint, RecomputationIsRingAttentionInsideOrAfterTheRegion) {
   PrintMaxDiff print;
-  const int64_t B = 2, T = 12, kv = 2;
+  const int64_t B = 2, T = 24, kv = 2;  // T: a multiple of 2 x cp for cp 2 and 4
   auto ids_full = batch_ids(B, T, 0), labels_full = (ids_full * 3 + 1).remainder(kVocab);
   auto positions_full = torch::arange(T, torch::kLong).unsqueeze(0).expand({B, T}).contiguous();
   AttnNet ref(kv, true);
   auto loss_ref = torch::cross_entropy_loss(ref(ids_full, positions_full).view({-1, kVocab}), labels_full.view({-1}));
   loss_ref.backward();
   const std::vector<std::string> kinds = {"non-reentrant", "selective", "reentrant"};
+  for (const int cp : {2, 4}) {
   for (const auto& kind : kinds) {
     for (const bool backward_inside : {true, false}) {
-      const std::string what = kind + (backward_inside ? ", backward in the region" : ", backward after the region");
-      run_ranks(2, [&](ProcessGroupPtr) {
-        auto mesh = init_device_mesh(torch::kCPU, {2}, {"cp"});
+      const std::string what = "cp " + std::to_string(cp) + ", " + kind +
+                               (backward_inside ? ", backward in the region" : ", backward after the region");
+      run_ranks(cp, [&](ProcessGroupPtr) {
+        auto mesh = init_device_mesh(torch::kCPU, {cp}, {"cp"});
         auto& pg = *mesh->get_group(0);
         AttnNet net(kv, true);
         auto options = kind == "reentrant" ? CheckpointOptions().use_reentrant(true)
@@ -368,6 +370,7 @@ TEST(ContextParallelCheckpoint, RecomputationIsRingAttentionInsideOrAfterTheRegi
         }
       });
     }
+  }
   }
 }
 

@@ -389,7 +389,7 @@ TEST(LossParallelGuard, TiedHead) {
 // loss_parallel and activation checkpointing (both use the intercept key; [Note: regions a recomputation
 // re-enters]): the region inside a selectively checkpointed function, a checkpointed head + loss inside the region
 // with backward after the region ended (non-reentrant with a selective policy, and reentrant), give one process's
-// loss and gradients on tp 2; a checkpointed local loss whose forward ran outside any region is recomputed as
+// loss and gradients on tp 2 and 3; a checkpointed local loss whose forward ran outside any region is recomputed as
 // the local loss when backward runs inside one; a checkpoint_wrapper'd head (an implicit region) followed by the
 // loss in a region gives one process's loss and gradients (the region ends the head's implicit region).
 TEST(LossParallelGuard, WithActivationCheckpointing) {
@@ -413,9 +413,10 @@ TEST(LossParallelGuard, WithActivationCheckpointing) {
                              : mode == REENTRANT_INSIDE  ? "reentrant checkpoint inside the region"
                              : mode == FORWARD_OUTSIDE   ? "forward outside, backward inside the region"
                                                          : "checkpoint_wrapper'd head (implicit region), then the region";
-    run_ranks(2, [&](ProcessGroupPtr) {
-      auto mesh = init_device_mesh(torch::kCPU, {2}, {"tp"});
-      const auto r = chunk_range(vocab, 2, mesh->get_local_rank(0));
+    for (const int tp : {2, 3}) {
+    run_ranks(tp, [&](ProcessGroupPtr) {
+      auto mesh = init_device_mesh(torch::kCPU, {tp}, {"tp"});
+      const auto r = chunk_range(vocab, tp, mesh->get_local_rank(0));
       torch::nn::Linear head(torch::nn::LinearOptions(d, vocab).bias(false));
       {
         torch::NoGradGuard no_grad;
@@ -486,8 +487,9 @@ TEST(LossParallelGuard, WithActivationCheckpointing) {
       diff.see(head->weight.grad(), ref->weight.grad().narrow(0, r.offset, r.length), what + ": head.weight grad");
       diff.see(x.grad(), x_ref.grad(), what + ": input grad");
     });
+    }
   }
-  std::cout << "[loss_parallel guard] with activation checkpointing, tp 2: max |diff| " << diff.value << std::endl;
+  std::cout << "[loss_parallel guard] with activation checkpointing, tp 2 and 3: max |diff| " << diff.value << std::endl;
 }
 
 // Inside the guard, cross_entropy on anything but a head's output (a plain tensor, a copy of the head's output
