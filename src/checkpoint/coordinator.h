@@ -45,6 +45,20 @@ class Coordinator {
     }
   }
 
+  /// The same operation's coordinator with a store client of its own, for another thread of this rank
+  /// (a TCPStore client serializes its calls: a wait on one thread would hold up a set on another).
+  Coordinator for_thread() const {
+    Coordinator c = *this;
+    if (c.store_) {
+      try {
+        c.store_ = c.store_->clone();
+      } catch (const std::exception&) {
+        // Stores without clone() support are shared; their calls are thread-safe.
+      }
+    }
+    return c;
+  }
+
   int rank() const { return rank_; }
   int world() const { return world_; }
   bool single() const { return world_ == 1; }

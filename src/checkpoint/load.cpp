@@ -34,6 +34,7 @@
 #include <set>
 
 #include "checkpoint/chunk_reader.h"
+#include "checkpoint/cooperative_prefetch.h"
 #include "checkpoint/coordinator.h"
 #include "checkpoint/key_union.h"
 #include "checkpoint/metadata.h"
@@ -67,7 +68,10 @@ using detail::read_box;
 /// or one row when a row is larger): bounds the extra memory of a load whatever the tensor's size.
 constexpr int64_t kStageBytes = int64_t(64) << 20;
 std::atomic<int64_t> stage_bytes{kStageBytes};  // tests lower it (detail::set_load_stage_bytes)
-std::atomic<bool> prefetch_on{true};            // benchmarks compare (detail::set_cooperative_prefetch)
+// Off: [Note: one reader per file region] halves the disk's requests of a resharded load but was 4-25%
+// slower than every rank reading its own pieces on this project's VM disk, measured side by side in one
+// invocation (docs/BENCHMARKS.md "Resharded load: one reader per file region, following behind").
+std::atomic<bool> prefetch_on{false};  // benchmarks compare (detail::set_cooperative_prefetch)
 bool cooperative_prefetch_enabled() { return prefetch_on.load(); }
 
 
@@ -119,27 +123,17 @@ class LoadPlan {
   }
 
   /// The byte ranges [begin, end) of each file this rank will read (merged, sorted), for
-  /// cooperative_prefetch.
-  std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> needed() const {
-    std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> out;
+  /// CooperativePrefetch.
+  detail::FileRanges needed() const {
+    detail::FileRanges out;
     for (const auto* list : {&pending_, &reads_}) {
       for (const Read& p : *list) {
         const auto r = chunk_range(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(), api_);
         out[p.chunk->file].emplace_back(p.chunk->file_offset + r.begin, p.chunk->file_offset + r.end);
       }
     }
-    for (auto& [_, v] : out) v = merged(std::move(v));
+    for (auto& [_, v] : out) v = detail::merged_ranges(std::move(v));
     return out;
-  }
-
-  static std::vector<std::pair<int64_t, int64_t>> merged(std::vector<std::pair<int64_t, int64_t>> v) {
-    std::sort(v.begin(), v.end());
-    std::vector<std::pair<int64_t, int64_t>> m;
-    for (const auto& r : v) {
-      if (!m.empty() && r.first <= m.back().second) m.back().second = std::max(m.back().second, r.second);
-      else m.push_back(r);
-    }
-    return m;
   }
 
   const std::string& dir() const { return info_.dir; }
@@ -165,8 +159,9 @@ class LoadPlan {
   }
 
   const LoadResult& result() const { return result_; }
-  /// Reads and verifies the staged pieces (after cooperative_prefetch); part of phase 1.
-  void read() { read_pending(); }
+  /// Reads and verifies the staged pieces, each once `prefetch` (if any) has it in the page cache; part
+  /// of phase 1.
+  void read(detail::CooperativePrefetch* prefetch) { read_pending(prefetch); }
   /// Stateful objects whose per-rank Values came as every saving rank's (another world size).
   const std::set<std::string>& resharded() const { return resharded_; }
   int saved_world_size() const { return info_.world_size; }
@@ -338,22 +333,23 @@ class LoadPlan {
   /// every range up front (MADV_WILLNEED whole, or in 512 KiB-4 MiB windows; MADV_SEQUENTIAL; pread into a
   /// scratch buffer) made the disk's requests smaller and the loads no faster than the read-around of
   /// the page faults below.
-  void read_pending() {
+  void read_pending(detail::CooperativePrefetch* prefetch) {
     struct Range {
-      int64_t begin;  // byte of the file
+      int64_t begin, end;  // bytes of the file
       size_t piece;
     };
     std::map<std::string, std::vector<Range>> by_file;
     for (size_t i = 0; i < pending_.size(); ++i) {
       const Read& p = pending_[i];
       const auto r = chunk_range(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(), api_);
-      by_file[p.chunk->file].push_back({p.chunk->file_offset + r.begin, i});
+      by_file[p.chunk->file].push_back({p.chunk->file_offset + r.begin, p.chunk->file_offset + r.end, i});
     }
     copies_.reserve(copies_.size() + pending_.size());
     for (auto& [name, ranges] : by_file) {
       std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
       for (const auto& r : ranges) {
         const Read& p = pending_[r.piece];
+        if (prefetch) prefetch->wait_for(name, r.end);
         copies_.push_back({p.dst, chunk_view(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(),
                                              files_, api_, &result_.bytes_read)});
       }
@@ -398,89 +394,6 @@ class LoadPlan {
   std::vector<std::pair<std::string, nlohmann::json>> values_;
   LoadResult result_;
 };
-
-/// This kernel's identity (its page cache): /proc/sys/kernel/random/boot_id, plus the host name.
-std::string page_cache_domain() {
-  std::string id;
-  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    char buf[64] = {0};
-    if (std::fgets(buf, sizeof buf, f)) id = buf;
-    std::fclose(f);
-  }
-  char host[256] = {0};
-  ::gethostname(host, sizeof host - 1);
-  return id + "@" + host;
-}
-
-// [Note: one reader per file region]
-// A resharded load makes several ranks read interleaved pieces of one file at once, and each one's
-// page faults cut the kernel's read-around short where the other's pages begin: more, smaller disk
-// requests, 1.3-1.9x a same-size load (docs/BENCHMARKS.md "Checkpoint I/O"). Ranks that share a page
-// cache (one kernel: the same boot_id) need not each go to the disk. Before reading, they exchange
-// (through the store) the byte ranges of each file they need; rank 0 names one reader per (kernel,
-// file) among the ranks needing that file (the one needing the most of it), which reads the union of
-// the ranges with large sequential preads; after a barrier every rank reads its pieces as before, now
-// from the page cache. Files only one rank of a kernel needs (every same-size load) are left alone.
-// Ranks on other machines each get their own reader. A failed prefetch read is only a lost hint: the
-// rank's own read reports the error.
-void cooperative_prefetch(detail::Coordinator& coord, const std::string& dir,
-                          const std::map<std::string, std::vector<std::pair<int64_t, int64_t>>>& needed) {
-  nlohmann::json mine = {{"domain", page_cache_domain()}, {"files", needed}};
-  auto all = coord.gather("prefetch_need", mine.dump(), "to report the bytes it needs");
-  std::string plan;
-  if (coord.rank() == 0) {
-    // (domain, file) -> rank -> ranges
-    std::map<std::pair<std::string, std::string>, std::map<int, std::vector<std::pair<int64_t, int64_t>>>> by;
-    for (int r = 0; r < coord.world(); ++r) {
-      const auto j = nlohmann::json::parse(all[static_cast<size_t>(r)]);
-      for (const auto& [file, ranges] : j["files"].items()) {
-        by[{j["domain"].get<std::string>(), file}][r] = ranges.get<std::vector<std::pair<int64_t, int64_t>>>();
-      }
-    }
-    nlohmann::json assign = nlohmann::json::object();  // rank -> file -> ranges
-    std::map<int, int64_t> load;
-    for (auto& [key, ranks] : by) {
-      if (ranks.size() < 2) continue;
-      std::vector<std::pair<int64_t, int64_t>> all_ranges;
-      int reader = -1;
-      int64_t best = -1;
-      for (const auto& [r, ranges] : ranks) {
-        int64_t bytes = 0;
-        for (const auto& [b, e] : ranges) bytes += e - b;
-        all_ranges.insert(all_ranges.end(), ranges.begin(), ranges.end());
-        if (bytes - load[r] > best) {
-          best = bytes - load[r];
-          reader = r;
-        }
-      }
-      auto u = LoadPlan::merged(std::move(all_ranges));
-      for (const auto& [b, e] : u) load[reader] += e - b;
-      assign[std::to_string(reader)][key.second] = u;
-    }
-    plan = assign.dump();
-  }
-  const auto assign = nlohmann::json::parse(coord.broadcast("prefetch_plan", plan, "to plan the reads"));
-  if (const auto it = assign.find(std::to_string(coord.rank())); it != assign.end()) {
-    for (const auto& [file, ranges] : it->items()) {
-      try {
-        auto f = detail::File::open_read((fs::path(dir) / file).string(), "dcp::load");
-        // Synchronous preads, not posix_fadvise(WILLNEED): that one's asynchronous readahead raced the
-        // ranks' own faults and made the requests smaller (measured: docs/BENCHMARKS.md).
-        constexpr int64_t kPiece = int64_t(8) << 20;
-        std::vector<char> buf(static_cast<size_t>(kPiece));
-        for (const auto& r : ranges) {
-          for (int64_t at = r[0].get<int64_t>(), end = r[1].get<int64_t>(); at < end; at += kPiece) {
-            f.pread_exact(buf.data(), static_cast<size_t>(std::min(kPiece, end - at)), at, "prefetch");
-          }
-        }
-      } catch (const std::exception&) {
-        // A hint only: the ranks' own reads report what is wrong with the file.
-      }
-    }
-  }
-  coord.gather("prefetch_done", "", "to finish its share of the reads");
-  coord.broadcast("prefetch_go", "", "to finish the reads");
-}
 
 }  // namespace
 
@@ -531,12 +444,13 @@ LoadResult load(StateDict& state_dict, const std::string& dir, const LoadOptions
         failed = std::current_exception();
       }
     }
+    std::optional<detail::CooperativePrefetch> prefetch;
     if (!coord.single() && cooperative_prefetch_enabled()) {
-      cooperative_prefetch(coord, plan ? plan->dir() : dir,
-                           failed ? std::map<std::string, std::vector<std::pair<int64_t, int64_t>>>() : plan->needed());
+      prefetch.emplace(coord, plan ? plan->dir() : dir, failed ? detail::FileRanges() : plan->needed());
     }
     if (failed) std::rethrow_exception(failed);
-    plan->read();
+    plan->read(prefetch ? &*prefetch : nullptr);
+    if (prefetch) prefetch->finish();
   };
   fsdp::detail::validate_agree_apply(api, validate, coord.agreement(),
                                      [&] { plan->apply(state_dict.stateful().empty() ? state_dict : work); });

@@ -165,7 +165,7 @@ void fault_point(const FaultPoint& point);
 void set_load_stage_bytes(int64_t bytes);
 /// Drops the staging buffers async_save keeps between saves (SaveOptions::cache_staging).
 void clear_staging_cache();
-/// Turns [Note: one reader per file region] in dcp::load on or off (benchmarks; default on).
+/// Turns [Note: one reader per file region] in dcp::load on or off (benchmarks, tests; default off).
 void set_cooperative_prefetch(bool on);
 /// How many async saves staged into a previous save's buffers (tests).
 int64_t staging_cache_reuses();

@@ -330,6 +330,46 @@ TEST(BadInput, ChecksumMismatch) {
   ASSERT_EQ(problems.size(), 1u);
 }
 
+// The same on a resharded load (2 -> 3 ranks; each rank reading its own pieces, and with [Note: one reader
+// per file region], where ranks read a file behind its reader): every rank fails together, without
+// waiting for the group's timeout, and nothing is loaded.
+TEST(BadInput, ChecksumMismatchInAReshardedLoad) {
+  auto c = fresh_copy("checksum_reshard");
+  const auto f = c.dir + "/shard-00002-model-00001-of-00001.safetensors";
+  {
+    std::fstream s(f, std::ios::in | std::ios::out | std::ios::binary);
+    s.seekp(-3, std::ios::end);
+    char x = 0x5a;
+    s.write(&x, 1);
+  }
+  for (bool prefetch : {false, true}) {
+  dcp::detail::set_cooperative_prefetch(prefetch);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        Trainer t(pg, 8);
+        t.step(batches()[5]);
+        auto before = local_state(t);
+        auto sd = get_state_dict(t.net, *t.opt);
+        try {
+          dcp::load(sd, c.dir);
+        } catch (...) {
+          EXPECT_EQ(diff_states(local_state(t), before), "") << "rank " << pg->rank() << ": the failed load changed state";
+          throw;
+        }
+      },
+      std::chrono::seconds(90), std::chrono::seconds(30));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("checksum mismatch in " + f), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("nothing was loaded"), std::string::npos) << errors[r];
+  }
+  // Measured about 0.06 s; a rank left waiting would take the 30 s timeout.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15)) << "prefetch " << prefetch;
+  }
+  dcp::detail::set_cooperative_prefetch(false);
+}
+
 TEST(BadInput, ShapeMismatch) {
   auto c = fresh_copy("shape");
   expect_load_error(c.dir, {"'model.blocks.1.fc2.weight' has shape [6, 5] in", "but [6, 4] in the state dict"},
