@@ -46,6 +46,9 @@ struct Options {
   std::string rdzv_endpoint;
   std::string rdzv_id = "none";
   double rdzv_timeout = 900;
+  std::string rdzv_conf;  // --rdzv-conf k=v,... (torchrun's rdzv_configs)
+  std::optional<double> monitor_interval;
+  std::string local_addr;
   std::vector<std::string> command;
 };
 
@@ -66,7 +69,20 @@ struct Plan {
   // c10d rendezvous: the store is at master_addr:master_port (the endpoint), hosted by the agent on that
   // host, and node_rank is assigned by the rendezvous.
   bool c10d = false;
-  std::chrono::milliseconds rdzv_timeout{900000};
+  std::chrono::milliseconds rdzv_timeout{900000};  // --rdzv-timeout, or --rdzv-conf join_timeout
+  // Elastic membership (--nnodes MIN:MAX with MIN < MAX, c10d only): see [Note: elastic rounds] in
+  // nodes.cpp. nnodes and node_rank then change at every round.
+  int min_nodes = 1, max_nodes = 1;
+  bool elastic() const { return min_nodes < max_nodes; }
+  std::chrono::milliseconds last_call_timeout{30000};  // --rdzv-conf last_call_timeout (torchrun: 30 s)
+  // A node whose agent sent no heartbeat for this long is lost (--rdzv-conf keep_alive_interval x
+  // keep_alive_max_attempt, or FSDPRUN_HEARTBEAT_TIMEOUT_S; default 10 s); heartbeats every
+  // min(1 s, keep_alive_interval).
+  std::chrono::milliseconds heartbeat_timeout{10000}, heartbeat_interval{1000};
+  std::chrono::milliseconds read_timeout{0};  // --rdzv-conf read_timeout: a store call's limit (0: heartbeat_timeout)
+  std::optional<bool> is_host;                 // --rdzv-conf is_host: host the store (else: the endpoint's host does)
+  std::chrono::milliseconds monitor_interval{200};  // --monitor-interval: how often the agent checks its peers
+  std::string local_addr;                      // --local-addr: the address this node is known by
   /// Called by the attempt's poll loop at least every second (multi-node: heartbeats, the other nodes'
   /// failures): a non-empty answer stops this node's workers, with that reason.
   std::function<std::string()> peer_check;
@@ -137,6 +153,10 @@ class Nodes {
     bool ok = false;       // every node's workers succeeded
     std::string failure;   // the attempt's first failure, as reported by its node
     std::string fatal;     // the job cannot go on (a lost node or store): no restart
+    // Elastic: why the round's membership changes ("lost node 1 ...", "1 node waiting to join ..."),
+    // and whether a node was lost (that uses a restart; nodes joining do not, as under torchrun).
+    std::string change;
+    bool lost = false;
   };
   /// After this node's attempt ended (`mine`: ok, failed, stopped): waits for every node's.
   Outcome finish_attempt(int attempt, const std::string& mine);
@@ -146,10 +166,23 @@ class Nodes {
   void abort(const std::string& msg) { abort_job(msg); }
   /// "node 1 (host 10.201.0.2)".
   std::string describe(int node) const;
+  /// Elastic: joins the next round of the rendezvous after a change or a failed attempt; sets
+  /// plan.nnodes and plan.node_rank. Exits 0 if the job finished meanwhile, 1 when no round forms within
+  /// the join timeout.
+  void rejoin();
+  /// Elastic: the current round (the attempt number and TORCHELASTIC_RESTART_COUNT of its workers).
+  int round() const { return round_; }
+  /// Elastic: every node's workers succeeded; nodes still waiting to join learn it and exit.
+  void mark_done();
 
  private:
   void connect_store();
   void rendezvous();
+  void join_round();
+  void take_ticket();
+  std::string round_key(int64_t k) const { return prefix_ + "rdzv/" + std::to_string(k) + "/"; }
+  std::string hb_key(int node) const { return prefix_ + "hb/" + std::to_string(round_) + "/" + std::to_string(node); }
+  bool multi() const { return plan_.nnodes > 1 || plan_.elastic(); }
   void beat(bool force);
   std::string lost_node();
   void abort_job(const std::string& msg);
@@ -159,7 +192,11 @@ class Nodes {
   std::string hostname_;
   c10::intrusive_ptr<c10d::TCPStore> store_;
   bool hosts_store_ = false, aborted_ = false;
-  std::chrono::milliseconds heartbeat_timeout_{10000};
+  int round_ = 0;  // elastic: the round this node is a member of (0 otherwise)
+  // Elastic: the round and ticket this node took for the next round, as soon as it saw the current one
+  // end (before stopping its workers, which can take the whole --shutdown-timeout), so that the next
+  // round's last call waits for it.
+  std::optional<std::pair<int64_t, int64_t>> ticket_;
   std::map<int, std::string> node_desc_;
   std::map<int, std::pair<int64_t, Clock::time_point>> last_beat_;
   Clock::time_point last_own_beat_{}, last_watch_{}, last_poll_{};

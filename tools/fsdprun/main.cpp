@@ -139,6 +139,56 @@ int run_attempts(Plan& plan, Nodes& nodes) {
   }
 }
 
+/// Elastic jobs (--nnodes MIN:MAX): every attempt is one round of the rendezvous ([Note: elastic rounds]
+/// in nodes.cpp), numbered alike on every node; after a failure, a lost node or nodes waiting to join,
+/// the agents stop their workers and form the next round, at whatever size it has.
+int run_elastic(Plan& plan, Nodes& nodes) {
+  int failures = 0;  // attempts that failed or lost a node (--max-restarts); nodes joining are free
+  for (;;) {
+    const int k = nodes.round();
+    plan.peer_check = [&nodes, k] { return nodes.poll(k); };
+    plan.on_failure = [&nodes, k](const std::string& what) { nodes.report_failure(k, what); };
+    Attempt a = run_attempt(plan, k);
+    if (a.interrupted) {
+      warn("stopped by " + signame(a.interrupted));
+      nodes.abort(nodes.describe(plan.node_rank) + ": its fsdprun was stopped by " + signame(a.interrupted));
+      return 128 + a.interrupted;
+    }
+    const std::string mine = a.root >= 0 ? "failed" : !a.stopped_for.empty() ? "stopped" : "ok";
+    if (a.root >= 0) {
+      const Worker& r = a.workers[a.root];
+      warn(nodes.describe(plan.node_rank) + ": rank " + std::to_string(r.rank) + " (local_rank " +
+           std::to_string(r.local_rank) + ") ended with " + describe_exit(r.exitcode));
+    }
+    const Nodes::Outcome o = nodes.finish_attempt(k, mine);
+    if (!o.fatal.empty()) {
+      if (a.root >= 0) print_summary(plan, a, k);
+      warn(o.fatal + ": the job cannot go on without it (no restart); exiting");
+      return 1;
+    }
+    if (o.ok) {
+      nodes.mark_done();
+      return 0;
+    }
+    const bool counts = o.change.empty() || o.lost || a.root >= 0 || !o.failure.empty();
+    const std::string what = !o.failure.empty() ? o.failure : !o.change.empty() ? o.change : "a node's workers failed";
+    if (counts && failures == plan.max_restarts) {
+      if (a.root >= 0) print_summary(plan, a, k);
+      warn("worker group failed in round " + std::to_string(k) + " (--max-restarts " +
+           std::to_string(plan.max_restarts) + " used): " + what);
+      nodes.abort("the worker group failed in round " + std::to_string(k) + " and --max-restarts " +
+                  std::to_string(plan.max_restarts) + " is used up: " + what);
+      return 1;
+    }
+    if (counts) ++failures;
+    warn("round " + std::to_string(k) + " ended: " + what + "; stopping the workers and joining the next round (" +
+         (counts ? "restart " + std::to_string(failures) + " of " + std::to_string(plan.max_restarts)
+                 : std::string("a membership change: no restart used")) +
+         "). " + nodes.describe(plan.node_rank) + "'s workers ended with:" + describe_workers(a));
+    nodes.rejoin();
+  }
+}
+
 }  // namespace
 }  // namespace fsdprun
 
@@ -155,7 +205,7 @@ int main(int argc, char** argv) {
   install_signal_handlers();
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
   const std::string temp_root = make_run_dir(opt, plan);
-  const int rc = run_attempts(plan, nodes);
+  const int rc = plan.elastic() ? run_elastic(plan, nodes) : run_attempts(plan, nodes);
   nodes.finish();
   if (!temp_root.empty()) {
     std::error_code ec;

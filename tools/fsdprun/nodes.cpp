@@ -6,7 +6,9 @@
 // Keys (all under /fsdprun/<run_id>/ in the agent store; the workers use /worker/attempt_<k>/):
 //   rdzv/count               c10d: tickets; node rank = ticket - 1
 //   node/<r>                 "host addr" of node r, set once it joined (the rendezvous waits for all)
-//   hb/<r>                   node r's heartbeat counter, bumped every second
+//   hb/<k>/<r>               node r's heartbeat counter in round k (0 unless elastic), bumped every second
+//   rdzv/open, rdzv/<k>/...  elastic rounds: see [Note: elastic rounds]
+//   done                     elastic: the job succeeded (nodes still waiting to join exit 0)
 //   abort                    why the job must end now (a lost node, an agent that could not start)
 //   attempt/<k>/failed       the first failure of attempt k ("node 1 (...): rank 3 ended with ...")
 //   attempt/<k>/outcome/<r>  node r's end of attempt k: ok, failed, stopped
@@ -17,7 +19,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -98,17 +102,22 @@ Nodes::Nodes(Plan& plan) : plan_(plan), prefix_("/fsdprun/" + plan.run_id + "/")
   char name[256] = "localhost";
   ::gethostname(name, sizeof name - 1);
   hostname_ = name;
-  double hb = 10;
-  if (const char* v = std::getenv("FSDPRUN_HEARTBEAT_TIMEOUT_S")) hb = std::max(1.0, std::atof(v));
-  heartbeat_timeout_ = std::chrono::milliseconds(static_cast<long>(hb * 1000));
   connect_store();
-  if (plan.nnodes > 1 || plan.c10d) rendezvous();
+  if (plan.elastic()) {
+    try {
+      store_->setTimeout(plan_.read_timeout.count() > 0 ? plan_.read_timeout : plan_.heartbeat_timeout);
+    } catch (const std::exception&) {
+    }
+    join_round();
+  } else if (plan.nnodes > 1 || plan.c10d) {
+    rendezvous();
+  }
 }
 
 void Nodes::connect_store() {
   // Static: node 0 hosts the store at --master-addr:--master-port. c10d: the agent on the endpoint's host
   // (as torchrun); if another process already holds the port there, this agent joins as a client.
-  bool host = plan_.c10d ? is_this_host(plan_.master_addr) : plan_.node_rank == 0;
+  bool host = plan_.c10d ? plan_.is_host.value_or(is_this_host(plan_.master_addr)) : plan_.node_rank == 0;
   const auto connect_timeout = plan_.c10d ? plan_.rdzv_timeout : std::chrono::milliseconds(std::chrono::minutes(15));
   for (int tries = 0; tries < 2; ++tries) {
     try {
@@ -119,7 +128,7 @@ void Nodes::connect_store() {
       so.waitWorkers = false;
       // How long the other nodes wait for the store's host (the host's own client connects at once).
       so.timeout = host ? std::chrono::milliseconds(std::chrono::minutes(15)) : connect_timeout;
-      if (!host && plan_.nnodes > 1)
+      if (!host && (plan_.nnodes > 1 || plan_.elastic()))
         warn("waiting for the store at " + plan_.master_addr + ":" + std::to_string(so.port) +
              (plan_.c10d ? " (rendezvous '" + plan_.run_id + "')" : " (node 0)"));
       store_ = c10::make_intrusive<c10d::TCPStore>(plan_.master_addr, so);
@@ -152,9 +161,11 @@ std::string Nodes::describe(int node) const {
 }
 
 void Nodes::rendezvous() {
-  const std::string me = hostname_ + " " + source_address_to(plan_.master_addr, plan_.master_port);
+  const std::string me = hostname_ + " " +
+                         (plan_.local_addr.empty() ? source_address_to(plan_.master_addr, plan_.master_port) : plan_.local_addr);
   try {
-    store_->setTimeout(heartbeat_timeout_);  // a store op that hangs is a lost store host
+    // A store op that hangs is a lost store host.
+    store_->setTimeout(plan_.read_timeout.count() > 0 ? plan_.read_timeout : plan_.heartbeat_timeout);
     if (plan_.c10d) {
       const int64_t ticket = store_->add(prefix_ + "rdzv/count", 1);
       if (ticket > plan_.nnodes)
@@ -222,6 +233,162 @@ void Nodes::rendezvous() {
   }
 }
 
+// [Note: elastic rounds]
+// --nnodes MIN:MAX (c10d): membership is agreed in numbered rounds, as torchrun's dynamic rendezvous does.
+// - Joining: an agent reads rdzv/open (the round accepting joins), takes a ticket (rdzv/<k>/count) and
+//   publishes "<previous node rank or -1> <host> <addr>" under rdzv/<k>/node/<ticket>.
+// - Closing: round k closes when MAX agents joined, or when at least MIN did and last_call_timeout passed
+//   since the watching agent first saw MIN; and, for k > 0, only once round k - 1 has ended (its change
+//   key is set): an agent that arrives while a full round runs waits instead of starting a second job
+//   beside it. Any member may close it: compareSet(rdzv/<k>/closed, N) makes one N win; the closer then
+//   moves rdzv/open from k to k + 1. Tickets above N wait for round k + 1.
+// - Node ranks: the round's members sorted by their rank in the previous round (survivors keep their
+//   order; newcomers, -1, follow in ticket order). So WORLD_SIZE = N x nproc, and the attempt number and
+//   TORCHELASTIC_RESTART_COUNT are the round number k, the same on every member (newcomers included),
+//   which also keeps each round's worker keys (/worker/attempt_<k>) apart.
+// - Ending: a member that finds a lost node (no heartbeat: each node watches the next) or, while the
+//   round has fewer than MAX nodes, agents waiting in round k + 1, sets rdzv/<k>/change; every member
+//   stops its workers and joins round k + 1. A failed attempt also ends the round (each agent rejoins).
+//   A lost node uses one of --max-restarts, nodes joining do not (torchrun counts the same way).
+// - The store lives with the agent on the endpoint's host: losing that node ends the job (as torchrun).
+// - When the job succeeds, "done" tells agents still waiting to join to exit 0.
+void Nodes::join_round() {
+  const std::string store_desc = plan_.master_addr + ":" + std::to_string(plan_.master_port);
+  const auto start = Clock::now();
+  auto lost_store = [&](const std::exception& e) {
+    die("lost the store at " + store_desc + " during the rendezvous: " + message_of(e));
+  };
+  for (;;) {
+    try {
+      if (store_->check({prefix_ + "done"})) {
+        warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
+        std::exit(0);
+      }
+      if (store_->check({prefix_ + "abort"})) die(str_of(store_->get(prefix_ + "abort")));
+      if (!ticket_) take_ticket();
+    } catch (const std::exception& e) {
+      lost_store(e);
+    }
+    const auto [k, ticket] = *ticket_;
+    ticket_.reset();
+    std::optional<Clock::time_point> min_seen;
+    int64_t closed = 0;
+    bool announced = false;
+    for (;;) {
+      try {
+        if (store_->check({prefix_ + "done"})) {
+          warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
+          std::exit(0);
+        }
+        if (store_->check({prefix_ + "abort"})) die(str_of(store_->get(prefix_ + "abort")));
+        if (store_->check({round_key(k) + "closed"})) {
+          closed = std::stoll(str_of(store_->get(round_key(k) + "closed")));
+          break;
+        }
+        const int64_t count = store_->add(round_key(k) + "count", 0);
+        const bool previous_ended = k == 0 || store_->check({round_key(k - 1) + "change"});
+        if (count >= plan_.min_nodes && previous_ended && !min_seen) min_seen = Clock::now();
+        if (!previous_ended && !announced) {
+          warn("rendezvous '" + plan_.run_id + "': round " + std::to_string(k - 1) + " is training; this node "
+               "joins round " + std::to_string(k) + " (the training nodes restart for it when they are fewer than " +
+               std::to_string(plan_.max_nodes) + ", else when a node leaves)");
+          announced = true;
+        }
+        const bool full = count >= plan_.max_nodes && previous_ended;
+        if (full || (min_seen && Clock::now() - *min_seen >= plan_.last_call_timeout)) {
+          const std::string n = std::to_string(std::min<int64_t>(count, plan_.max_nodes));
+          store_->compareSet(round_key(k) + "closed", {}, bytes_of(n));
+          store_->compareSet(prefix_ + "rdzv/open", bytes_of(std::to_string(k)), bytes_of(std::to_string(k + 1)));
+          continue;  // read what won
+        }
+      } catch (const std::exception& e) {
+        lost_store(e);
+      }
+      if (Clock::now() - start > plan_.rdzv_timeout) {
+        // Only this agent gives up: the nodes already training go on.
+        die("rendezvous '" + plan_.run_id + "' at " + store_desc + " timed out after " + fmt_s(seconds_since(start)) +
+            " waiting for round " + std::to_string(k) + " to form (at least " + std::to_string(plan_.min_nodes) +
+            " node(s) of --nnodes " + std::to_string(plan_.min_nodes) + ":" + std::to_string(plan_.max_nodes) +
+            "). Fix: start fsdprun on more nodes with the same --rdzv-endpoint and --rdzv-id, or raise "
+            "--rdzv-conf join_timeout");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (ticket > closed) {
+      // Round k closed without this node: wait for the next (the members see it waiting).
+      try {
+        store_->compareSet(prefix_ + "rdzv/open", bytes_of(std::to_string(k)), bytes_of(std::to_string(k + 1)));
+      } catch (const std::exception& e) {
+        lost_store(e);
+      }
+      continue;
+    }
+    // A member of round k: the members' entries, sorted by their previous rank, then ticket.
+    struct Member {
+      int prev;
+      int64_t ticket;
+      std::string desc;
+    };
+    std::vector<Member> members;
+    try {
+      for (int64_t t = 1; t <= closed; ++t) {
+        const std::string key = round_key(k) + "node/" + std::to_string(t);
+        store_->wait({key});
+        const std::string v = str_of(store_->get(key));
+        const auto sp = v.find(' ');
+        members.push_back({std::stoi(v.substr(0, sp)), t, v.substr(sp + 1)});
+      }
+    } catch (const std::exception& e) {
+      lost_store(e);
+    }
+    std::stable_sort(members.begin(), members.end(), [](const Member& a, const Member& b) {
+      const bool an = a.prev < 0, bn = b.prev < 0;
+      if (an != bn) return !an;
+      return an ? a.ticket < b.ticket : a.prev < b.prev;
+    });
+    node_desc_.clear();
+    last_beat_.clear();
+    for (size_t i = 0; i < members.size(); ++i) {
+      node_desc_[static_cast<int>(i)] = members[i].desc;
+      if (members[i].ticket == ticket) plan_.node_rank = static_cast<int>(i);
+      last_beat_[static_cast<int>(i)] = {-1, Clock::now()};
+    }
+    round_ = static_cast<int>(k);
+    plan_.nnodes = static_cast<int>(closed);
+    try {
+      beat(true);
+    } catch (const std::exception& e) {
+      lost_store(e);
+    }
+    std::string all;
+    for (int r = 0; r < plan_.nnodes; ++r) all += (r ? ", " : "") + describe(r);
+    warn("rendezvous round " + std::to_string(k) + " complete: this is node " + std::to_string(plan_.node_rank) +
+         " of " + std::to_string(plan_.nnodes) + " (--nnodes " + std::to_string(plan_.min_nodes) + ":" +
+         std::to_string(plan_.max_nodes) + "; " + all + "); the store is at " + store_desc);
+    return;
+  }
+}
+
+void Nodes::take_ticket() {
+  const std::string addr =
+      plan_.local_addr.empty() ? source_address_to(plan_.master_addr, plan_.master_port) : plan_.local_addr;
+  const int prev_rank = node_desc_.empty() ? -1 : plan_.node_rank;  // -1: not a member of any round yet
+  const int64_t k = store_->add(prefix_ + "rdzv/open", 0);
+  const int64_t ticket = store_->add(round_key(k) + "count", 1);
+  store_->set(round_key(k) + "node/" + std::to_string(ticket),
+              bytes_of(std::to_string(prev_rank) + " " + hostname_ + " " + addr));
+  ticket_ = {k, ticket};
+}
+
+void Nodes::rejoin() {
+  // The round ends for everyone (a failed attempt sets no change by itself): the next one may close.
+  try {
+    store_->compareSet(round_key(round_) + "change", {}, bytes_of("attempt " + std::to_string(round_) + " ended"));
+  } catch (const std::exception&) {
+  }
+  join_round();
+}
+
 void Nodes::abort_job(const std::string& msg) {
   try {
     store_->compareSet(prefix_ + "abort", {}, bytes_of(msg));
@@ -230,39 +397,58 @@ void Nodes::abort_job(const std::string& msg) {
 }
 
 void Nodes::beat(bool force) {
-  if (!force && Clock::now() - last_own_beat_ < std::chrono::seconds(1)) return;
+  if (!force && Clock::now() - last_own_beat_ < plan_.heartbeat_interval) return;
   last_own_beat_ = Clock::now();
-  store_->add(prefix_ + "hb/" + std::to_string(plan_.node_rank), 1);
+  store_->add(hb_key(plan_.node_rank), 1);
 }
 
 std::string Nodes::lost_node() {
-  // Only the store's host watches the heartbeats (n reads a second in all, not n^2); it publishes what it
-  // finds under abort, which every agent reads.
-  if (!hosts_store_ || Clock::now() - last_watch_ < std::chrono::seconds(1)) return "";
+  // Each node watches the next one's heartbeat (r watches r + 1 mod n): n reads a second in all, not
+  // n^2, and every node is watched by one other, so the store's host can be lost and noticed too (by
+  // the store's failure). What a watcher finds goes under abort (or, elastic, the round's change), which
+  // every agent reads.
+  if (plan_.nnodes < 2 || Clock::now() - last_watch_ < plan_.heartbeat_interval) return "";
   last_watch_ = Clock::now();
-  for (int r = 0; r < plan_.nnodes; ++r) {
-    if (r == plan_.node_rank) continue;
-    auto& [value, since] = last_beat_[r];
-    const int64_t v = store_->add(prefix_ + "hb/" + std::to_string(r), 0);
-    if (v != value) {
-      value = v;
-      since = Clock::now();
-    } else if (Clock::now() - since > heartbeat_timeout_) {
-      return "lost " + describe(r) + ": no heartbeat from its fsdprun for " + fmt_s(seconds_since(since)) +
-             " (its agent was killed, or its host went down or off the network)";
-    }
+  const int r = (plan_.node_rank + 1) % plan_.nnodes;
+  auto& [value, since] = last_beat_[r];
+  const int64_t v = store_->add(hb_key(r), 0);
+  if (v != value) {
+    value = v;
+    since = Clock::now();
+  } else if (Clock::now() - since > plan_.heartbeat_timeout) {
+    return "lost " + describe(r) + ": no heartbeat from its fsdprun for " + fmt_s(seconds_since(since)) +
+           " (its agent was killed or stopped, or its host went down or off the network)";
   }
   return "";
 }
 
 std::string Nodes::poll(int attempt) {
   // The poll loop wakes for every chunk of worker output: a few store round trips 5 times a second suffice.
-  if (plan_.nnodes == 1 || Clock::now() - last_poll_ < std::chrono::milliseconds(200)) return "";
+  if (!multi() || Clock::now() - last_poll_ < plan_.monitor_interval) return "";
   last_poll_ = Clock::now();
   try {
     beat(false);
     std::string lost = lost_node();
-    if (!lost.empty()) abort_job(lost);
+    if (plan_.elastic()) {
+      // A lost node or nodes waiting to join end the round: every member stops its workers and joins the
+      // next one ([Note: elastic rounds]).
+      const std::string change = round_key(round_) + "change";
+      if (!lost.empty()) store_->compareSet(change, {}, bytes_of(lost));
+      if (!store_->check({change}) && plan_.nnodes < plan_.max_nodes) {
+        const int64_t waiting = store_->add(round_key(round_ + 1) + "count", 0);
+        if (waiting > 0) {
+          store_->compareSet(change, {}, bytes_of(std::to_string(waiting) + " node(s) waiting to join (" +
+                                                  std::to_string(plan_.nnodes) + " of at most " +
+                                                  std::to_string(plan_.max_nodes) + " nodes now)"));
+        }
+      }
+      if (store_->check({change})) {
+        if (!ticket_) take_ticket();
+        return str_of(store_->get(change));
+      }
+    } else if (!lost.empty()) {
+      abort_job(lost);
+    }
     if (store_->check({prefix_ + "abort"})) {
       aborted_ = true;
       return str_of(store_->get(prefix_ + "abort"));
@@ -278,7 +464,7 @@ std::string Nodes::poll(int attempt) {
 }
 
 void Nodes::report_failure(int attempt, const std::string& what) {
-  if (plan_.nnodes == 1) return;
+  if (!multi()) return;
   try {
     store_->compareSet(prefix_ + "attempt/" + std::to_string(attempt) + "/failed", {},
                        bytes_of(describe(plan_.node_rank) + ": " + what));
@@ -288,7 +474,7 @@ void Nodes::report_failure(int attempt, const std::string& what) {
 
 Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
   Outcome out;
-  if (plan_.nnodes == 1) {
+  if (!multi()) {
     out.ok = mine == "ok";
     return out;
   }
@@ -303,6 +489,19 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
     if (aborted_) {
       out.fatal = why;
       return out;
+    }
+    if (plan_.elastic()) {
+      try {
+        const std::string change = round_key(round_) + "change";
+        if (store_->check({change})) {
+          out.change = str_of(store_->get(change));
+          // A lost node never reports its end: go on without it. Nodes waiting to join: every member
+          // reports, and if all succeeded the job is done all the same.
+          out.lost = out.change.rfind("lost ", 0) == 0;
+        }
+      } catch (const std::exception&) {
+      }
+      if (out.lost) return out;
     }
     int n = 0;
     bool all_ok = true;
@@ -326,18 +525,28 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
   }
 }
 
+void Nodes::mark_done() {
+  if (!plan_.elastic()) return;
+  try {
+    store_->set(prefix_ + "done", bytes_of("1"));
+  } catch (const std::exception&) {
+  }
+}
+
 void Nodes::finish() {
-  if (plan_.nnodes == 1 || aborted_) return;
+  if (!multi() || aborted_) return;
   // The store's host keeps it until every agent has read the last outcome (torchrun's exit barrier).
   const std::string key = prefix_ + "exited";
   try {
     store_->add(key, 1);
-    const auto deadline = Clock::now() + heartbeat_timeout_ * 3;
+    const auto deadline = Clock::now() + plan_.heartbeat_timeout * 3;
     while (hosts_store_ && store_->add(key, 0) < plan_.nnodes && Clock::now() < deadline) {
       beat(false);
       if (!lost_node().empty()) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    // Elastic: agents still waiting to join read "done" every 100 ms; keep the store up for them a moment.
+    if (hosts_store_ && plan_.elastic()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   } catch (const std::exception& e) {
     warn(std::string("exit barrier: ") + message_of(e));
   }

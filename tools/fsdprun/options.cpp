@@ -1,5 +1,7 @@
 // fsdprun's command line (CLI11, torchrun's flags and PET_* variables) and the plan it yields.
 #include <algorithm>
+#include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -55,15 +57,75 @@ int parse_nproc(const std::string& s) {
   return static_cast<int>(n);
 }
 
-int parse_nnodes(const std::string& s) {
-  // torchrun accepts MIN:MAX for elastic jobs; only a fixed size is supported here.
+/// --nnodes N or MIN:MAX (torchrun's syntax): {MIN, MAX}.
+std::pair<int, int> parse_nnodes(const std::string& s) {
   auto colon = s.find(':');
   std::string lo = s.substr(0, colon), hi = colon == std::string::npos ? lo : s.substr(colon + 1);
+  auto number = [&](const std::string& v) {
+    char* end = nullptr;
+    long n = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || n < 1 || n > 100000)
+      die("--nnodes " + s + ": expected a positive integer N or an elastic range MIN:MAX (e.g. 1:4)");
+    return static_cast<int>(n);
+  };
+  const int a = number(lo), b = number(hi);
+  if (a > b) die("--nnodes " + s + ": MIN must be <= MAX");
+  return {a, b};
+}
+
+/// Seconds of a --rdzv-conf value (`what` names the key in the error).
+std::chrono::milliseconds conf_seconds(const std::string& key, const std::string& v) {
   char* end = nullptr;
-  long n = std::strtol(lo.c_str(), &end, 10);
-  if (lo.empty() || *end != '\0' || n < 1 || lo != hi)
-    die("--nnodes " + s + ": expected a positive integer (elastic MIN:MAX ranges are not supported)");
-  return static_cast<int>(n);
+  const double d = v.empty() ? -1 : std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(d) || d <= 0 || d > 86400 * 7)
+    die("--rdzv-conf " + key + "=" + v + ": expected a number of seconds > 0");
+  return std::chrono::milliseconds(static_cast<long>(d * 1000));
+}
+
+/// --rdzv-conf k=v,...: torchrun's c10d rendezvous settings (join_timeout, last_call_timeout, read_timeout,
+/// keep_alive_interval, keep_alive_max_attempt, is_host); an unknown key is refused by name.
+void apply_rdzv_conf(const std::string& conf, Plan& plan) {
+  if (conf.empty()) return;
+  std::stringstream ss(conf);
+  std::chrono::milliseconds keep_alive{0};
+  int keep_alive_attempts = 0;
+  for (std::string item; std::getline(ss, item, ',');) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0)
+      die("--rdzv-conf " + conf + ": expected KEY=VALUE,... (e.g. join_timeout=600,last_call_timeout=30), got '" +
+          item + "'");
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    if (k == "join_timeout" || k == "timeout") {
+      plan.rdzv_timeout = conf_seconds(k, v);
+    } else if (k == "last_call_timeout") {
+      plan.last_call_timeout = conf_seconds(k, v);
+    } else if (k == "read_timeout") {
+      plan.read_timeout = conf_seconds(k, v);
+    } else if (k == "keep_alive_interval") {
+      keep_alive = conf_seconds(k, v);
+    } else if (k == "keep_alive_max_attempt") {
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 1 || n > 1000)
+        die("--rdzv-conf keep_alive_max_attempt=" + v + ": expected an integer from 1 to 1000");
+      keep_alive_attempts = static_cast<int>(n);
+    } else if (k == "is_host") {
+      std::string l = v;
+      std::transform(l.begin(), l.end(), l.begin(), [](unsigned char c) { return std::tolower(c); });
+      if (l == "1" || l == "true" || l == "yes") plan.is_host = true;
+      else if (l == "0" || l == "false" || l == "no") plan.is_host = false;
+      else die("--rdzv-conf is_host=" + v + ": expected true or false");
+    } else {
+      die("--rdzv-conf: unknown key '" + k + "'; expected join_timeout, last_call_timeout, read_timeout, "
+          "keep_alive_interval, keep_alive_max_attempt or is_host");
+    }
+  }
+  if (keep_alive.count() > 0 || keep_alive_attempts > 0) {
+    // torchrun's c10d keep-alive: a node is dead after keep_alive_max_attempt missed intervals (5 s x 3).
+    const auto interval = keep_alive.count() > 0 ? keep_alive : std::chrono::milliseconds(5000);
+    plan.heartbeat_timeout = interval * (keep_alive_attempts > 0 ? keep_alive_attempts : 3);
+    plan.heartbeat_interval = std::min(plan.heartbeat_interval, interval);
+  }
 }
 
 // Numeric flags fail with one line naming what is expected (CLI11's own checks print the type's whole
@@ -111,7 +173,7 @@ Options parse_args(int argc, char** argv) {
   app.prefix_command();  // everything from PROGRAM on belongs to PROGRAM
   app.add_flag("--standalone", o.standalone,
                "Single node: host the store on a free port of localhost (ignores --nnodes/--master-*)");
-  app.add_option("--nnodes", o.nnodes, "Number of nodes")->envname("PET_NNODES")->capture_default_str();
+  app.add_option("--nnodes", o.nnodes, "Number of nodes N, or MIN:MAX for an elastic job (c10d: nodes may leave and join)")->envname("PET_NNODES")->capture_default_str();
   auto* node_rank = app.add_option("--node-rank,--node_rank", o.node_rank,
                                    "Rank of this node (0 hosts the store); with --rdzv-backend c10d ranks are "
                                    "assigned in order of arrival and this is ignored (with a warning)")
@@ -151,6 +213,20 @@ Options parse_args(int argc, char** argv) {
   app.add_option("--rdzv-timeout,--rdzv_timeout", o.rdzv_timeout,
                  "Seconds to wait for every node to join (and, under c10d, for the endpoint's store)")
       ->envname("FSDPRUN_RDZV_TIMEOUT")->capture_default_str()->check(number_in(0.1, 86400 * 7, false));
+  app.add_option("--rdzv-conf,--rdzv_conf", o.rdzv_conf,
+                 "c10d: KEY=VALUE,... with join_timeout (s, as --rdzv-timeout), last_call_timeout (s to wait for "
+                 "more nodes once MIN joined; Default: 30), read_timeout (s, a store call), keep_alive_interval "
+                 "and keep_alive_max_attempt (a node is lost after interval x attempts without a heartbeat; "
+                 "Default: 10 s), is_host (host the store here)")
+      ->envname("PET_RDZV_CONF");
+  app.add_option("--monitor-interval,--monitor_interval", o.monitor_interval,
+                 "Seconds between the agent's checks of the other nodes (heartbeats, failures, nodes waiting to "
+                 "join) (Default: 0.2)")
+      ->envname("PET_MONITOR_INTERVAL")->check(number_in(0.01, 60, false));
+  app.add_option("--local-addr,--local_addr", o.local_addr,
+                 "The address this node is known by in the rendezvous and the messages (Default: the address it "
+                 "reaches the store from)")
+      ->envname("PET_LOCAL_ADDR");
   app.add_flag("--no-python,--no_python", o.no_python, "Accepted for torchrun compatibility (always the case)");
   try {
     app.parse(argc, argv);
@@ -218,7 +294,10 @@ Plan make_plan(const Options& opt) {
   Plan plan;
   plan.argv = opt.command;
   plan.nproc = parse_nproc(opt.nproc_per_node);
-  plan.nnodes = opt.standalone ? 1 : parse_nnodes(opt.nnodes);
+  const auto [min_nodes, max_nodes] = opt.standalone ? std::pair<int, int>{1, 1} : parse_nnodes(opt.nnodes);
+  plan.min_nodes = min_nodes;
+  plan.max_nodes = max_nodes;
+  plan.nnodes = max_nodes;  // elastic: set by each round
   plan.node_rank = opt.standalone ? 0 : opt.node_rank;
   if (plan.node_rank >= plan.nnodes && opt.rdzv_backend != "c10d")
     die("--node-rank " + std::to_string(plan.node_rank) + " must be < --nnodes " + std::to_string(plan.nnodes));
@@ -261,6 +340,15 @@ Plan make_plan(const Options& opt) {
   } else if (opt.rdzv_backend != "static" && opt.rdzv_backend != "c10d") {
     die("--rdzv-backend " + opt.rdzv_backend + ": expected static or c10d");
   }
+  if (plan.elastic() && !plan.c10d)
+    die("--nnodes " + opt.nnodes + ": an elastic range needs --rdzv-backend c10d (and --rdzv-endpoint, --rdzv-id): "
+        "the static rendezvous has fixed node ranks");
+  if (!opt.rdzv_conf.empty() && !plan.c10d) die("--rdzv-conf needs --rdzv-backend c10d");
+  if (const char* v = std::getenv("FSDPRUN_HEARTBEAT_TIMEOUT_S"))
+    plan.heartbeat_timeout = std::chrono::milliseconds(static_cast<long>(std::max(1.0, std::atof(v)) * 1000));
+  apply_rdzv_conf(opt.rdzv_conf, plan);
+  if (opt.monitor_interval) plan.monitor_interval = std::chrono::milliseconds(static_cast<long>(*opt.monitor_interval * 1000));
+  plan.local_addr = opt.local_addr;
   if (plan.master_port == 0 && plan.nnodes > 1) die("--master-port 0 needs --nnodes 1: other nodes must know the port");
   plan.redirects = parse_std(opt.redirects, plan.nproc, "--redirects");
   plan.tee = parse_std(opt.tee, plan.nproc, "--tee");
