@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -401,23 +403,34 @@ Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, 
   return r;
 }
 
-std::optional<std::pair<int64_t, int>> kill_after_checkpoint(int restart) {
+std::optional<KillAt> kill_after_checkpoint(int restart) {
   const char* v = std::getenv("TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT");
   if (!v || !*v || restart > 0) return std::nullopt;
   long long step = 0;
   int rank = 0;
-  char extra = 0;
-  if (std::sscanf(v, "%lld:%d%c", &step, &rank, &extra) != 2) {
-    throw UsageError(std::string("TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT=") + v + ": expected STEP:RANK. Fix: unset it");
+  char who[16] = {0};
+  const int n = std::sscanf(v, "%lld:%d:%15s", &step, &rank, who);
+  if (n < 2 || (n == 3 && std::string(who) != "agent") || (n == 2 && std::strchr(v, ':') != std::strrchr(v, ':'))) {
+    throw UsageError(std::string("TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT=") + v +
+                     ": expected STEP:RANK or STEP:RANK:agent. Fix: unset it");
   }
-  return std::make_pair(static_cast<int64_t>(step), rank);
+  return KillAt{static_cast<int64_t>(step), rank, n == 3};
 }
 
-void kill_if_due(const std::optional<std::pair<int64_t, int>>& kill_at, int64_t step, int rank) {
-  if (kill_at && kill_at->first == step && kill_at->second == rank) {
+void kill_if_due(const std::optional<KillAt>& kill_at, int64_t step, int rank) {
+  if (kill_at && kill_at->step == step && kill_at->rank == rank) {
     std::cout.flush();
-    ::kill(::getpid(), SIGKILL);
+    ::kill(kill_at->agent ? ::getppid() : ::getpid(), SIGKILL);
+    if (kill_at->agent) std::this_thread::sleep_for(std::chrono::seconds(60));  // until PDEATHSIG ends us
   }
+}
+
+void test_step_delay() {
+  static const long ms = [] {
+    const char* v = std::getenv("TRAIN_GPT_TEST_STEP_DELAY_MS");
+    return v && *v ? std::max(0L, std::atol(v)) : 0L;
+  }();
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 }  // namespace train_gpt

@@ -83,13 +83,23 @@ Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, 
                torch::optim::Optimizer& optimizer, DistributedSampler& sampler,
                std::optional<fsdp::ShardedGradScaler>& scaler, const fsdp::ProcessGroupPtr& pg);
 
-/// Fault injection for the restart test (tests/python/test_regressions_train_gpt.py):
+/// Fault injection for the restart tests (tests/python/test_multinode.py, test_elastic.py):
 /// TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT=STEP:RANK makes rank RANK kill itself with SIGKILL (what
 /// `kill -9` does: no handler, no cleanup) right after the checkpoint of step STEP is complete, on the
 /// first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset), so that the launcher's restart has a
-/// checkpoint to resume from at a known step. Unset: nothing. Throws UsageError for a malformed value.
-std::optional<std::pair<int64_t, int>> kill_after_checkpoint(int restart);
-/// Kills this process with SIGKILL when `kill_at` is {step, rank}.
-void kill_if_due(const std::optional<std::pair<int64_t, int>>& kill_at, int64_t step, int rank);
+/// checkpoint to resume from at a known step. STEP:RANK:agent kills the rank's launcher (its parent
+/// process, the node's fsdprun) instead: a node lost at a known step. Unset: nothing. Throws UsageError
+/// for a malformed value.
+struct KillAt {
+  int64_t step = 0;
+  int rank = 0;
+  bool agent = false;  // kill the parent (the node's agent), not this process
+};
+std::optional<KillAt> kill_after_checkpoint(int restart);
+/// Kills this process (or its agent) with SIGKILL when `kill_at` is {step, rank}.
+void kill_if_due(const std::optional<KillAt>& kill_at, int64_t step, int rank);
+/// Slowing down for the elastic tests: TRAIN_GPT_TEST_STEP_DELAY_MS=N sleeps N ms after every step, so
+/// that a tiny model trains as long as a real one does while a node joins (tests/python/test_elastic.py).
+void test_step_delay();
 
 }  // namespace train_gpt

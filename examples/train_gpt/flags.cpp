@@ -155,6 +155,11 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
   g = app.add_option_group("Optimisation");
   add_integer(g, "--steps", o.steps, "Optimizer steps", int64_t(1));
   add_integer(g, "--batch-size", o.batch_size, "Sequences per rank per microbatch", int64_t(1));
+  add_integer(g, "--global-batch-size", o.global_batch_size,
+              "Sequences per microbatch over all data-parallel ranks, instead of --batch-size: each rank takes its "
+              "share for the world size at hand, so a run restarted on another number of ranks (fsdprun --nnodes "
+              "MIN:MAX) trains the same batches (0: use --batch-size)",
+              int64_t(0));
   add_integer(g, "--grad-accum-steps", o.grad_accum_steps, "Microbatches per step", int64_t(1));
   g->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str()->check(number_in(0, true));
   g->add_option("--min-lr", o.min_lr, "Learning rate at the end of the cosine decay")
@@ -339,6 +344,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   try {
     app.parse(argc, argv);
     o.model_given = model_flag->count() > 0;
+    o.batch_size_given = app.get_option("--batch-size")->count() > 0;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     // One line, like every other usage error (CLI11 adds "Run with --help ..." on a second line).

@@ -352,6 +352,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
                  " = " + fmt("%.1f", r.states.total() / mib) + " MiB; 16 x P / N = " + fmt("%.1f", ideal / mib) +
                  " MiB (x" + fmt("%.4f", r.states.total() / ideal) + ", fp32 AdamW with no padding)");
     }
+    test_step_delay();
     // [checkpoints] after the step and its evaluation, every rank writing its shards.
     if (checkpoint_due(o, step, last_step)) {
       const auto t_save = Clock::now();
@@ -426,6 +427,7 @@ int run(int argc, char** argv) {
   // any communication: a bad flag fails every rank with the same message instead of hanging the others.
   const bool launched = launched_by_a_launcher();
   const fsdp::LaunchEnv env = launched ? fsdp::read_launch_env() : fsdp::LaunchEnv{};
+  resolve_global_batch(o, launched ? env.world_size : 1);
   const RunSetup s = prepare_run(o, env);
   if (!o.metrics.empty() && env.rank == 0) MetricsWriter::probe(o.metrics);  // fails now, not after training
   if (o.no_shard) check_no_shard(o, env.world_size);

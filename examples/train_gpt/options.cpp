@@ -427,6 +427,23 @@ void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   }
 }
 
+void resolve_global_batch(Options& o, int world_size) {
+  if (o.global_batch_size <= 0) return;
+  if (o.batch_size_given) {
+    throw UsageError("--global-batch-size and --batch-size both given: the global batch sets the per-rank one. "
+                     "Fix: drop one of them");
+  }
+  const int per_replica = std::max<int64_t>(1, o.tp * o.pp * o.cp);
+  const int dp = std::max(1, world_size / per_replica);
+  if (o.global_batch_size % dp != 0) {
+    throw UsageError("--global-batch-size " + std::to_string(o.global_batch_size) + " is not divisible by the " +
+                     std::to_string(dp) + " data-parallel ranks (WORLD_SIZE " + std::to_string(world_size) +
+                     " / (tp x pp x cp = " + std::to_string(per_replica) + ")). Fix: a global batch that every world "
+                     "size the job may run at divides (e.g. a multiple of 12 for 1-4 ranks)");
+  }
+  o.batch_size = o.global_batch_size / dp;
+}
+
 void check_no_shard(const Options& o, int world_size) {
   if (world_size != 1) {
     throw UsageError("--no-shard runs one process without FSDP, but WORLD_SIZE is " + std::to_string(world_size) +

@@ -55,6 +55,10 @@ struct Options {
   // Optimisation.
   int64_t steps = 500;
   int64_t batch_size = 16;  // per rank, per microbatch
+  // --global-batch-size: sequences per microbatch over all data-parallel ranks; sets batch_size for the
+  // world size at hand (resolve_global_batch), so that an elastic restart at another size keeps the batch.
+  int64_t global_batch_size = 0;
+  bool batch_size_given = false;
   int64_t grad_accum_steps = 1;
   double lr = 4e-3, min_lr = 4e-4;  // small models on bytes take a high rate (1e-3 and 2e-3 were slower)
   int64_t warmup_steps = 50;
@@ -147,6 +151,10 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env);
 
 /// --no-shard is one process of plain LibTorch: no launcher's world, nothing FSDP-only. Throws UsageError.
 void check_no_shard(const Options& o, int world_size);
+/// --global-batch-size G: sets o.batch_size to G / the data-parallel ranks of `world_size` (WORLD_SIZE /
+/// (tp x pp x cp)). Throws UsageError when they do not divide G or --batch-size was also given.
+/// Example: 4 ranks, --global-batch-size 8 -> --batch-size 2; after an elastic restart on 2 -> 4.
+void resolve_global_batch(Options& o, int world_size);
 
 /// Whether this rank runs on CUDA (--device, else whether a CUDA device is usable). Throws UsageError
 /// when --device cuda cannot be honoured for LOCAL_RANK.

@@ -246,7 +246,7 @@ def test_killed_agent_ends_the_other_host_naming_the_lost_node(netns_hosts, text
     (["--rdzv-backend", "etcd"], "--rdzv-backend etcd: expected static or c10d"),
     (["--rdzv-backend", "c10d"], "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:99999"], "expected HOST[:PORT] with a port in 1-65535"),
-    (["--nnodes", "1:2"], "elastic MIN:MAX ranges are not supported"),
+    (["--nnodes", "1:2"], "an elastic range needs --rdzv-backend c10d"),
 ])
 def test_bad_rendezvous_flags(flags, expect):
     nnodes = [] if "--nnodes" in flags else ["--nnodes", "2"]

@@ -1,0 +1,206 @@
+"""Elastic training (issue 36; CTest label elastic): fsdprun --nnodes MIN:MAX on two test hosts made of network
+namespaces (tests/python/netns_hosts.py, as test_multinode.py), one agent per host, --nproc-per-node 2.
+
+What is tested ([Note: elastic rounds] in tools/fsdprun/nodes.cpp):
+- a node lost mid-run (its agent killed with SIGKILL right after the checkpoint of step 4, or stopped with SIGSTOP):
+  the other host notices the missing heartbeat, restarts its workers alone at WORLD_SIZE 2, and train_gpt resumes
+  from the checkpoint; with --global-batch-size the batches are the uninterrupted run's, and the final checkpoint
+  and every loss equal, bit for bit, a run on one host that trained steps 1-4 on 4 ranks and 5-8 on 2;
+- a node that joins a running job (scale-up): the running host restarts at the next round with both, and the
+  run resumes on 4 ranks from the newest checkpoint;
+- bad elastic flags fail at once naming what is expected.
+Every process runs under a timeout and the namespaces are removed whatever happens. Skips (with the reason) where
+namespaces cannot be created.
+"""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_hosts import netns_hosts  # noqa: E402,F401 (a fixture)
+from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metrics, train_losses  # noqa: E402
+
+PORT = 29612  # inside the test's own namespaces
+# Heartbeats every second, a node lost after 3 missed; a round closes 2 s after its first MIN nodes joined.
+ELASTIC = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"10.201.0.1:{PORT}", "--rdzv-id", "job36",
+           "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--nproc-per-node", "2", "--shutdown-timeout", "5", "--max-restarts", "1"]
+# The tiny preset, fp32, the same global batch (8 sequences) on 4 and 2 ranks, a checkpoint every 2 steps.
+RUN = ["--model", "tiny", "--global-batch-size", "8", "--seed", "7", "--threads", "1", "--log-every", "1",
+       "--eval-every", "100", "--warmup-steps", "2", "--sample-tokens", "0", "--ckpt-every", "2"]
+
+
+class Agent:
+    """One fsdprun on one host; its output goes to files (no pipe can fill up and block it)."""
+
+    def __init__(self, host, args, tmp_path, env, name):
+        self.name = name
+        self.out = open(tmp_path / f"{name}.out", "w+")
+        self.err = open(tmp_path / f"{name}.err", "w+")
+        self.t0 = time.monotonic()
+        self.p = host.popen([str(FSDPRUN), *map(str, args)], env=env, stdout=self.out, stderr=self.err,
+                            start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            pytest.fail(f"{self.name}: fsdprun still running after {timeout} s (a hang)\n{self.text()}")
+        return self.p.returncode
+
+    def stdout(self):
+        self.out.flush()
+        return Path(self.out.name).read_text(errors="replace")
+
+    def stderr(self):
+        self.err.flush()
+        return Path(self.err.name).read_text(errors="replace")
+
+    def text(self):
+        return f"--- {self.name} rc={self.p.returncode} stdout ---\n{self.stdout()[-3000:]}\n" \
+               f"--- {self.name} stderr ---\n{self.stderr()[-6000:]}"
+
+
+def show(*agents):
+    return "\n".join(a.text() for a in agents)
+
+
+def job_env(**extra):
+    env = clean_env()
+    env.update(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60", GLOO_SOCKET_IFNAME="data0")
+    env.update({k: str(v) for k, v in extra.items()})
+    return {k: v for k, v in env.items() if v != ""}
+
+
+def wait_for(what, cond, agents, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert all(a.p.poll() is None for a in agents) and time.monotonic() < deadline, f"{what}\n" + show(*agents)
+        time.sleep(0.1)
+
+
+def checkpoint_tensors(step_dir):
+    """{file: {key: tensor}} of a checkpoint folder's safetensors files."""
+    from safetensors.torch import load_file
+    return {f.name: load_file(str(f)) for f in sorted(Path(step_dir).glob("*.safetensors"))}
+
+
+def assert_same_checkpoint(a, b):
+    """Every tensor of every file of checkpoint folders `a` and `b` has the same bytes."""
+    import torch
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert ta.keys() == tb.keys() and ta, (sorted(ta), sorted(tb))
+    for f in ta:
+        assert ta[f].keys() == tb[f].keys(), (f, sorted(ta[f]), sorted(tb[f]))
+        for k in ta[f]:
+            x, y = ta[f][k], tb[f][k]
+            assert x.dtype == y.dtype and x.shape == y.shape, (f, k, x.dtype, y.dtype, x.shape, y.shape)
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{f}: {k} differs"
+
+
+@pytest.fixture(scope="module")
+def world_change_reference(text_files, tmp_path_factory):
+    """One host: steps 1-4 on 4 ranks, then 5-8 on 2 (resumed): what an elastic run that lost a node after the
+    checkpoint of step 4 must equal."""
+    d = tmp_path_factory.mktemp("ref")
+    prog = [TRAIN_GPT, *RUN, "--steps", "8", "--data", *text_files, "--metrics", d / "m.jsonl", "--ckpt-dir", d / "ckpt"]
+    env = job_env(GLOO_SOCKET_IFNAME="")
+    for nproc, extra in ((4, ["--stop-at", "4"]), (2, ["--resume"])):
+        p = subprocess.run(fsdprun_cmd(nproc, *prog, *extra), env=env, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = train_losses(metrics(d / "m.jsonl"))
+    assert sorted(losses) == list(range(1, 9)), losses
+    return losses, d / "ckpt" / "step-8"
+
+
+# --------------------------------------------------------------------------------------------------
+def test_lost_node_continues_at_the_new_world_size(netns_hosts, text_files, tmp_path, world_change_reference):
+    """kill -9 of host 1's agent right after the checkpoint of step 4 (its workers die with it): host 0 notices the
+    missing heartbeats within the 3 s keep-alive, restarts its 2 workers alone (WORLD_SIZE 2, round 1), and train_gpt
+    resumes from step-4 with the same global batch. The losses and the final checkpoint equal the reference's bit
+    for bit."""
+    ref_losses, ref_ckpt = world_change_reference
+    ckpt = tmp_path / "ckpt"
+    prog = [TRAIN_GPT, *RUN, "--steps", "8", "--data", *text_files, "--metrics", tmp_path / "m.jsonl", "--ckpt-dir", ckpt]
+    env = job_env(TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT="4:3:agent")  # global rank 3: host 1's local rank 1
+    a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
+    time.sleep(0.5)  # host 0 joins first: it is node 0 (the store's host must survive)
+    a1 = Agent(netns_hosts.hosts[1], ELASTIC + ["--", *prog], tmp_path, env, "host1")
+    assert a0.wait(240) == 0, show(a0, a1)
+    assert a1.wait(30) == -signal.SIGKILL, show(a0, a1)
+    err = a0.stderr()
+    assert re.search(r"round 0 complete: this is node 0 of 2", err), show(a0, a1)
+    assert re.search(r"round 0 ended: lost node 1 \(\S+ 10\.201\.0\.2\): no heartbeat from its fsdprun for \d+ s", err), \
+        show(a0, a1)
+    assert "(restart 1 of 1)" in err and re.search(r"round 1 complete: this is node 0 of 1", err), show(a0, a1)
+    assert re.search(rf"\[default0\]:resume: {re.escape(str(ckpt))}/step-4 \(after step 4, saved on 4 ranks, loaded "
+                     rf"on 2", a0.stdout()), show(a0, a1)
+    losses = train_losses(metrics(tmp_path / "m.jsonl"))
+    assert losses == ref_losses, f"elastic {losses}\nreference {ref_losses}"
+    assert_same_checkpoint(ckpt / "step-8", ref_ckpt)
+    print(f"[elastic] node lost after step 4: the run finished on 2 ranks, losses and step-8 bit-identical to the "
+          f"reference")
+
+
+def test_a_joining_node_scales_the_job_up(netns_hosts, text_files, tmp_path):
+    """Host 0 starts alone (--nnodes 1:2: after the last call its round has 1 node, WORLD_SIZE 2); once it saved a
+    checkpoint, host 1 starts: host 0 sees a node waiting, stops its workers (no restart used) and both form round 1
+    (WORLD_SIZE 4), which resumes from the newest checkpoint and finishes on both hosts. Every step is trained once
+    with the global batch of an uninterrupted 2-rank run, and the losses agree with that run's within the sharding
+    tolerance (the world size changed at a step the test does not choose)."""
+    ckpt = tmp_path / "ckpt"
+    steps = 40
+    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+            "--ckpt-dir", ckpt]
+    env = job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100)  # a tiny model stepping as slowly as a real one
+    a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
+    wait_for("host 0 never saved a checkpoint", lambda: (ckpt / "step-2").is_dir(), [a0])
+    a1 = Agent(netns_hosts.hosts[1], ELASTIC + ["--", *prog], tmp_path, env, "host1")
+    assert a0.wait(240) == 0 and a1.wait(60) == 0, show(a0, a1)
+    err0 = a0.stderr()
+    assert re.search(r"round 0 complete: this is node 0 of 1", err0), show(a0, a1)
+    assert re.search(r"round 0 ended: 1 node\(s\) waiting to join .*\(a membership change: no restart used\)", err0), \
+        show(a0, a1)
+    assert re.search(r"round 1 complete: this is node 0 of 2", err0), show(a0, a1)
+    assert re.search(r"round 1 complete: this is node 1 of 2", a1.stderr()), show(a0, a1)
+    m = re.search(rf"\[default0\]:resume: {re.escape(str(ckpt))}/step-(\d+) \(after step \d+, saved on 2 ranks, "
+                  rf"loaded on 4", a0.stdout())
+    assert m and int(m.group(1)) < steps, show(a0, a1)
+    losses = train_losses(metrics(tmp_path / "m.jsonl"))
+    assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)
+    ref = tmp_path / "ref"
+    p = subprocess.run(fsdprun_cmd(2, TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics",
+                                   ref / "m.jsonl", "--ckpt-dir", ref / "ckpt"),
+                       env=job_env(GLOO_SOCKET_IFNAME=""), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    worst = assert_close(losses, train_losses(metrics(ref / "m.jsonl")), 1e-5, "scaled up at a step vs 2 ranks")
+    print(f"[elastic] scale-up: round 1 resumed from step {m.group(1)} on 4 ranks and finished; losses within "
+          f"{worst:.2g} of an uninterrupted 2-rank run")
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad elastic flags fail at once, naming what is expected (no namespaces needed).
+@pytest.mark.parametrize("flags, expect", [
+    (["--nnodes", "1:2"], "an elastic range needs --rdzv-backend c10d"),
+    (["--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], "--nnodes 3:2: MIN must be <= MAX"),
+    (["--nnodes", "1:x"], "expected a positive integer N or an elastic range MIN:MAX"),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "bogus=1"],
+     "--rdzv-conf: unknown key 'bogus'; expected join_timeout, last_call_timeout"),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "last_call_timeout=-1"],
+     "--rdzv-conf last_call_timeout=-1: expected a number of seconds > 0"),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout"],
+     "expected KEY=VALUE,..."),
+    (["--nnodes", "2", "--rdzv-conf", "is_host=1"], "--rdzv-conf needs --rdzv-backend c10d"),
+])
+def test_bad_elastic_flags(flags, expect):
+    p = subprocess.run([str(FSDPRUN), *flags, "--", "/bin/true"], env=job_env(), capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 1 and expect in p.stderr, p.stderr
