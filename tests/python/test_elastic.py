@@ -111,9 +111,12 @@ def world_change_reference(text_files, tmp_path_factory):
     """One host: steps 1-4 on 4 ranks, then 5-8 on 2 (resumed): what an elastic run that lost a node after the
     checkpoint of step 4 must equal."""
     d = tmp_path_factory.mktemp("ref")
-    prog = [TRAIN_GPT, *RUN, "--steps", "8", "--data", *text_files, "--metrics", d / "m.jsonl", "--ckpt-dir", d / "ckpt"]
+    # Per-rank batches given explicitly (8 / 4 and 8 / 2), not through --global-batch-size: a wrong rescale in the
+    # elastic run then shows.
+    run = [a for a in RUN if a not in ("--global-batch-size", "8")]
+    prog = [TRAIN_GPT, *run, "--steps", "8", "--data", *text_files, "--metrics", d / "m.jsonl", "--ckpt-dir", d / "ckpt"]
     env = job_env(GLOO_SOCKET_IFNAME="")
-    for nproc, extra in ((4, ["--stop-at", "4"]), (2, ["--resume"])):
+    for nproc, extra in ((4, ["--stop-at", "4", "--batch-size", "2"]), (2, ["--resume", "--batch-size", "4"])):
         p = subprocess.run(fsdprun_cmd(nproc, *prog, *extra), env=env, capture_output=True, text=True, timeout=240)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = train_losses(metrics(d / "m.jsonl"))
@@ -177,8 +180,10 @@ def test_a_joining_node_scales_the_job_up(netns_hosts, text_files, tmp_path):
     losses = train_losses(metrics(tmp_path / "m.jsonl"))
     assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)
     ref = tmp_path / "ref"
-    p = subprocess.run(fsdprun_cmd(2, TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics",
-                                   ref / "m.jsonl", "--ckpt-dir", ref / "ckpt"),
+    ref.mkdir()
+    run = [a for a in RUN if a not in ("--global-batch-size", "8")]  # explicit per-rank batch (see above)
+    p = subprocess.run(fsdprun_cmd(2, TRAIN_GPT, *run, "--batch-size", 4, "--steps", steps, "--data", *text_files,
+                                   "--metrics", ref / "m.jsonl", "--ckpt-dir", ref / "ckpt"),
                        env=job_env(GLOO_SOCKET_IFNAME=""), capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     worst = assert_close(losses, train_losses(metrics(ref / "m.jsonl")), 1e-5, "scaled up at a step vs 2 ranks")
