@@ -8,6 +8,8 @@ What is tested ([Note: elastic rounds] in tools/fsdprun/nodes.cpp):
   and every loss equal, bit for bit, a run on one host that trained steps 1-4 on 4 ranks and 5-8 on 2;
 - a node that joins a running job (scale-up): the running host restarts at the next round with both, and the
   run resumes on 4 ranks from the newest checkpoint;
+- failure detection: an agent stopped with SIGSTOP (heartbeats stop) is a lost node within the keep-alive, and
+  rejoins when continued; a cut link (`ip link set data0 down`) loses the node, which exits naming the store;
 - bad elastic flags fail at once naming what is expected.
 Every process runs under a timeout and the namespaces are removed whatever happens. Skips (with the reason) where
 namespaces cannot be created.
@@ -189,6 +191,66 @@ def test_a_joining_node_scales_the_job_up(netns_hosts, text_files, tmp_path):
     worst = assert_close(losses, train_losses(metrics(ref / "m.jsonl")), 1e-5, "scaled up at a step vs 2 ranks")
     print(f"[elastic] scale-up: round 1 resumed from step {m.group(1)} on 4 ranks and finished; losses within "
           f"{worst:.2g} of an uninterrupted 2-rank run")
+
+
+def start_two(netns_hosts, tmp_path, prog, env):
+    """Both agents, host 0 first (node 0, the store's host); returns them once round 0 formed with 2 nodes."""
+    a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
+    time.sleep(0.5)
+    a1 = Agent(netns_hosts.hosts[1], ELASTIC + ["--", *prog], tmp_path, env, "host1")
+    return a0, a1
+
+
+def test_a_stopped_agent_is_a_lost_node_and_rejoins_when_continued(netns_hosts, text_files, tmp_path):
+    """SIGSTOP of host 1's agent (a hung node: its heartbeats stop, its workers run on): host 0 finds it lost
+    within the keep-alive (3 s) and goes on alone at WORLD_SIZE 2. SIGCONT: host 1's agent finds its round ended,
+    reaps its failed workers (one restart), and waits in the next round; host 0 sees it waiting and both go on at
+    WORLD_SIZE 4 to the end."""
+    ckpt = tmp_path / "ckpt"
+    steps = 60
+    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+            "--ckpt-dir", ckpt]
+    a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
+    wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
+    a1.p.send_signal(signal.SIGSTOP)  # ip netns exec execs fsdprun: this is the agent itself
+    t_stop = time.monotonic()
+    wait_for("host 0 never found host 1 lost", lambda: "round 0 ended: lost node 1" in a0.stderr(), [a0])
+    detected = time.monotonic() - t_stop
+    wait_for("host 0 never went on alone", lambda: "round 1 complete: this is node 0 of 1" in a0.stderr(), [a0])
+    a1.p.send_signal(signal.SIGCONT)
+    assert a0.wait(240) == 0 and a1.wait(60) == 0, show(a0, a1)
+    err0, err1 = a0.stderr(), a1.stderr()
+    assert re.search(r"round 1 ended: 1 node\(s\) waiting to join", err0), show(a0, a1)
+    assert re.search(r"round 2 complete: this is node 0 of 2", err0), show(a0, a1)
+    assert re.search(r"round 2 complete: this is node 1 of 2", err1), show(a0, a1)
+    assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
+    # Measured 3.2-3.5 s (3 s keep-alive + the 1 s watch period); 10x that would be any hang-free bound.
+    assert detected < 35, f"host 0 took {detected:.1f} s to notice the stopped node\n" + show(a0, a1)
+    print(f"[elastic] stopped agent found lost after {detected:.1f} s; it rejoined when continued")
+
+
+def test_a_cut_link_loses_the_node_and_the_other_goes_on(netns_hosts, text_files, tmp_path):
+    """`ip link set data0 down` on host 1 mid-run: host 1 loses the store (its agent stops its workers and exits 1,
+    naming the store), host 0 finds host 1 lost and finishes the run alone at WORLD_SIZE 2."""
+    ckpt = tmp_path / "ckpt"
+    steps = 40
+    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+            "--ckpt-dir", ckpt]
+    a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
+    wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
+    h1 = netns_hosts.hosts[1]
+    assert h1.run(["ip", "link", "set", h1.data_if, "down"]).returncode == 0
+    t_cut = time.monotonic()
+    assert a1.wait(60) == 1, show(a0, a1)
+    gave_up = time.monotonic() - t_cut
+    assert a0.wait(240) == 0, show(a0, a1)
+    assert "lost the store at 10.201.0.1" in a1.stderr(), show(a0, a1)
+    assert re.search(r"round 0 ended: lost node 1", a0.stderr()), show(a0, a1)
+    assert re.search(r"round 1 complete: this is node 0 of 1", a0.stderr()), show(a0, a1)
+    assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
+    # Measured 3.3 s (the 3 s store read timeout of a call that no longer returns); 10x that is the bound.
+    assert gave_up < 35, f"host 1 took {gave_up:.1f} s to give up on the store\n" + show(a0, a1)
+    print(f"[elastic] cut link: host 1 gave up on the store after {gave_up:.1f} s; host 0 finished alone")
 
 
 # --------------------------------------------------------------------------------------------------

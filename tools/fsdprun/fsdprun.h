@@ -2,6 +2,7 @@
 // (options.cpp), the workers of one attempt (workers.cpp), and main (main.cpp).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -144,6 +146,7 @@ class Nodes {
   /// the --rdzv-endpoint host) and, with several nodes or c10d, waits until --nnodes agents joined
   /// (plan.rdzv_timeout), assigning plan.node_rank under c10d. Exits with a message on failure.
   explicit Nodes(Plan& plan);
+  ~Nodes();
   /// At least every second during an attempt: sends this node's heartbeat and returns why this node's
   /// workers must stop ("" if they need not): another node's failure in `attempt`, a lost node, a lost store.
   std::string poll(int attempt);
@@ -193,6 +196,12 @@ class Nodes {
   c10::intrusive_ptr<c10d::TCPStore> store_;
   bool hosts_store_ = false, aborted_ = false;
   int round_ = 0;  // elastic: the round this node is a member of (0 otherwise)
+  // The store-call watchdog (see StoreCall in nodes.cpp): when the call under way started (ms since the
+  // steady clock's epoch; 0: none).
+  std::atomic<int64_t> call_since_ms_{0};
+  std::atomic<bool> stop_watchdog_{false};
+  std::thread watchdog_;
+  friend struct StoreCall;
   // Elastic: the round and ticket this node took for the next round, as soon as it saw the current one
   // end (before stopping its workers, which can take the whole --shutdown-timeout), so that the next
   // round's last call waits for it.

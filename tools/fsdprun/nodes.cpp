@@ -98,11 +98,44 @@ std::string fmt_s(double s) {
 
 }  // namespace
 
+// A store call that does not return is a lost store (its host, or the link to it, is down): TCPStore's
+// client socket can block for the whole connect timeout (minutes) when packets are dropped rather than
+// refused, and the agent would hang with its workers. Each group of store calls of the agent's loops
+// runs under a StoreCall; a watchdog thread ends the agent (and with it its workers, through their
+// PDEATHSIG) when one has not returned within the store read timeout.
+struct StoreCall {
+  explicit StoreCall(Nodes& n) : n_(n) {
+    n_.call_since_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  }
+  ~StoreCall() { n_.call_since_ms_ = 0; }
+  Nodes& n_;
+};
+
+Nodes::~Nodes() {
+  stop_watchdog_ = true;
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
 Nodes::Nodes(Plan& plan) : plan_(plan), prefix_("/fsdprun/" + plan.run_id + "/") {
   char name[256] = "localhost";
   ::gethostname(name, sizeof name - 1);
   hostname_ = name;
   connect_store();
+  const auto limit = plan_.read_timeout.count() > 0 ? plan_.read_timeout : plan_.heartbeat_timeout;
+  watchdog_ = std::thread([this, limit] {
+    while (!stop_watchdog_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const int64_t since = call_since_ms_;
+      const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+      if (since > 0 && now - since > limit.count()) {
+        warn("lost the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) + ": a call to it has "
+             "not returned for " + fmt_s((now - since) / 1000.0) + " (its host, or the link to it, is down); stopping "
+             "this node's workers and exiting");
+        std::fflush(nullptr);
+        ::_exit(1);  // the workers follow (PR_SET_PDEATHSIG)
+      }
+    }
+  });
   if (plan.elastic()) {
     try {
       store_->setTimeout(plan_.read_timeout.count() > 0 ? plan_.read_timeout : plan_.heartbeat_timeout);
@@ -276,6 +309,7 @@ void Nodes::join_round() {
     bool announced = false;
     for (;;) {
       try {
+        StoreCall call(*this);
         if (store_->check({prefix_ + "done"})) {
           warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
           std::exit(0);
@@ -370,6 +404,7 @@ void Nodes::join_round() {
 }
 
 void Nodes::take_ticket() {
+  StoreCall call(*this);
   const std::string addr =
       plan_.local_addr.empty() ? source_address_to(plan_.master_addr, plan_.master_port) : plan_.local_addr;
   const int prev_rank = node_desc_.empty() ? -1 : plan_.node_rank;  // -1: not a member of any round yet
@@ -383,6 +418,7 @@ void Nodes::take_ticket() {
 void Nodes::rejoin() {
   // The round ends for everyone (a failed attempt sets no change by itself): the next one may close.
   try {
+    StoreCall call(*this);
     store_->compareSet(round_key(round_) + "change", {}, bytes_of("attempt " + std::to_string(round_) + " ended"));
   } catch (const std::exception&) {
   }
@@ -390,6 +426,7 @@ void Nodes::rejoin() {
 }
 
 void Nodes::abort_job(const std::string& msg) {
+  StoreCall call(*this);
   try {
     store_->compareSet(prefix_ + "abort", {}, bytes_of(msg));
   } catch (const std::exception&) {
@@ -426,6 +463,7 @@ std::string Nodes::poll(int attempt) {
   // The poll loop wakes for every chunk of worker output: a few store round trips 5 times a second suffice.
   if (!multi() || Clock::now() - last_poll_ < plan_.monitor_interval) return "";
   last_poll_ = Clock::now();
+  StoreCall call(*this);
   try {
     beat(false);
     std::string lost = lost_node();
@@ -465,6 +503,7 @@ std::string Nodes::poll(int attempt) {
 
 void Nodes::report_failure(int attempt, const std::string& what) {
   if (!multi()) return;
+  StoreCall call(*this);
   try {
     store_->compareSet(prefix_ + "attempt/" + std::to_string(attempt) + "/failed", {},
                        bytes_of(describe(plan_.node_rank) + ": " + what));
@@ -480,6 +519,7 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
   }
   const std::string key = prefix_ + "attempt/" + std::to_string(attempt) + "/";
   try {
+    StoreCall call(*this);
     store_->set(key + "outcome/" + std::to_string(plan_.node_rank), bytes_of(mine));
   } catch (const std::exception&) {
   }
@@ -492,6 +532,7 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
     }
     if (plan_.elastic()) {
       try {
+        StoreCall call(*this);
         const std::string change = round_key(round_) + "change";
         if (store_->check({change})) {
           out.change = str_of(store_->get(change));
@@ -506,6 +547,7 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
     int n = 0;
     bool all_ok = true;
     try {
+      StoreCall call(*this);
       for (int r = 0; r < plan_.nnodes; ++r) {
         const std::string k = key + "outcome/" + std::to_string(r);
         if (!store_->check({k})) continue;
@@ -527,6 +569,7 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
 
 void Nodes::mark_done() {
   if (!plan_.elastic()) return;
+  StoreCall call(*this);
   try {
     store_->set(prefix_ + "done", bytes_of("1"));
   } catch (const std::exception&) {
@@ -541,6 +584,7 @@ void Nodes::finish() {
     store_->add(key, 1);
     const auto deadline = Clock::now() + plan_.heartbeat_timeout * 3;
     while (hosts_store_ && store_->add(key, 0) < plan_.nnodes && Clock::now() < deadline) {
+      StoreCall call(*this);
       beat(false);
       if (!lost_node().empty()) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
