@@ -44,6 +44,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 
+#include "fsdp/elastic/errors.h"
 #include "checkpointing.h"
 #include "data.h"
 #include "evaluate.h"
@@ -471,12 +472,15 @@ int main(int argc, char** argv) {
     }
     return rc;
   } catch (const train_gpt::UsageError& e) {
+    fsdp::elastic::record_exception(e);  // the launcher's summary shows it (TORCHELASTIC_ERROR_FILE)
     std::cerr << "train_gpt: error: " << e.what() << std::endl;
     return 2;
   } catch (const c10::Error& e) {
+    fsdp::elastic::record_exception(e);
     std::cerr << "train_gpt: error: " << e.what_without_backtrace() << std::endl;
     return 1;
   } catch (const std::exception& e) {
+    fsdp::elastic::record_exception(e);
     std::cerr << "train_gpt: error: " << e.what() << std::endl;
     return 1;
   }

@@ -271,6 +271,25 @@ def test_error_file_message(marker):
     assert procs_with_marker(marker) == []
 
 
+def test_cpp_worker_records_its_error_as_torch_does(marker, tmp_path):
+    """train_gpt writes its error with fsdp::elastic::record_exception: torch's JSON (message, extraInfo with
+    py_callstack and timestamp), and the summary's root cause shows the C++ exception's type and message."""
+    from fsdp_testing import TRAIN_GPT
+    p = fsdprun(["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path, TRAIN_GPT, "--model", "tiny",
+                 "--global-batch-size", "3", "--steps", "1"], marker, timeout=60)
+    assert p.returncode == 1, show(p)
+    root = p.stderr.split("Root Cause")[1]
+    assert re.search(r"message   : train_gpt::UsageError: --global-batch-size 3 is not divisible by the 2 "
+                     r"data-parallel ranks", root), show(p)
+    files = list(tmp_path.rglob("error.json"))
+    assert len(files) == 2, files
+    import json
+    for f in files:
+        j = json.loads(f.read_text())["message"]
+        assert j["message"].startswith("train_gpt::UsageError: --global-batch-size 3"), j
+        assert set(j["extraInfo"]) == {"py_callstack", "timestamp"} and j["extraInfo"]["timestamp"].isdigit(), j
+
+
 # --------------------------------------------------------------------------------------------------
 # 6. Signals to fsdprun reach every worker.
 def start_and_wait_ready(args, marker, ready_dir, nproc, **env):

@@ -111,7 +111,8 @@ std::string read_error_file(const std::string& path) {
     if (m.is_string()) return m.get<std::string>();
     if (m.is_object() && m.contains("message") && m["message"].is_string()) {
       std::string msg = m["message"].get<std::string>();
-      if (m.contains("extraInfo") && m["extraInfo"].contains("py_callstack"))
+      if (m.contains("extraInfo") && m["extraInfo"].contains("py_callstack") &&
+          !m["extraInfo"]["py_callstack"].get<std::string>().empty())
         msg += "\n" + m["extraInfo"]["py_callstack"].get<std::string>();
       return msg;
     }
