@@ -139,6 +139,11 @@ def test_lost_node_continues_at_the_new_world_size(netns_hosts, text_files, tmp_
     a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
     time.sleep(0.5)  # host 0 joins first: it is node 0 (the store's host must survive)
     a1 = Agent(netns_hosts.hosts[1], ELASTIC + ["--", *prog], tmp_path, env, "host1")
+    # The time from the node loss (host 1's agent killed) to the first step trained after the recovery.
+    wait_for("host 1's agent was never killed", lambda: a1.p.poll() is not None, [a0], timeout=180)
+    t_lost = time.monotonic()
+    wait_for("no step after the recovery", lambda: re.search(r"\[default0\]:step +5/", a0.stdout()), [a0], timeout=180)
+    recovery = time.monotonic() - t_lost
     assert a0.wait(240) == 0, show(a0, a1)
     assert a1.wait(30) == -signal.SIGKILL, show(a0, a1)
     err = a0.stderr()
@@ -151,8 +156,8 @@ def test_lost_node_continues_at_the_new_world_size(netns_hosts, text_files, tmp_
     losses = train_losses(metrics(tmp_path / "m.jsonl"))
     assert losses == ref_losses, f"elastic {losses}\nreference {ref_losses}"
     assert_same_checkpoint(ckpt / "step-8", ref_ckpt)
-    print(f"[elastic] node lost after step 4: the run finished on 2 ranks, losses and step-8 bit-identical to the "
-          f"reference")
+    print(f"[elastic] node lost after step 4: step 5 trained {recovery:.1f} s later on 2 ranks (3 s keep-alive, "
+          f"2 s last call, restart, resharded load); losses and step-8 bit-identical to the reference")
 
 
 def test_a_joining_node_scales_the_job_up(netns_hosts, text_files, tmp_path):
@@ -224,8 +229,9 @@ def test_a_stopped_agent_is_a_lost_node_and_rejoins_when_continued(netns_hosts, 
     assert re.search(r"round 2 complete: this is node 0 of 2", err0), show(a0, a1)
     assert re.search(r"round 2 complete: this is node 1 of 2", err1), show(a0, a1)
     assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
-    # Measured 3.2-3.5 s (3 s keep-alive + the 1 s watch period); 10x that would be any hang-free bound.
-    assert detected < 35, f"host 0 took {detected:.1f} s to notice the stopped node\n" + show(a0, a1)
+    # Measured 4.5-6.0 s (3 s keep-alive counted from the last heartbeat, plus the 1 s watch period, on a loaded
+    # machine); the bound is 10x that.
+    assert detected < 60, f"host 0 took {detected:.1f} s to notice the stopped node\n" + show(a0, a1)
     print(f"[elastic] stopped agent found lost after {detected:.1f} s; it rejoined when continued")
 
 
@@ -248,8 +254,8 @@ def test_a_cut_link_loses_the_node_and_the_other_goes_on(netns_hosts, text_files
     assert re.search(r"round 0 ended: lost node 1", a0.stderr()), show(a0, a1)
     assert re.search(r"round 1 complete: this is node 0 of 1", a0.stderr()), show(a0, a1)
     assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
-    # Measured 3.3 s (the 3 s store read timeout of a call that no longer returns); 10x that is the bound.
-    assert gave_up < 35, f"host 1 took {gave_up:.1f} s to give up on the store\n" + show(a0, a1)
+    # Measured 3.1 s (the 3 s store read timeout of a call that no longer returns); the bound is 10x that.
+    assert gave_up < 31, f"host 1 took {gave_up:.1f} s to give up on the store\n" + show(a0, a1)
     print(f"[elastic] cut link: host 1 gave up on the store after {gave_up:.1f} s; host 0 finished alone")
 
 
