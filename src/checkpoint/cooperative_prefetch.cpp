@@ -27,6 +27,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
+#include <limits>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -82,7 +84,7 @@ std::string plan_readers(const std::vector<std::string>& reports) {
     if (ranks.size() < 2) continue;
     std::vector<std::pair<int64_t, int64_t>> all_ranges;
     int reader = -1;
-    int64_t best = -1;
+    int64_t best = std::numeric_limits<int64_t>::min();  // every file gets a reader, however loaded the ranks
     for (const auto& [r, ranges] : ranks) {
       int64_t bytes = 0;
       for (const auto& [b, e] : ranges) bytes += e - b;
@@ -106,6 +108,8 @@ std::string plan_readers(const std::vector<std::string>& reports) {
 CooperativePrefetch::CooperativePrefetch(Coordinator& coord, const std::string& dir, const FileRanges& needed)
     : coord_(coord) {
   const std::string domain = page_cache_domain();
+  // Per kernel: ranks on other machines number their file's pieces differently.
+  key_prefix_ = "prefetch/" + std::to_string(std::hash<std::string>{}(domain)) + "/";
   nlohmann::json mine = {{"domain", domain}, {"files", needed}};
   auto all = coord.gather("prefetch_need", mine.dump(), "to report the bytes it needs");
   const auto assign = nlohmann::json::parse(
@@ -140,7 +144,12 @@ void CooperativePrefetch::finish() {
 
 void CooperativePrefetch::read_files(const std::string& dir, std::vector<std::string> files, Coordinator publisher) {
   // Runs on the reader thread: only the disk and the store, never anything that waits for another rank.
-  std::vector<char> buf(static_cast<size_t>(kPiece));
+  std::vector<char> buf;
+  try {
+    buf.resize(static_cast<size_t>(kPiece));
+  } catch (const std::exception&) {
+    stop_ = true;  // no memory for the buffer: publish everything unread below
+  }
   for (const auto& name : files) {
     const auto& pieces = files_.at(name).pieces;
     std::optional<File> f;
@@ -162,7 +171,7 @@ void CooperativePrefetch::read_files(const std::string& dir, std::vector<std::st
         }
       }
       try {
-        publisher.set("prefetch/" + name + "/" + std::to_string(i), "");
+        publisher.set(key_prefix_ + name + "/" + std::to_string(i), "");
       } catch (const std::exception&) {
         // The store is gone: the waiters' own timeouts name this rank.
         return;
@@ -180,7 +189,7 @@ void CooperativePrefetch::wait_for(const std::string& file, int64_t end) {
                                   [](const std::pair<int64_t, int64_t>& piece, int64_t e) { return piece.second < e; });
   const size_t k = static_cast<size_t>(p - r.pieces.begin());
   if (k >= r.pieces.size() || k < r.waited) return;
-  coord_.get("prefetch/" + file + "/" + std::to_string(k),
+  coord_.get(key_prefix_ + file + "/" + std::to_string(k),
              "rank " + std::to_string(r.reader) + " to read " + file + " up to byte " + std::to_string(p->second));
   r.waited = k + 1;
 }

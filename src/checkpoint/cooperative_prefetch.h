@@ -53,6 +53,7 @@ class CooperativePrefetch {
   void read_files(const std::string& dir, std::vector<std::string> files, Coordinator publisher);
 
   Coordinator& coord_;
+  std::string key_prefix_;  // "prefetch/<this kernel>/": store keys of the readers' progress
   std::map<std::string, Reads> files_;
   std::thread reader_;
   std::atomic<bool> stop_{false};

@@ -126,11 +126,11 @@ class LoadPlan {
   /// CooperativePrefetch.
   detail::FileRanges needed() const {
     detail::FileRanges out;
-    for (const auto* list : {&pending_, &reads_}) {
-      for (const Read& p : *list) {
-        const auto r = chunk_range(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(), api_);
-        out[p.chunk->file].emplace_back(p.chunk->file_offset + r.begin, p.chunk->file_offset + r.end);
-      }
+    // Only the pieces read in phase 1: a streamed load (plain safetensors) reads in phase 3, after the
+    // agreement, where nobody waits for a reader.
+    for (const Read& p : pending_) {
+      const auto r = chunk_range(info_, *p.chunk, p.fqn, p.dtype, p.ov, options_.verify_checksums(), api_);
+      out[p.chunk->file].emplace_back(p.chunk->file_offset + r.begin, p.chunk->file_offset + r.end);
     }
     for (auto& [_, v] : out) v = detail::merged_ranges(std::move(v));
     return out;

@@ -10,6 +10,7 @@ What is tested ([Note: elastic rounds] in tools/fsdprun/nodes.cpp):
   run resumes on 4 ranks from the newest checkpoint;
 - failure detection: an agent stopped with SIGSTOP (heartbeats stop) is a lost node within the keep-alive, and
   rejoins when continued; a cut link (`ip link set data0 down`) loses the node, which exits naming the store;
+- a third node joining two uses no restart (--max-restarts 0); a SIGTERMed agent leaves without ending the job;
 - bad elastic flags fail at once naming what is expected.
 Every process runs under a timeout and the namespaces are removed whatever happens. Skips (with the reason) where
 namespaces cannot be created.
@@ -257,6 +258,50 @@ def test_a_cut_link_loses_the_node_and_the_other_goes_on(netns_hosts, text_files
     # Measured 3.1 s (the 3 s store read timeout of a call that no longer returns); the bound is 10x that.
     assert gave_up < 31, f"host 1 took {gave_up:.1f} s to give up on the store\n" + show(a0, a1)
     print(f"[elastic] cut link: host 1 gave up on the store after {gave_up:.1f} s; host 0 finished alone")
+
+
+def test_a_third_node_joining_two_uses_no_restart(netns_hosts, text_files, tmp_path):
+    """--nnodes 2:3, --max-restarts 0: two agents train (round 0), a third (a second agent on host 1: a node is an
+    agent) joins. Both running nodes stop their workers 2 s after they see it, so one node's workers break the
+    other's collectives first: those failures are the round ending, not a failed attempt, and the job goes on at 3
+    nodes (WORLD_SIZE 6) to the end without using a restart."""
+    ckpt = tmp_path / "ckpt"
+    steps = 40
+    flags = [("2:3" if a == "1:2" else "0" if a == "1" and i > 0 and ELASTIC[i - 1] == "--max-restarts" else a)
+             for i, a in enumerate(ELASTIC)]
+    assert "2:3" in flags and flags[flags.index("--max-restarts") + 1] == "0", flags
+    run = [a for a in RUN if a not in ("--global-batch-size", "8")] + ["--global-batch-size", "12"]
+    prog = [TRAIN_GPT, *run, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+            "--ckpt-dir", ckpt]
+    env = job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100)
+    a0 = Agent(netns_hosts.hosts[0], flags + ["--", *prog], tmp_path, env, "host0")
+    a1 = Agent(netns_hosts.hosts[1], flags + ["--", *prog], tmp_path, env, "host1")
+    wait_for("no checkpoint", lambda: (ckpt / "step-2").is_dir(), [a0, a1])
+    a2 = Agent(netns_hosts.hosts[1], flags + ["--", *prog], tmp_path, env, "host1b")
+    for a in (a0, a1, a2):
+        assert a.wait(240) == 0, show(a0, a1, a2)
+    err0 = a0.stderr()
+    assert re.search(r"round 0 ended: 1 node\(s\) waiting to join .*\(a membership change: no restart used\)", err0), \
+        show(a0, a1, a2)
+    assert re.search(r"round 1 complete: this is node 0 of 3", err0), show(a0, a1, a2)
+    assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
+
+
+def test_a_signaled_agent_leaves_and_the_others_go_on(netns_hosts, text_files, tmp_path):
+    """SIGTERM to host 1's agent (a preempted node): it stops its workers and exits 128 + 15 without ending the job
+    (as torchrun); host 0 finds it lost and finishes alone."""
+    ckpt = tmp_path / "ckpt"
+    steps = 40
+    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+            "--ckpt-dir", ckpt]
+    a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
+    wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
+    a1.p.send_signal(signal.SIGTERM)
+    assert a1.wait(60) == 128 + signal.SIGTERM, show(a0, a1)
+    assert a0.wait(240) == 0, show(a0, a1)
+    assert "this node leaves the job" in a1.stderr(), show(a0, a1)
+    assert re.search(r"round 0 ended: lost node 1", a0.stderr()), show(a0, a1)
+    assert sorted(train_losses(metrics(tmp_path / "m.jsonl"))) == list(range(1, steps + 1))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -128,6 +128,9 @@ struct Attempt {
 
 /// Makes the signals fsdprun forwards (and SIGCHLD) wake the attempt's poll loop (a self-pipe).
 void install_signal_handlers();
+/// A forwarded signal (SIGINT, SIGTERM, ...) that arrived while no attempt runs (0 if none): for the loops
+/// that wait for other nodes between attempts.
+int take_pending_signal();
 /// Starts plan.nproc workers, forwards their output and signals, stops them all on the first failure;
 /// returns once every worker (and what it started) is gone.
 Attempt run_attempt(const Plan& plan, int restart);
@@ -160,6 +163,7 @@ class Nodes {
     // and whether a node was lost (that uses a restart; nodes joining do not, as under torchrun).
     std::string change;
     bool lost = false;
+    int signal = 0;  // elastic: this agent was stopped by a signal while waiting for the others
   };
   /// After this node's attempt ended (`mine`: ok, failed, stopped): waits for every node's.
   Outcome finish_attempt(int attempt, const std::string& mine);
@@ -184,7 +188,11 @@ class Nodes {
   void join_round();
   void take_ticket();
   std::string round_key(int64_t k) const { return prefix_ + "rdzv/" + std::to_string(k) + "/"; }
-  std::string hb_key(int node) const { return prefix_ + "hb/" + std::to_string(round_) + "/" + std::to_string(node); }
+  /// Node `node`'s heartbeat key: elastic, its ticket's in the current round; else hb/0/<node>.
+  std::string hb_key(int node) const {
+    if (plan_.elastic()) return round_key(round_) + "hb/" + std::to_string(member_tickets_.at(static_cast<size_t>(node)));
+    return prefix_ + "hb/0/" + std::to_string(node);
+  }
   bool multi() const { return plan_.nnodes > 1 || plan_.elastic(); }
   void beat(bool force);
   std::string lost_node();
@@ -206,6 +214,8 @@ class Nodes {
   // end (before stopping its workers, which can take the whole --shutdown-timeout), so that the next
   // round's last call waits for it.
   std::optional<std::pair<int64_t, int64_t>> ticket_;
+  std::vector<int64_t> member_tickets_;  // elastic: the current round's members' tickets, by node rank
+  std::string my_addr_;                  // the address this node is known by (--local-addr, or the route's)
   std::map<int, std::string> node_desc_;
   std::map<int, std::pair<int64_t, Clock::time_point>> last_beat_;
   Clock::time_point last_own_beat_{}, last_watch_{}, last_poll_{};

@@ -150,8 +150,9 @@ int run_elastic(Plan& plan, Nodes& nodes) {
     plan.on_failure = [&nodes, k](const std::string& what) { nodes.report_failure(k, what); };
     Attempt a = run_attempt(plan, k);
     if (a.interrupted) {
-      warn("stopped by " + signame(a.interrupted));
-      nodes.abort(nodes.describe(plan.node_rank) + ": its fsdprun was stopped by " + signame(a.interrupted));
+      // As torchrun: a signaled agent leaves without ending the job (a preempted node); the others find it
+      // lost and go on at the size that is left.
+      warn("stopped by " + signame(a.interrupted) + "; this node leaves the job (the others go on without it)");
       return 128 + a.interrupted;
     }
     const std::string mine = a.root >= 0 ? "failed" : !a.stopped_for.empty() ? "stopped" : "ok";
@@ -161,6 +162,10 @@ int run_elastic(Plan& plan, Nodes& nodes) {
            std::to_string(r.local_rank) + ") ended with " + describe_exit(r.exitcode));
     }
     const Nodes::Outcome o = nodes.finish_attempt(k, mine);
+    if (o.signal) {
+      warn(o.fatal + "; this node leaves the job (the others go on without it)");
+      return 128 + o.signal;
+    }
     if (!o.fatal.empty()) {
       if (a.root >= 0) print_summary(plan, a, k);
       warn(o.fatal + ": the job cannot go on without it (no restart); exiting");

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -104,11 +105,13 @@ std::string fmt_s(double s) {
 // runs under a StoreCall; a watchdog thread ends the agent (and with it its workers, through their
 // PDEATHSIG) when one has not returned within the store read timeout.
 struct StoreCall {
-  explicit StoreCall(Nodes& n) : n_(n) {
-    n_.call_since_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  explicit StoreCall(Nodes& n) : n_(n), outer_(n.call_since_ms_) {
+    if (outer_ == 0)  // nested calls (take_ticket inside poll) keep the outermost start
+      n_.call_since_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
   }
-  ~StoreCall() { n_.call_since_ms_ = 0; }
+  ~StoreCall() { n_.call_since_ms_ = outer_; }
   Nodes& n_;
+  int64_t outer_;
 };
 
 Nodes::~Nodes() {
@@ -121,12 +124,21 @@ Nodes::Nodes(Plan& plan) : plan_(plan), prefix_("/fsdprun/" + plan.run_id + "/")
   ::gethostname(name, sizeof name - 1);
   hostname_ = name;
   connect_store();
+  my_addr_ = plan_.local_addr.empty() ? source_address_to(plan_.master_addr, plan_.master_port) : plan_.local_addr;
   const auto limit = plan_.read_timeout.count() > 0 ? plan_.read_timeout : plan_.heartbeat_timeout;
   watchdog_ = std::thread([this, limit] {
+    auto ms = [] { return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count(); };
+    int64_t last = ms();
     while (!stop_watchdog_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const int64_t now = ms();
+      if (now - last > 1000) {
+        // This process did not run for a while (SIGSTOP, a frozen VM): the call under way gets a fresh window.
+        int64_t since = call_since_ms_;
+        if (since > 0) call_since_ms_.compare_exchange_strong(since, now);
+      }
+      last = now;
       const int64_t since = call_since_ms_;
-      const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
       if (since > 0 && now - since > limit.count()) {
         warn("lost the store at " + plan_.master_addr + ":" + std::to_string(plan_.master_port) + ": a call to it has "
              "not returned for " + fmt_s((now - since) / 1000.0) + " (its host, or the link to it, is down); stopping "
@@ -268,70 +280,114 @@ void Nodes::rendezvous() {
 
 // [Note: elastic rounds]
 // --nnodes MIN:MAX (c10d): membership is agreed in numbered rounds, as torchrun's dynamic rendezvous does.
-// - Joining: an agent reads rdzv/open (the round accepting joins), takes a ticket (rdzv/<k>/count) and
-//   publishes "<previous node rank or -1> <host> <addr>" under rdzv/<k>/node/<ticket>.
-// - Closing: round k closes when MAX agents joined, or when at least MIN did and last_call_timeout passed
-//   since the watching agent first saw MIN; and, for k > 0, only once round k - 1 has ended (its change
-//   key is set): an agent that arrives while a full round runs waits instead of starting a second job
-//   beside it. Any member may close it: compareSet(rdzv/<k>/closed, N) makes one N win; the closer then
-//   moves rdzv/open from k to k + 1. Tickets above N wait for round k + 1.
-// - Node ranks: the round's members sorted by their rank in the previous round (survivors keep their
-//   order; newcomers, -1, follow in ticket order). So WORLD_SIZE = N x nproc, and the attempt number and
-//   TORCHELASTIC_RESTART_COUNT are the round number k, the same on every member (newcomers included),
-//   which also keeps each round's worker keys (/worker/attempt_<k>) apart.
-// - Ending: a member that finds a lost node (no heartbeat: each node watches the next) or, while the
-//   round has fewer than MAX nodes, agents waiting in round k + 1, sets rdzv/<k>/change; every member
-//   stops its workers and joins round k + 1. A failed attempt also ends the round (each agent rejoins).
-//   A lost node uses one of --max-restarts, nodes joining do not (torchrun counts the same way).
+// - Joining: an agent reads rdzv/open (the round accepting joins), takes a ticket (rdzv/<k>/count),
+//   publishes "<store host 0|1> <previous node rank or -1> <host> <addr>" under rdzv/<k>/node/<ticket>, and
+//   from then on beats rdzv/<k>/hb/<ticket> (while it waits, and as a member: a ticket whose heartbeat
+//   stops is a dead agent, wherever it is).
+// - Closing: round k closes when MAX live tickets are in, or when at least MIN are and last_call_timeout
+//   passed since the watching agent first saw MIN; and, for k > 0, only once round k - 1 has ended (its
+//   change key is set): an agent that arrives while a full round runs waits instead of starting a second
+//   job beside it. Any waiting agent may close it: it publishes the members' tickets in rank order with
+//   compareSet(rdzv/<k>/closed), so one list wins, and moves rdzv/open from k to k + 1. Live tickets are
+//   those with an entry whose heartbeat moved within the keep-alive (dead joiners, and an agent that
+//   gave up waiting, are left out). Rank order: the store's host first (it must stay in: the job's store
+//   lives with it), then the previous round's members in their order, then newcomers by ticket; at most
+//   MAX. Tickets left out wait for round k + 1.
+// - The attempt number and TORCHELASTIC_RESTART_COUNT are the round number k, the same on every member
+//   (newcomers included), which also keeps each round's worker keys (/worker/attempt_<k>) apart.
+// - Ending: a member that finds a lost node (each node watches the next one's ticket heartbeat) records it
+//   under rdzv/<k>/lost, and sets rdzv/<k>/change, as does one that sees agents waiting in round k + 1
+//   while the round has fewer than MAX nodes; every member takes its ticket for round k + 1 at once (so
+//   that the next round's last call waits for it and its heartbeat goes on while it stops its workers),
+//   stops its workers and joins. A failed attempt also ends the round (each agent rejoins). A lost node
+//   uses one of --max-restarts, nodes joining do not (torchrun counts the same way).
 // - The store lives with the agent on the endpoint's host: losing that node ends the job (as torchrun).
-// - When the job succeeds, "done" tells agents still waiting to join to exit 0.
+// - When the job succeeds, "done" (and rdzv/<k + 1>/closed = "done") tells agents waiting to join to exit 0.
 void Nodes::join_round() {
   const std::string store_desc = plan_.master_addr + ":" + std::to_string(plan_.master_port);
   const auto start = Clock::now();
   auto lost_store = [&](const std::exception& e) {
     die("lost the store at " + store_desc + " during the rendezvous: " + message_of(e));
   };
+  auto exit_if_done_or_aborted = [&] {
+    if (store_->check({prefix_ + "done"})) {
+      warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
+      std::exit(0);
+    }
+    if (store_->check({prefix_ + "abort"})) die(str_of(store_->get(prefix_ + "abort")));
+    if (const int sig = take_pending_signal()) {
+      warn("stopped by " + signame(sig) + " while waiting to join a round");
+      std::exit(128 + sig);
+    }
+  };
   for (;;) {
     try {
-      if (store_->check({prefix_ + "done"})) {
-        warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
-        std::exit(0);
-      }
-      if (store_->check({prefix_ + "abort"})) die(str_of(store_->get(prefix_ + "abort")));
+      StoreCall call(*this);
+      exit_if_done_or_aborted();
       if (!ticket_) take_ticket();
     } catch (const std::exception& e) {
       lost_store(e);
     }
     const auto [k, ticket] = *ticket_;
-    ticket_.reset();
     std::optional<Clock::time_point> min_seen;
-    int64_t closed = 0;
+    std::string closed;
     bool announced = false;
+    std::map<int64_t, std::pair<int64_t, Clock::time_point>> seen;  // ticket -> (heartbeat, since)
     for (;;) {
       try {
         StoreCall call(*this);
-        if (store_->check({prefix_ + "done"})) {
-          warn("rendezvous '" + plan_.run_id + "': the job finished before this node could join; exiting");
-          std::exit(0);
-        }
-        if (store_->check({prefix_ + "abort"})) die(str_of(store_->get(prefix_ + "abort")));
+        exit_if_done_or_aborted();
+        beat(false);
         if (store_->check({round_key(k) + "closed"})) {
-          closed = std::stoll(str_of(store_->get(round_key(k) + "closed")));
+          closed = str_of(store_->get(round_key(k) + "closed"));
           break;
         }
+        // The live tickets: an entry, and a heartbeat that moved within the keep-alive.
         const int64_t count = store_->add(round_key(k) + "count", 0);
+        struct Entry {
+          bool store_host;
+          int prev;
+          int64_t ticket;
+        };
+        std::vector<Entry> live;
+        for (int64_t t = 1; t <= count; ++t) {
+          const std::string key = round_key(k) + "node/" + std::to_string(t);
+          if (!store_->check({key})) continue;
+          const int64_t hb = store_->add(round_key(k) + "hb/" + std::to_string(t), 0);
+          auto it = seen.find(t);
+          if (it == seen.end() || it->second.first != hb) {
+            seen[t] = {hb, Clock::now()};
+          } else if (Clock::now() - it->second.second > plan_.heartbeat_timeout) {
+            continue;  // a dead agent's ticket
+          }
+          std::istringstream v(str_of(store_->get(key)));
+          Entry e{false, -1, t};
+          int host = 0;
+          v >> host >> e.prev;
+          e.store_host = host != 0;
+          live.push_back(e);
+        }
+        const int64_t n = static_cast<int64_t>(live.size());
         const bool previous_ended = k == 0 || store_->check({round_key(k - 1) + "change"});
-        if (count >= plan_.min_nodes && previous_ended && !min_seen) min_seen = Clock::now();
+        if (n >= plan_.min_nodes && previous_ended && !min_seen) min_seen = Clock::now();
         if (!previous_ended && !announced) {
           warn("rendezvous '" + plan_.run_id + "': round " + std::to_string(k - 1) + " is training; this node "
                "joins round " + std::to_string(k) + " (the training nodes restart for it when they are fewer than " +
                std::to_string(plan_.max_nodes) + ", else when a node leaves)");
           announced = true;
         }
-        const bool full = count >= plan_.max_nodes && previous_ended;
-        if (full || (min_seen && Clock::now() - *min_seen >= plan_.last_call_timeout)) {
-          const std::string n = std::to_string(std::min<int64_t>(count, plan_.max_nodes));
-          store_->compareSet(round_key(k) + "closed", {}, bytes_of(n));
+        const bool full = n >= plan_.max_nodes && previous_ended;
+        if (full || (min_seen && n >= plan_.min_nodes && Clock::now() - *min_seen >= plan_.last_call_timeout)) {
+          std::stable_sort(live.begin(), live.end(), [](const Entry& a, const Entry& b) {
+            if (a.store_host != b.store_host) return a.store_host;
+            const bool an = a.prev < 0, bn = b.prev < 0;
+            if (an != bn) return !an;
+            return an ? a.ticket < b.ticket : a.prev < b.prev;
+          });
+          std::string list;
+          for (int64_t i = 0; i < std::min<int64_t>(n, plan_.max_nodes); ++i)
+            list += (i ? "," : "") + std::to_string(live[static_cast<size_t>(i)].ticket);
+          store_->compareSet(round_key(k) + "closed", {}, bytes_of(list));
           store_->compareSet(prefix_ + "rdzv/open", bytes_of(std::to_string(k)), bytes_of(std::to_string(k + 1)));
           continue;  // read what won
         }
@@ -339,61 +395,50 @@ void Nodes::join_round() {
         lost_store(e);
       }
       if (Clock::now() - start > plan_.rdzv_timeout) {
-        // Only this agent gives up: the nodes already training go on.
+        // Only this agent gives up (its heartbeat stops, so no round counts it): the nodes training go on.
         die("rendezvous '" + plan_.run_id + "' at " + store_desc + " timed out after " + fmt_s(seconds_since(start)) +
-            " waiting for round " + std::to_string(k) + " to form (at least " + std::to_string(plan_.min_nodes) +
-            " node(s) of --nnodes " + std::to_string(plan_.min_nodes) + ":" + std::to_string(plan_.max_nodes) +
-            "). Fix: start fsdprun on more nodes with the same --rdzv-endpoint and --rdzv-id, or raise "
-            "--rdzv-conf join_timeout");
+            " waiting for round " + std::to_string(k) + " to form and take this node (at least " +
+            std::to_string(plan_.min_nodes) + " and at most " + std::to_string(plan_.max_nodes) +
+            " nodes, --nnodes). Fix: start fsdprun on more nodes with the same --rdzv-endpoint and --rdzv-id, "
+            "wait for a node of a full job to leave, or raise --rdzv-conf join_timeout");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    if (ticket > closed) {
+    ticket_.reset();
+    std::vector<int64_t> members;
+    if (closed != "done") {
+      std::stringstream ss(closed);
+      for (std::string t; std::getline(ss, t, ',');) members.push_back(std::stoll(t));
+    }
+    const auto mine = std::find(members.begin(), members.end(), ticket);
+    if (mine == members.end()) {
       // Round k closed without this node: wait for the next (the members see it waiting).
       try {
+        StoreCall call(*this);
         store_->compareSet(prefix_ + "rdzv/open", bytes_of(std::to_string(k)), bytes_of(std::to_string(k + 1)));
       } catch (const std::exception& e) {
         lost_store(e);
       }
       continue;
     }
-    // A member of round k: the members' entries, sorted by their previous rank, then ticket.
-    struct Member {
-      int prev;
-      int64_t ticket;
-      std::string desc;
-    };
-    std::vector<Member> members;
+    node_desc_.clear();
+    last_beat_.clear();
+    member_tickets_ = members;
     try {
-      for (int64_t t = 1; t <= closed; ++t) {
-        const std::string key = round_key(k) + "node/" + std::to_string(t);
-        store_->wait({key});
-        const std::string v = str_of(store_->get(key));
-        const auto sp = v.find(' ');
-        members.push_back({std::stoi(v.substr(0, sp)), t, v.substr(sp + 1)});
+      StoreCall call(*this);
+      for (size_t i = 0; i < members.size(); ++i) {
+        std::istringstream v(str_of(store_->get(round_key(k) + "node/" + std::to_string(members[i]))));
+        std::string host_flag, prev, host, addr;
+        v >> host_flag >> prev >> host >> addr;
+        node_desc_[static_cast<int>(i)] = host + " " + addr;
+        last_beat_[static_cast<int>(i)] = {-1, Clock::now()};
       }
     } catch (const std::exception& e) {
       lost_store(e);
     }
-    std::stable_sort(members.begin(), members.end(), [](const Member& a, const Member& b) {
-      const bool an = a.prev < 0, bn = b.prev < 0;
-      if (an != bn) return !an;
-      return an ? a.ticket < b.ticket : a.prev < b.prev;
-    });
-    node_desc_.clear();
-    last_beat_.clear();
-    for (size_t i = 0; i < members.size(); ++i) {
-      node_desc_[static_cast<int>(i)] = members[i].desc;
-      if (members[i].ticket == ticket) plan_.node_rank = static_cast<int>(i);
-      last_beat_[static_cast<int>(i)] = {-1, Clock::now()};
-    }
+    plan_.node_rank = static_cast<int>(mine - members.begin());
     round_ = static_cast<int>(k);
-    plan_.nnodes = static_cast<int>(closed);
-    try {
-      beat(true);
-    } catch (const std::exception& e) {
-      lost_store(e);
-    }
+    plan_.nnodes = static_cast<int>(members.size());
     std::string all;
     for (int r = 0; r < plan_.nnodes; ++r) all += (r ? ", " : "") + describe(r);
     warn("rendezvous round " + std::to_string(k) + " complete: this is node " + std::to_string(plan_.node_rank) +
@@ -405,13 +450,13 @@ void Nodes::join_round() {
 
 void Nodes::take_ticket() {
   StoreCall call(*this);
-  const std::string addr =
-      plan_.local_addr.empty() ? source_address_to(plan_.master_addr, plan_.master_port) : plan_.local_addr;
   const int prev_rank = node_desc_.empty() ? -1 : plan_.node_rank;  // -1: not a member of any round yet
   const int64_t k = store_->add(prefix_ + "rdzv/open", 0);
   const int64_t ticket = store_->add(round_key(k) + "count", 1);
   store_->set(round_key(k) + "node/" + std::to_string(ticket),
-              bytes_of(std::to_string(prev_rank) + " " + hostname_ + " " + addr));
+              bytes_of(std::string(hosts_store_ ? "1" : "0") + " " + std::to_string(prev_rank) + " " + hostname_ +
+                       " " + my_addr_));
+  store_->add(round_key(k) + "hb/" + std::to_string(ticket), 1);
   ticket_ = {k, ticket};
 }
 
@@ -436,7 +481,9 @@ void Nodes::abort_job(const std::string& msg) {
 void Nodes::beat(bool force) {
   if (!force && Clock::now() - last_own_beat_ < plan_.heartbeat_interval) return;
   last_own_beat_ = Clock::now();
-  store_->add(hb_key(plan_.node_rank), 1);
+  if (!plan_.elastic() || !member_tickets_.empty()) store_->add(hb_key(plan_.node_rank), 1);
+  // Elastic: the ticket taken for the next round beats too (while this node stops its workers and waits).
+  if (ticket_) store_->add(round_key(ticket_->first) + "hb/" + std::to_string(ticket_->second), 1);
 }
 
 std::string Nodes::lost_node() {
@@ -466,12 +513,20 @@ std::string Nodes::poll(int attempt) {
   StoreCall call(*this);
   try {
     beat(false);
+    if (store_->check({prefix_ + "abort"})) {
+      aborted_ = true;
+      return str_of(store_->get(prefix_ + "abort"));
+    }
     std::string lost = lost_node();
     if (plan_.elastic()) {
       // A lost node or nodes waiting to join end the round: every member stops its workers and joins the
-      // next one ([Note: elastic rounds]).
+      // next one ([Note: elastic rounds]). A loss is recorded whatever ended the round (it changes what
+      // the members wait for, and costs a restart).
       const std::string change = round_key(round_) + "change";
-      if (!lost.empty()) store_->compareSet(change, {}, bytes_of(lost));
+      if (!lost.empty()) {
+        store_->compareSet(round_key(round_) + "lost", {}, bytes_of(lost));
+        store_->compareSet(change, {}, bytes_of(lost));
+      }
       if (!store_->check({change}) && plan_.nnodes < plan_.max_nodes) {
         const int64_t waiting = store_->add(round_key(round_ + 1) + "count", 0);
         if (waiting > 0) {
@@ -534,11 +589,17 @@ Nodes::Outcome Nodes::finish_attempt(int attempt, const std::string& mine) {
       try {
         StoreCall call(*this);
         const std::string change = round_key(round_) + "change";
-        if (store_->check({change})) {
-          out.change = str_of(store_->get(change));
-          // A lost node never reports its end: go on without it. Nodes waiting to join: every member
-          // reports, and if all succeeded the job is done all the same.
-          out.lost = out.change.rfind("lost ", 0) == 0;
+        if (store_->check({change})) out.change = str_of(store_->get(change));
+        // A lost node never reports its end: go on without it. Nodes waiting to join: every member
+        // reports, and if all succeeded the job is done all the same.
+        if (store_->check({round_key(round_) + "lost"})) {
+          out.lost = true;
+          out.change = str_of(store_->get(round_key(round_) + "lost"));
+        }
+        if (const int sig = take_pending_signal()) {
+          out.fatal = "stopped by " + signame(sig);
+          out.signal = sig;
+          return out;
         }
       } catch (const std::exception&) {
       }
@@ -571,9 +632,12 @@ void Nodes::mark_done() {
   if (!plan_.elastic()) return;
   StoreCall call(*this);
   try {
+    // The next round can no longer form (its waiting agents read "done" and exit 0).
+    store_->compareSet(round_key(round_ + 1) + "closed", {}, bytes_of("done"));
     store_->set(prefix_ + "done", bytes_of("1"));
   } catch (const std::exception&) {
   }
+  ticket_.reset();
 }
 
 void Nodes::finish() {

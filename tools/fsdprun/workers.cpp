@@ -65,6 +65,17 @@ void on_signal(int sig) {
 
 }  // namespace
 
+int take_pending_signal() {
+  if (g_self_pipe[0] < 0) return 0;
+  unsigned char sigs[64];
+  int found = 0;
+  for (ssize_t n; !found && (n = ::read(g_self_pipe[0], sigs, sizeof sigs)) > 0;) {
+    for (ssize_t i = 0; i < n && !found; ++i)
+      if (sigs[i] != SIGCHLD) found = sigs[i];
+  }
+  return found;
+}
+
 void install_signal_handlers() {
   if (::pipe2(g_self_pipe, O_CLOEXEC | O_NONBLOCK) != 0) die("pipe2: " + std::string(std::strerror(errno)));
   for (int sig : kHandled) {
@@ -368,7 +379,10 @@ class Supervisor {
       }
     }
     // SIGCHLD and the forwarded signals wake us through the self-pipe; deadlines through the timeout.
-    auto wake = std::min({kill_at_, give_up_, stop_at_, Clock::now() + std::chrono::seconds(1)});
+    // At least every monitor interval and heartbeat interval: a quiet node still beats and checks its peers.
+    const auto tick = std::min<std::chrono::milliseconds>(
+        {std::chrono::milliseconds(1000), plan_.monitor_interval, plan_.heartbeat_interval});
+    auto wake = std::min({kill_at_, give_up_, stop_at_, Clock::now() + tick});
     auto timeout_ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count() + 1;
     ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long>(timeout_ms, 0)));
     if (fds[0].revents & POLLIN) read_signals();
@@ -409,7 +423,10 @@ class Supervisor {
         w.exitcode = WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
         w.time = now_str();
         w.stopped_by_us = stopping_;
-        if (w.exitcode != 0 && !stopping_ && a_.root < 0) {
+        // Elastic: once the round is ending (another node's change), workers that fail are collateral (a
+        // peer's workers were stopped first and broke their collectives): not this attempt's failure.
+        const bool collateral = plan_.elastic() && !a_.stopped_for.empty();
+        if (w.exitcode != 0 && !stopping_ && a_.root < 0 && !collateral) {
           a_.root = static_cast<int>(i);
           if (!failure_seen_) begin_failure_grace();
           if (plan_.on_failure)
