@@ -79,6 +79,18 @@ class ShmTransport {
   /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
   /// `seq` and `what` as for all_gather.
   c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor output, at::Tensor input, uint64_t seq, std::string what);
+  /// Reduces one round of an all-reduce: `slots[r]` holds rank r's bytes [offset, offset + length) of its
+  /// tensor (whole elements); the function writes their reduction into this rank's tensor at the same bytes.
+  /// Runs on the transport's worker, with the other ranks' slots mapped read-only for its duration.
+  using ReduceRound = std::function<void(uint64_t offset, uint64_t length, const char* const* slots)>;
+  /// Queues an all-reduce of `tensor` (contiguous CPU, in place): every rank's bytes go through the slots round
+  /// by round (kSlotBytes per rank a round, no scratch of N x the tensor) and `reduce` combines each round.
+  /// `arg` identifies the reduction ((fsdp::ReduceOp << 8) | dtype): compared across ranks with `seq`, so
+  /// that ranks that disagree on the op or dtype fail instead of combining unlike bytes.
+  c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce, uint64_t seq,
+                                            std::string what);
+  /// Queues a broadcast: rank `src`'s `tensor` (contiguous CPU) is copied into every rank's `tensor`.
+  c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor tensor, int src, uint64_t seq, std::string what);
 
  private:
   struct Segment;
@@ -86,11 +98,11 @@ class ShmTransport {
   using Task = std::function<void()>;
   c10::intrusive_ptr<c10d::Work> enqueue(std::function<void()> run);
   void worker_loop();
-  // One round of collective `seq` of `kind` (1 all-gather, 2 all-to-all) moving `bytes` per rank: copy-in by
-  // `write` into this rank's slot, then (every rank written, and agreeing on the collective) `read` from
-  // every slot.
-  void round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char* my_slot)>& write,
-             const std::function<void(int r, const char* slot)>& read,
+  // One round of collective `seq` of `kind` (all-gather, all-to-all, all-reduce, broadcast) with argument
+  // `arg`, moving `bytes` per rank: copy-in by `write` into this rank's slot, then (every rank written, and
+  // agreeing on the collective) `read` from the slots (slots[r] = rank r's).
+  void round(uint64_t kind, uint64_t seq, uint64_t bytes, uint32_t arg, const std::function<void(char* my_slot)>& write,
+             const std::function<void(const char* const* slots)>& read,
              std::chrono::steady_clock::time_point deadline, const std::string& what);
   // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer. `stage`
   // (a gerund: "writing its part of") and `what` (the collective) name what is waited for in errors.
