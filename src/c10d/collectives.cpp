@@ -1,6 +1,7 @@
 #include "fsdp/c10d/collectives.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/TensorIterator.h>
 
 #include <algorithm>
 #include <chrono>
@@ -278,9 +279,9 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
 // that is ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]: floating-point addition is commutative but not
 // associative, so this order, not only the set of terms, gives Gloo's bits (fp32, bf16, fp16, fp64; any N).
 // MAX and MIN are std::max(a, b) and std::min(a, b) (gloo/math.h): (a < b ? b : a) and (b < a ? b : a),
-// which do NOT propagate NaN as at::maximum does (a NaN survives only where a later rank's own value is
-// NaN) and keep the rank's own zero on a -0.0/+0.0 tie; at::where with the same comparison selects the same
-// operand, bit for bit. gloo_ring_reduce reproduces it for any range of the buffer: reduce-scatter reduces
+// which do not propagate NaN as at::maximum does (the result is NaN exactly where the last rank of the
+// chunk's path, rank g, holds NaN) and keep the rank's own zero on a -0.0/+0.0 tie; at::where with the same
+// comparison selects the same operand, bit for bit. gloo_ring_reduce reproduces it for any range of the buffer: reduce-scatter reduces
 // its own chunk, the shared-memory all-reduce every round of the whole buffer ([Note: shared-memory
 // transport]), so both reduce in exactly Gloo's order through this one function.
 //
@@ -336,9 +337,9 @@ void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered
 }
 
 // all_reduce and broadcast through the shared-memory transport: contiguous dense CPU tensors of the dtypes
-// ProcessGroupGloo reduces with gloo's C++ operators (its GENERATE_ALL_TYPES list without bool), for which
-// at::add/mul/lt/where compute the same bits. Anything else (another dtype, a strided or sparse tensor) stays
-// on Gloo, so that it fails or succeeds exactly as it did.
+// ProcessGroupGloo reduces with gloo's C++ operators, for which at::add/mul/lt/where compute the same bits
+// (tests/c10d/test_shm_transport.cpp compares every one with Gloo). Anything else (bool, complex, int16,
+// float8, a non-contiguous or sparse tensor) stays on Gloo, so that it fails or succeeds exactly as before.
 bool shm_can_carry(const torch::Tensor& t) {
   if (t.layout() != c10::kStrided || !t.is_contiguous()) return false;
   switch (t.scalar_type()) {
@@ -525,12 +526,20 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
             // Plain tensors over the raw bytes: no autograd or inference-mode state of the caller's tensor
             // reaches the worker thread.
             const auto opts = torch::TensorOptions().dtype(dtype);
-            const int64_t numel = static_cast<int64_t>(len) / elem;
-            std::vector<torch::Tensor> rows;
-            rows.reserve(n);
-            for (int r = 0; r < n; ++r) rows.push_back(torch::from_blob(const_cast<char*>(slots[r]), {numel}, opts));
-            gloo_ring_reduce(torch::from_blob(data + off, {numel}, opts), rows, static_cast<int64_t>(off) / elem, n,
-                             op, total);
+            const int64_t first = static_cast<int64_t>(off) / elem, numel = static_cast<int64_t>(len) / elem;
+            // In pieces of at most ATen's grain size (TensorIterator runs smaller ops serially), so that each op
+            // runs on this thread alone: one core per group, as Gloo's reduction on its worker, rather than a
+            // second OpenMP team of the worker's competing with the training threads' (OpenMP gives each
+            // calling thread a team of its own).
+            for (int64_t a = 0; a < numel; a += at::internal::GRAIN_SIZE) {
+              const int64_t len_a = std::min<int64_t>(at::internal::GRAIN_SIZE, numel - a);
+              std::vector<torch::Tensor> rows;
+              rows.reserve(n);
+              for (int r = 0; r < n; ++r) {
+                rows.push_back(torch::from_blob(const_cast<char*>(slots[r]) + a * elem, {len_a}, opts));
+              }
+              gloo_ring_reduce(torch::from_blob(data + off + a * elem, {len_a}, opts), rows, first + a, n, op, total);
+            }
           };
           const uint32_t arg = static_cast<uint32_t>(op) << 8 | static_cast<uint32_t>(dtype);
           return shm->all_reduce(tensor, arg, std::move(reduce), seq, header("all_reduce", group, seq));

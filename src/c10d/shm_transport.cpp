@@ -89,8 +89,8 @@ std::string mode_from_env() {
   const std::string s(v);
   if (s == "0" || s == "1") return s == "1" ? "on" : "off";
   return "FSDP_SHM_TRANSPORT=" + s +
-         " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers and reduce-scatters "
-         "through shared memory) or 0 (through Gloo's sockets)";
+         " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers, reduce-scatters, "
+         "all-reduces and broadcasts through shared memory) or 0 (through Gloo's sockets)";
 }
 
 bool pid_alive(int32_t pid) {
@@ -204,8 +204,8 @@ void create_segment_on_rank0(const std::function<std::string(const std::string&)
     seg_name = os.str();
     base = map_segment(seg_name, bytes, /*create=*/true, error);
     if (!base) {
-      TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go ",
-                 "through Gloo's sockets: ", error);
+      TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers, reduce-scatters, ",
+                 "all-reduces and broadcasts go through Gloo's sockets: ", error);
       seg_name.clear();
     }
   }

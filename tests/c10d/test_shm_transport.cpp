@@ -433,6 +433,10 @@ TEST(ShmTransportErrors, FullDevShmFallsBackToGlooWithAWarning) {
         auto rs = torch::empty({3});
         reduce_scatter_tensor(rs, torch::arange(6, torch::kFloat32), *pg);
         if (!rs.equal(torch::arange(6, torch::kFloat32).narrow(0, 3 * pg->rank(), 3) * 2)) bad |= 4;
+        auto ar = torch::full({3}, static_cast<float>(pg->rank() + 1));
+        all_reduce(ar, *pg);
+        broadcast(ar, 1, *pg);
+        if (!ar.equal(torch::full({3}, 3.f))) bad |= 4;
       });
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
@@ -451,9 +455,10 @@ TEST(ShmTransportErrors, FullDevShmFallsBackToGlooWithAWarning) {
   ASSERT_TRUE(WIFEXITED(status)) << err;
   const int code = WEXITSTATUS(status);
   ASSERT_NE(code, 21) << "this test needs root (a private mount namespace with a small /dev/shm): " << err;
-  EXPECT_EQ(code, 0) << "1: the group has the transport, 2: wrong all-gather, 4: wrong reduce-scatter, "
+  EXPECT_EQ(code, 0) << "1: the group has the transport, 2: wrong all-gather, 4: wrong reduce-scatter, all-reduce or broadcast, "
                      << "8: an exception, 16: a segment left in /dev/shm; stderr:\n" << err;
-  EXPECT_NE(err.find("the shared-memory transport is off, all-gathers and reduce-scatters go through Gloo's sockets"),
+  EXPECT_NE(err.find("the shared-memory transport is off, all-gathers, reduce-scatters, all-reduces and broadcasts "
+                     "go through Gloo's sockets"),
             std::string::npos) << err;
   EXPECT_NE(err.find("in /dev/shm: No space left on device"), std::string::npos) << err;
   std::filesystem::remove_all(dir);
@@ -498,7 +503,8 @@ torch::Tensor input_for(int64_t numel, int rank, torch::ScalarType dtype, bool s
 }
 
 // all_reduce through shared memory equals ProcessGroupGloo's allreduce bit for bit: every op our all_reduce
-// takes (AVG as SUM plus our division, on both sides), fp32, bf16, fp16, fp64, int64; sizes of no element,
+// takes (AVG as SUM plus our division, on both sides), fp32, bf16, fp16, fp64 and every integer dtype the
+// transport carries (int64, int32, int8, uint8: sums and products wrap alike); sizes of no element,
 // fewer elements than ranks, uneven, and over several 2 MiB rounds and several of Gloo's 1 MiB ring segments
 // (1300001 fp32 = 5.2 MB: 3 rounds, 6-8 segments). For N >= 3, rank 0 checks that summing in rank order
 // would differ somewhere: the equality is not a coincidence of the data.
@@ -508,7 +514,8 @@ TEST_P(ShmCollectives, AllReduceEqualsGlooBitForBit) {
   const int n = GetParam();
   run_ranks(n, [&](ProcessGroupPtr pg) {
     ASSERT_TRUE(has_shm(*pg));
-    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64, torch::kInt64}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64, torch::kInt64,
+                       torch::kInt32, torch::kInt8, torch::kUInt8}) {
       for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{n - 1}, int64_t{7}, int64_t{1001}, int64_t{1300001}}) {
         for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MAX, ReduceOp::MIN}) {
           if (op == ReduceOp::AVG && !c10::isFloatingType(dtype)) continue;  // div_ refuses integers on both
