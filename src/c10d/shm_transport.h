@@ -12,10 +12,10 @@
 // all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce reduces each round straight
 // out of the slots in the order of Gloo's ring ([Note: Gloo ring order] in collectives.cpp), every rank the
 // whole buffer. That takes no scratch (the slots are the only buffer, whatever the tensor's size) and reads
-// N x the tensor per rank where Gloo's ring reduces (N-1)/N of it: measured 3.9x faster than Gloo on 64 MiB
-// at 2 ranks and 2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to
-// Gloo. all_reduce and broadcast of dtypes other than Gloo's float, double, half, bfloat16 and 8-64 bit
-// integers, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier and
+// N x the tensor per rank where Gloo's ring reduces (N-1)/N of it: measured 3.5-3.9x faster than Gloo on 64 MiB
+// at 2 ranks and 2.0-2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to
+// Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8, uint8, int32 and
+// int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier and
 // the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
 //
 // When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
