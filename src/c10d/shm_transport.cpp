@@ -361,7 +361,7 @@ std::string kind_name(uint64_t kind, uint32_t arg) {
     case kAllGather: return "an all-gather";
     case kAllToAll: return "an all-to-all";
     case kAllReduce: {
-      static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};
+      static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};  // fsdp::ReduceOp's order
       const uint32_t op = arg >> 8;
       return std::string("an all-reduce (") + (op < 5 ? ops[op] : "?") + ", " +
              c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
