@@ -1,6 +1,7 @@
 #include "fsdp/c10d/collectives.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/TensorIterator.h>
 
 #include <algorithm>
 #include <chrono>
@@ -263,55 +264,96 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
 // and receives 2(N-1)/N of the input, twice what a reduce-scatter needs. Ours moves (N-1)/N: Gloo's
 // all-to-all (each rank sends chunk c of its input to rank c, gloo/alltoall.cc) leaves in `gathered` row j
 // = rank j's copy of this rank's chunk, and the completion step (run once by Work::wait, before the AVG
-// division) reduces the rows into `output`. The reduction adds the rows in the order Gloo's ring
-// all-reduce adds them (gloo/allreduce.cc): an element of the ring's chunk g (GlooRingLayout: chunk g =
-// segments [g*per_rank, (g+1)*per_rank)) starts at rank g-1 and is added to on ranks g-2, g-3, ..., g
-// (mod N): ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]. Floating-point addition is commutative but not
-// associative, so this order, not only the set of terms, makes the result equal to the old path bit for
-// bit (fp32, bf16, any N; tests/test_comm_bytes.cpp checks it against _reduce_scatter_base). The ring's
-// chunks need not line up with the reduce-scatter's (their segments are rounded), so one output chunk
-// can span two ring chunks, each with its own order. PRODUCT multiplies in the same order; MAX and MIN
-// propagate NaN (at::maximum / at::minimum).
+// division) reduces the rows into `output` with gloo_ring_reduce ([Note: Gloo ring order]), so that the
+// result is the old path's bit for bit (tests/c10d/test_gloo_reduce_scatter.cpp checks it against
+// _reduce_scatter_base). The ring's chunks need not line up with the reduce-scatter's (their segments are
+// rounded), so one output chunk can span two ring chunks, each with its own order.
 // The all-to-all is one Gloo collective: it takes the group's next Gloo tag, honours the group timeout
 // and fails like any other Work; fingerprints, the flight recorder and progress marks are unchanged
 // (launch() wraps it as before).
+//
+// [Note: Gloo ring order]
+// Gloo's ring all-reduce (gloo/allreduce.cc) reduces ring chunk g (GlooRingLayout: segments
+// [g*per_rank, (g+1)*per_rank)) along the ring: it starts at rank g-1 and each rank g-2, g-3, ..., g (mod N)
+// combines its own value `a` with the partial result `b` it received, c = f(a, b). For SUM and PRODUCT
+// that is ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]: floating-point addition is commutative but not
+// associative, so this order, not only the set of terms, gives Gloo's bits (fp32, bf16, fp16, fp64; any N).
+// MAX and MIN are std::max(a, b) and std::min(a, b) (gloo/math.h): (a < b ? b : a) and (b < a ? b : a),
+// which do not propagate NaN as at::maximum does (the result is NaN exactly where the last rank of the
+// chunk's path, rank g, holds NaN) and keep the rank's own zero on a -0.0/+0.0 tie; at::where with the same
+// comparison selects the same operand, bit for bit. gloo_ring_reduce reproduces it for any range of the buffer: reduce-scatter reduces
+// its own chunk, the shared-memory all-reduce every round of the whole buffer ([Note: shared-memory
+// transport]), so both reduce in exactly Gloo's order through this one function.
+//
+// `out` and rows[r] (rank r's values) hold elements [begin, begin + out.numel()) of a ring all-reduce of
+// `total_bytes` over `n` ranks; no rows[r] may overlap `out`.
+void gloo_ring_reduce(const torch::Tensor& out, const std::vector<torch::Tensor>& rows, int64_t begin, int n,
+                      ReduceOp op, uint64_t total_bytes) {
+  torch::NoGradGuard no_grad;
+  const int64_t m = out.numel();
+  const uint64_t elem = out.element_size();
+  GlooRingLayout l(total_bytes, elem, n);
+  const int64_t ring_chunk = static_cast<int64_t>(l.segment_bytes / elem * l.per_rank);
+  const int64_t end = begin + m;
+  for (int64_t a = begin; a < end;) {
+    const int64_t g = a / ring_chunk;
+    const int64_t b = std::min(end, (g + 1) * ring_chunk);
+    auto dst = out.narrow(0, a - begin, b - a);
+    // The k-th rank of chunk g's path: rank g - k (k = 1 starts it, k = n ends it).
+    auto row = [&](int64_t k) { return rows[((g - k) % n + n) % n].narrow(0, a - begin, b - a); };
+    switch (op) {
+      case ReduceOp::SUM:
+      case ReduceOp::AVG:
+        at::add_out(dst, row(1), row(2));
+        for (int k = 3; k <= n; ++k) dst.add_(row(k));
+        break;
+      case ReduceOp::PRODUCT:
+        at::mul_out(dst, row(1), row(2));
+        for (int k = 3; k <= n; ++k) dst.mul_(row(k));
+        break;
+      case ReduceOp::MAX:
+      case ReduceOp::MIN: {
+        // Rank g - k combines a = its value, b = the partial: max keeps b where a < b, min where b < a.
+        const bool max = op == ReduceOp::MAX;
+        auto first = row(2), second = row(1);
+        at::where_out(dst, max ? at::lt(first, second) : at::lt(second, first), second, first);
+        for (int k = 3; k <= n; ++k) {
+          auto x = row(k);
+          at::where_out(dst, max ? at::lt(x, dst) : at::lt(dst, x), dst, x);
+        }
+        break;
+      }
+    }
+    a = b;
+  }
+}
+
+// The reduce-scatter's completion: `gathered` row j is rank j's copy of this rank's chunk of the input.
 void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered, int n, int rank, ReduceOp op,
                       uint64_t total_bytes) {
-  torch::NoGradGuard no_grad;
-  {
-    const int64_t m = output.numel();
-    const uint64_t elem = output.element_size();
-    GlooRingLayout l(total_bytes, elem, n);
-    const int64_t ring_chunk = static_cast<int64_t>(l.segment_bytes / elem * l.per_rank);  // >= m
-    auto out = output.view({-1});
-    auto rows = gathered.view({n, m});
-    const int64_t begin = static_cast<int64_t>(rank) * m, end = begin + m;  // in the input's elements
-    for (int64_t a = begin; a < end;) {
-      const int64_t g = a / ring_chunk;
-      const int64_t b = std::min(end, (g + 1) * ring_chunk);
-      auto dst = out.narrow(0, a - begin, b - a);
-      auto row = [&](int64_t k) { return rows[((g - k) % n + n) % n].narrow(0, a - begin, b - a); };
-      switch (op) {
-        case ReduceOp::SUM:
-        case ReduceOp::AVG:
-          at::add_out(dst, row(1), row(2));
-          for (int k = 3; k <= n; ++k) dst.add_(row(k));
-          break;
-        case ReduceOp::PRODUCT:
-          at::mul_out(dst, row(1), row(2));
-          for (int k = 3; k <= n; ++k) dst.mul_(row(k));
-          break;
-        case ReduceOp::MAX:
-          at::maximum_out(dst, row(1), row(2));
-          for (int k = 3; k <= n; ++k) at::maximum_out(dst, dst, row(k));
-          break;
-        case ReduceOp::MIN:
-          at::minimum_out(dst, row(1), row(2));
-          for (int k = 3; k <= n; ++k) at::minimum_out(dst, dst, row(k));
-          break;
-      }
-      a = b;
-    }
+  const int64_t m = output.numel();
+  auto rows = gathered.view({n, m}).unbind(0);
+  gloo_ring_reduce(output.view({-1}), rows, static_cast<int64_t>(rank) * m, n, op, total_bytes);
+}
+
+// all_reduce and broadcast through the shared-memory transport: contiguous dense CPU tensors of the dtypes
+// ProcessGroupGloo reduces with gloo's C++ operators, for which at::add/mul/lt/where compute the same bits
+// (tests/c10d/test_shm_transport.cpp compares every one with Gloo). Anything else (bool, complex, int16,
+// float8, a non-contiguous or sparse tensor) stays on Gloo, so that it fails or succeeds exactly as before.
+bool shm_can_carry(const torch::Tensor& t) {
+  if (t.layout() != c10::kStrided || !t.is_contiguous()) return false;
+  switch (t.scalar_type()) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -465,11 +507,43 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
     int n = group.size();
     on_done = [tensor, n] { tensor.div_(n); };
   }
+  // Counted as Gloo's ring would move it, on the shared-memory transport too (as its all-gathers are):
+  // CommStats stays comparable across transports.
   count_all_reduce(group, detail::ProcessGroupAccess::comm_stats(group).all_reduce, tensor.nbytes(),
                    tensor.element_size());
   return launch(
       group, "all_reduce", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, static_cast<int64_t>(op),
-      [&] {
+      [&]() -> c10::intrusive_ptr<c10d::Work> {
+        if (auto* shm = shm_can_carry(tensor) ? shm_for(group, tensor) : nullptr) {
+          // [Note: shared-memory transport]: every rank's bytes, round by round through the slots, each
+          // round reduced straight out of them into this rank's tensor in Gloo's ring order.
+          const int n = group.size();
+          const uint64_t total = tensor.nbytes();
+          const int64_t elem = tensor.element_size();
+          const auto dtype = tensor.scalar_type();
+          char* data = static_cast<char*>(tensor.data_ptr());
+          auto reduce = [n, op, total, elem, dtype, data](uint64_t off, uint64_t len, const char* const* slots) {
+            // Plain tensors over the raw bytes: no autograd or inference-mode state of the caller's tensor
+            // reaches the worker thread.
+            const auto opts = torch::TensorOptions().dtype(dtype);
+            const int64_t first = static_cast<int64_t>(off) / elem, numel = static_cast<int64_t>(len) / elem;
+            // In pieces of at most ATen's grain size (TensorIterator runs smaller ops serially), so that each op
+            // runs on this thread alone: one core per group, as Gloo's reduction on its worker, rather than a
+            // second OpenMP team of the worker's competing with the training threads' (OpenMP gives each
+            // calling thread a team of its own).
+            for (int64_t a = 0; a < numel; a += at::internal::GRAIN_SIZE) {
+              const int64_t len_a = std::min<int64_t>(at::internal::GRAIN_SIZE, numel - a);
+              std::vector<torch::Tensor> rows;
+              rows.reserve(n);
+              for (int r = 0; r < n; ++r) {
+                rows.push_back(torch::from_blob(const_cast<char*>(slots[r]) + a * elem, {len_a}, opts));
+              }
+              gloo_ring_reduce(torch::from_blob(data + off + a * elem, {len_a}, opts), rows, first + a, n, op, total);
+            }
+          };
+          const uint32_t arg = static_cast<uint32_t>(op) << 8 | static_cast<uint32_t>(dtype);
+          return shm->all_reduce(tensor, arg, std::move(reduce), seq, header("all_reduce", group, seq));
+        }
         c10d::AllreduceOptions opts;
         opts.reduceOp = to_c10d(op);
         std::vector<at::Tensor> ts{tensor};
@@ -484,13 +558,18 @@ Work broadcast(const torch::Tensor& tensor, int src, ProcessGroup& group, bool a
                      std::to_string(src);
   TORCH_CHECK(src >= 0 && src < group.size(), desc, ": src out of range");
   if (group.size() == 1) return Work();
+  // Counted as Gloo's binomial tree would move it, on the shared-memory transport too.
   count_broadcast(group, src, tensor.nbytes());
-  return launch(group, "broadcast", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, src, [&] {
-    c10d::BroadcastOptions opts;
-    opts.rootRank = src;
-    std::vector<at::Tensor> ts{tensor};
-    return group.backend()->broadcast(ts, opts);
-  });
+  return launch(group, "broadcast", seq, tensor.nbytes(), desc, async_op, &tensor, nullptr, src,
+                [&]() -> c10::intrusive_ptr<c10d::Work> {
+                  if (auto* shm = shm_can_carry(tensor) ? shm_for(group, tensor) : nullptr) {
+                    return shm->broadcast(tensor, src, seq, header("broadcast", group, seq));
+                  }
+                  c10d::BroadcastOptions opts;
+                  opts.rootRank = src;
+                  std::vector<at::Tensor> ts{tensor};
+                  return group.backend()->broadcast(ts, opts);
+                });
 }
 
 Work barrier(ProcessGroup& group, bool async_op) {

@@ -35,6 +35,8 @@ struct alignas(64) RankControl {
   // instead of exchanging mismatched bytes.
   std::atomic<uint64_t> op[2];
   std::atomic<uint64_t> op_bytes[2];
+  // The collective's argument (an all-reduce's reduce op and dtype, a broadcast's source), compared too.
+  std::atomic<uint32_t> op_arg[2];
 };
 static_assert(sizeof(RankControl) == 64);
 
@@ -87,8 +89,8 @@ std::string mode_from_env() {
   const std::string s(v);
   if (s == "0" || s == "1") return s == "1" ? "on" : "off";
   return "FSDP_SHM_TRANSPORT=" + s +
-         " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers and reduce-scatters "
-         "through shared memory) or 0 (through Gloo's sockets)";
+         " is invalid: expected 1 (the default: one-host Gloo groups move all-gathers, reduce-scatters, "
+         "all-reduces and broadcasts through shared memory) or 0 (through Gloo's sockets)";
 }
 
 bool pid_alive(int32_t pid) {
@@ -202,8 +204,8 @@ void create_segment_on_rank0(const std::function<std::string(const std::string&)
     seg_name = os.str();
     base = map_segment(seg_name, bytes, /*create=*/true, error);
     if (!base) {
-      TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers and reduce-scatters go ",
-                 "through Gloo's sockets: ", error);
+      TORCH_WARN("group '", name, "': the shared-memory transport is off, all-gathers, reduce-scatters, ",
+                 "all-reduces and broadcasts go through Gloo's sockets: ", error);
       seg_name.clear();
     }
   }
@@ -352,11 +354,26 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
 }
 
 namespace {
-const char* kind_name(uint64_t kind) { return kind == 1 ? "an all-gather" : kind == 2 ? "an all-to-all" : "?"; }
+// The kinds of rounds (compared across ranks) and their names in errors.
+constexpr uint64_t kAllGather = 1, kAllToAll = 2, kAllReduce = 3, kBroadcast = 4;
+std::string kind_name(uint64_t kind, uint32_t arg) {
+  switch (kind) {
+    case kAllGather: return "an all-gather";
+    case kAllToAll: return "an all-to-all";
+    case kAllReduce: {
+      static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};  // fsdp::ReduceOp's order
+      const uint32_t op = arg >> 8;
+      return std::string("an all-reduce (") + (op < 5 ? ops[op] : "?") + ", " +
+             c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
+    }
+    case kBroadcast: return "a broadcast from rank " + std::to_string(arg);
+  }
+  return "?";
+}
 }  // namespace
 
-void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char*)>& write,
-                         const std::function<void(int, const char*)>& read,
+void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, uint32_t arg,
+                         const std::function<void(char*)>& write, const std::function<void(const char* const*)>& read,
                          std::chrono::steady_clock::time_point deadline, const std::string& what) {
   const uint64_t c = rounds_;
   const uint64_t op = kind << 56 | (seq & ((1ull << 56) - 1));
@@ -369,6 +386,7 @@ void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std:
   write(slot(rank_, c));
   seg_->ranks[rank_].op[c % 2].store(op, std::memory_order_relaxed);
   seg_->ranks[rank_].op_bytes[c % 2].store(bytes, std::memory_order_relaxed);
+  seg_->ranks[rank_].op_arg[c % 2].store(arg, std::memory_order_relaxed);
   seg_->ranks[rank_].written.store(c + 1, std::memory_order_release);
   ring_bell();
   wait_all([&](int r) { return seg_->ranks[r].written.load(std::memory_order_acquire) >= c + 1; }, deadline, piece,
@@ -376,13 +394,17 @@ void ShmTransport::round(uint64_t kind, uint64_t seq, uint64_t bytes, const std:
   for (int r = 0; r < size_; ++r) {
     const uint64_t their = seg_->ranks[r].op[c % 2].load(std::memory_order_relaxed);
     const uint64_t their_bytes = seg_->ranks[r].op_bytes[c % 2].load(std::memory_order_relaxed);
-    TORCH_CHECK(their == op && their_bytes == bytes, "ranks disagree on ", what, ": this rank (", rank_, ") runs ",
-                kind_name(kind), " of ", bytes, " bytes per rank as the group's collective #", seq,
-                ", rank ", r, " ", kind_name(their >> 56), " of ", their_bytes, " bytes as its #",
+    const uint32_t their_arg = seg_->ranks[r].op_arg[c % 2].load(std::memory_order_relaxed);
+    TORCH_CHECK(their == op && their_bytes == bytes && their_arg == arg, "ranks disagree on ", what,
+                ": this rank (", rank_, ") runs ", kind_name(kind, arg), " of ", bytes,
+                " bytes per rank as the group's collective #", seq, ", rank ", r, " ",
+                kind_name(their >> 56, their_arg), " of ", their_bytes, " bytes as its #",
                 (their & ((1ull << 56) - 1)), " (shared-memory transport). Every rank must issue the same collectives "
                 "in the same order with the same shapes and dtypes (FSDP_DEBUG=DETAIL names the calls)");
   }
-  for (int r = 0; r < size_; ++r) read(r, slot(r, c));
+  const char* slots[kMaxRanks];
+  for (int r = 0; r < size_; ++r) slots[r] = slot(r, c);
+  read(slots);
   seg_->ranks[rank_].read.store(c + 1, std::memory_order_release);
   ring_bell();
   rounds_ = c + 1;
@@ -445,13 +467,15 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::T
     uint64_t off = 0;
     do {  // at least one round, so that ranks compare even an empty collective
       const uint64_t len = std::min(kSlotBytes, n - off);
-      round(1, seq, n, [&](char* mine) { std::memcpy(mine, src + off, len); },
-            [&](int r, const char* theirs) {
-              char* to = dst + static_cast<uint64_t>(r) * n + off;
-              // In place (`input` is this rank's part of `output`) the bytes are already there. This rank's
-              // own part otherwise comes from its slot, not from `input`: an `input` inside another rank's
-              // part has been overwritten by then.
-              if (!(r == rank_ && to == src + off)) std::memcpy(to, theirs, len);
+      round(kAllGather, seq, n, 0, [&](char* mine) { std::memcpy(mine, src + off, len); },
+            [&](const char* const* slots) {
+              for (int r = 0; r < size_; ++r) {
+                char* to = dst + static_cast<uint64_t>(r) * n + off;
+                // In place (`input` is this rank's part of `output`) the bytes are already there. This rank's
+                // own part otherwise comes from its slot, not from `input`: an `input` inside another rank's
+                // part has been overwritten by then.
+                if (!(r == rank_ && to == src + off)) std::memcpy(to, slots[r], len);
+              }
             },
             deadline, what);
       off += len;
@@ -471,20 +495,67 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::T
     do {
       const uint64_t len = std::min(region, m - off);
       round(
-          2, seq, m,
+          kAllToAll, seq, m, 0,
           [&](char* mine) {
             for (int j = 0; j < size_; ++j) {
               if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
             }
           },
-          [&](int r, const char* theirs) {
-            char* to = dst + r * m + off;
-            const char* from = r == rank_ ? src + rank_ * m + off : theirs + rank_ * region;
-            if (to != from) std::memcpy(to, from, len);
+          [&](const char* const* slots) {
+            for (int r = 0; r < size_; ++r) {
+              char* to = dst + r * m + off;
+              const char* from = r == rank_ ? src + rank_ * m + off : slots[r] + rank_ * region;
+              if (to != from) std::memcpy(to, from, len);
+            }
           },
           deadline, what);
       off += len;
     } while (off < m);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce,
+                                                        uint64_t seq, std::string what) {
+  return enqueue([this, tensor = std::move(tensor), arg, reduce = std::move(reduce), seq, what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t n = tensor.nbytes();
+    const char* src = static_cast<const char*>(tensor.data_ptr());
+    uint64_t off = 0;
+    do {  // at least one round, so that ranks compare even an empty collective
+      // kSlotBytes is a multiple of every element size: a round holds whole elements.
+      const uint64_t len = std::min(kSlotBytes, n - off);
+      round(kAllReduce, seq, n, arg, [&](char* mine) { std::memcpy(mine, src + off, len); },
+            [&](const char* const* slots) {
+              if (len > 0) reduce(off, len, slots);
+            },
+            deadline, what);
+      off += len;
+    } while (off < n);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::broadcast(at::Tensor tensor, int src_rank, uint64_t seq,
+                                                       std::string what) {
+  TORCH_INTERNAL_ASSERT(src_rank >= 0 && src_rank < size_);
+  return enqueue([this, tensor = std::move(tensor), src_rank, seq, what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t n = tensor.nbytes();
+    char* data = static_cast<char*>(tensor.data_ptr());
+    uint64_t off = 0;
+    do {
+      const uint64_t len = std::min(kSlotBytes, n - off);
+      // Every rank takes part in every round (the ranks compare the collective, and the source may reuse its
+      // buffer only once every rank has read it); only the source writes, only the others read.
+      round(kBroadcast, seq, n, static_cast<uint32_t>(src_rank),
+            [&](char* mine) {
+              if (rank_ == src_rank) std::memcpy(mine, data + off, len);
+            },
+            [&](const char* const* slots) {
+              if (rank_ != src_rank) std::memcpy(data + off, slots[src_rank], len);
+            },
+            deadline, what);
+      off += len;
+    } while (off < n);
   });
 }
 

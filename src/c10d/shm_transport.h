@@ -6,10 +6,17 @@
 // per rank per step) ranks spent ~100 ms of a ~300 ms step blocked in collectives. Here the ranks of a
 // group map one shared-memory segment instead: a collective is a copy of this rank's bytes into its slot
 // and a copy of the other ranks' slots out, done by one worker thread per group, in issue order, as
-// Gloo's own worker does. It carries all_gather_into_tensor and the all-to-all of libfsdp's reduce-scatter
-// ([Note: Gloo reduce-scatter] in collectives.cpp), whose results are the same bytes as Gloo's (an
-// all-gather and an all-to-all only move bytes, so nothing changes in the arithmetic). Everything else
-// (all_reduce, broadcast, barrier, the debug fingerprints) stays on Gloo.
+// Gloo's own worker does. It carries all_gather_into_tensor, the all-to-all of libfsdp's reduce-scatter
+// ([Note: Gloo reduce-scatter] in collectives.cpp), all_reduce and broadcast (issue 37: the loss's and
+// clip_grad_norm_'s all-reduces, HSDP's replicate all-reduce, Join's), with the same bytes as Gloo's: an
+// all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce reduces each round straight
+// out of the slots in the order of Gloo's ring ([Note: Gloo ring order] in collectives.cpp), every rank the
+// whole buffer. That takes no scratch (the slots are the only buffer, whatever the tensor's size) and reads
+// N x the tensor per rank where Gloo's ring reduces (N-1)/N of it: measured 3.5-3.9x faster than Gloo on 64 MiB
+// at 2 ranks and 2.0-2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to
+// Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8, uint8, int32 and
+// int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier and
+// the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
 //
 // When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
 // namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
@@ -20,10 +27,14 @@
 // holds the world group of 8 ranks and its sub-groups, and groups beyond it fall back. Groups of more than
 // 256 ranks stay on Gloo.
 //
-// Protocol: the segment holds, per rank, a control block (rounds written, rounds read, pid, failed flag)
-// and two slot buffers of kSlotBytes. A collective is cut into rounds of at most kSlotBytes per rank
-// (every rank cuts it the same way: the sizes are the same on every rank). Round c writes into buffer
-// c % 2 once every rank has read round c - 2 out of it, and reads once every rank has written round c.
+// Protocol: the segment holds, per rank, a control block (rounds written, rounds read, pid, failed flag,
+// and what each buffer's round belongs to) and two slot buffers of kSlotBytes. A collective is cut into
+// rounds of at most kSlotBytes per rank (every rank cuts it the same way: the sizes are the same on every
+// rank). Round c writes into buffer c % 2 once every rank has read round c - 2 out of it, and reads once
+// every rank has written round c; before reading, each rank compares every rank's kind, collective number,
+// bytes and argument (an all-reduce's op and dtype, a broadcast's source) with its own, so a rank that
+// skipped, reordered or changed a collective fails every rank at once, naming both sides. A broadcast's
+// source takes part in every round like the others (only it writes): it fails on a mismatch too.
 // Waiting is a futex on one shared counter that every state change increments.
 //
 // Failures never hang: a wait gives up after the group timeout ("timed out"), at once when a peer's
@@ -79,6 +90,18 @@ class ShmTransport {
   /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
   /// `seq` and `what` as for all_gather.
   c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor output, at::Tensor input, uint64_t seq, std::string what);
+  /// Reduces one round of an all-reduce: `slots[r]` holds rank r's bytes [offset, offset + length) of its
+  /// tensor (whole elements); the function writes their reduction into this rank's tensor at the same bytes.
+  /// Runs on the transport's worker, with the other ranks' slots mapped read-only for its duration.
+  using ReduceRound = std::function<void(uint64_t offset, uint64_t length, const char* const* slots)>;
+  /// Queues an all-reduce of `tensor` (contiguous CPU, in place): every rank's bytes go through the slots round
+  /// by round (kSlotBytes per rank a round, no scratch of N x the tensor) and `reduce` combines each round.
+  /// `arg` identifies the reduction ((fsdp::ReduceOp << 8) | dtype): compared across ranks with `seq`, so
+  /// that ranks that disagree on the op or dtype fail instead of combining unlike bytes.
+  c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce, uint64_t seq,
+                                            std::string what);
+  /// Queues a broadcast: rank `src`'s `tensor` (contiguous CPU) is copied into every rank's `tensor`.
+  c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor tensor, int src, uint64_t seq, std::string what);
 
  private:
   struct Segment;
@@ -86,11 +109,11 @@ class ShmTransport {
   using Task = std::function<void()>;
   c10::intrusive_ptr<c10d::Work> enqueue(std::function<void()> run);
   void worker_loop();
-  // One round of collective `seq` of `kind` (1 all-gather, 2 all-to-all) moving `bytes` per rank: copy-in by
-  // `write` into this rank's slot, then (every rank written, and agreeing on the collective) `read` from
-  // every slot.
-  void round(uint64_t kind, uint64_t seq, uint64_t bytes, const std::function<void(char* my_slot)>& write,
-             const std::function<void(int r, const char* slot)>& read,
+  // One round of collective `seq` of `kind` (all-gather, all-to-all, all-reduce, broadcast) with argument
+  // `arg`, moving `bytes` per rank: copy-in by `write` into this rank's slot, then (every rank written, and
+  // agreeing on the collective) `read` from the slots (slots[r] = rank r's).
+  void round(uint64_t kind, uint64_t seq, uint64_t bytes, uint32_t arg, const std::function<void(char* my_slot)>& write,
+             const std::function<void(const char* const* slots)>& read,
              std::chrono::steady_clock::time_point deadline, const std::string& what);
   // Waits until `ready(r)` holds for every rank; throws on timeout, a dead peer or a failed peer. `stage`
   // (a gerund: "writing its part of") and `what` (the collective) name what is waited for in errors.

@@ -1,10 +1,11 @@
-// The shared-memory transport of one-host Gloo groups (src/c10d/shm_transport.h, issue 16; CTest
-// label fully_shard): who gets it, results equal to Gloo's bit for bit over several
-// rounds, in place and out of order, and failures that never hang: a rank that skips, ranks that disagree,
-// a rank whose process is gone.
+// The shared-memory transport of one-host Gloo groups (src/c10d/shm_transport.h, issues 16 and 37; CTest
+// label fully_shard): who gets it, results equal to Gloo's bit for bit over several rounds (all-gather,
+// reduce-scatter, all-reduce in every op and dtype, broadcast from every rank), in place and out of order,
+// and failures that never hang: a rank that skips, ranks that disagree, a rank whose process is gone.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
@@ -15,9 +16,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -268,7 +271,7 @@ TEST(ShmTransport, AllGatherWithInputInsideAnotherRanksPart) {
   });
 }
 
-// Ranks that issue the same collectives in different orders across the two transports (an all-reduce on
+// Ranks that issue the same collectives in different orders across the two transports (a barrier on
 // Gloo, an all-gather on shared memory) fail at once naming both numbers, instead of pairing the
 // all-gathers regardless (the group's collective numbers are compared, not the transport's own count).
 TEST(ShmTransportErrors, CollectivesInDifferentOrdersFailNamingBothNumbers) {
@@ -276,15 +279,14 @@ TEST(ShmTransportErrors, CollectivesInDifferentOrdersFailNamingBothNumbers) {
   auto errors = run_ranks_collect(
       2,
       [&](ProcessGroupPtr pg) {
-        auto t = torch::ones({3});
         auto out = torch::empty({8});
         if (pg->rank() == 0) {
-          auto w = all_reduce(t, *pg, ReduceOp::SUM, /*async_op=*/true);  // #0
-          all_gather_into_tensor(out, torch::ones({4}), *pg);            // #1
+          auto w = barrier(*pg, /*async_op=*/true);            // #0
+          all_gather_into_tensor(out, torch::ones({4}), *pg);  // #1
           w.wait();
         } else {
           all_gather_into_tensor(out, torch::ones({4}), *pg);  // #0
-          all_reduce(t, *pg);                                   // #1
+          barrier(*pg);                                         // #1
         }
       },
       std::chrono::seconds(60), std::chrono::seconds(8));
@@ -431,6 +433,10 @@ TEST(ShmTransportErrors, FullDevShmFallsBackToGlooWithAWarning) {
         auto rs = torch::empty({3});
         reduce_scatter_tensor(rs, torch::arange(6, torch::kFloat32), *pg);
         if (!rs.equal(torch::arange(6, torch::kFloat32).narrow(0, 3 * pg->rank(), 3) * 2)) bad |= 4;
+        auto ar = torch::full({3}, static_cast<float>(pg->rank() + 1));
+        all_reduce(ar, *pg);
+        broadcast(ar, 1, *pg);
+        if (!ar.equal(torch::full({3}, 3.f))) bad |= 4;
       });
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
@@ -449,12 +455,321 @@ TEST(ShmTransportErrors, FullDevShmFallsBackToGlooWithAWarning) {
   ASSERT_TRUE(WIFEXITED(status)) << err;
   const int code = WEXITSTATUS(status);
   ASSERT_NE(code, 21) << "this test needs root (a private mount namespace with a small /dev/shm): " << err;
-  EXPECT_EQ(code, 0) << "1: the group has the transport, 2: wrong all-gather, 4: wrong reduce-scatter, "
+  EXPECT_EQ(code, 0) << "1: the group has the transport, 2: wrong all-gather, 4: wrong reduce-scatter, all-reduce or broadcast, "
                      << "8: an exception, 16: a segment left in /dev/shm; stderr:\n" << err;
-  EXPECT_NE(err.find("the shared-memory transport is off, all-gathers and reduce-scatters go through Gloo's sockets"),
+  EXPECT_NE(err.find("the shared-memory transport is off, all-gathers, reduce-scatters, all-reduces and broadcasts "
+                     "go through Gloo's sockets"),
             std::string::npos) << err;
   EXPECT_NE(err.find("in /dev/shm: No space left on device"), std::string::npos) << err;
   std::filesystem::remove_all(dir);
+}
+
+// ---- all_reduce and broadcast through shared memory (issue 37, item 2) -------------------------------------
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::MAX:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::MIN:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::PRODUCT:
+      return c10d::ReduceOp::PRODUCT;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+const char* op_name(ReduceOp op) {
+  static const char* names[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};
+  return names[static_cast<int>(op)];
+}
+
+// Rank `rank`'s input: for floating dtypes magnitudes over ~8 decades and both signs (sums then depend on the
+// order of the additions), with NaN, -0.0 and +0.0 sprinkled in when `specials` (MAX and MIN: where Gloo's
+// std::max/std::min differ from at::maximum/at::minimum); small integers otherwise (PRODUCT wraps alike).
+torch::Tensor input_for(int64_t numel, int rank, torch::ScalarType dtype, bool specials) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + rank);
+  if (!c10::isFloatingType(dtype)) return torch::randint(-50, 50, {numel}, gen, torch::kLong).to(dtype);
+  auto x = torch::randn({numel}, gen, torch::kFloat64) * torch::exp(torch::randn({numel}, gen, torch::kFloat64) * 3);
+  if (specials) {
+    auto pick = torch::randint(0, 8, {numel}, gen, torch::kLong);
+    x.masked_fill_(pick.eq(0), std::nan(""));
+    x.masked_fill_(pick.eq(1), -0.0);
+    x.masked_fill_(pick.eq(2), 0.0);
+  }
+  return x.to(dtype);
+}
+
+// all_reduce through shared memory equals ProcessGroupGloo's allreduce bit for bit: every op our all_reduce
+// takes (AVG as SUM plus our division, on both sides), fp32, bf16, fp16, fp64 and every integer dtype the
+// transport carries (int64, int32, int8, uint8: sums and products wrap alike); sizes of no element,
+// fewer elements than ranks, uneven, and over several 2 MiB rounds and several of Gloo's 1 MiB ring segments
+// (1300001 fp32 = 5.2 MB: 3 rounds, 6-8 segments). For N >= 3, rank 0 checks that summing in rank order
+// would differ somewhere: the equality is not a coincidence of the data.
+class ShmCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmCollectives, AllReduceEqualsGlooBitForBit) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(has_shm(*pg));
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64, torch::kInt64,
+                       torch::kInt32, torch::kInt8, torch::kUInt8}) {
+      for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{n - 1}, int64_t{7}, int64_t{1001}, int64_t{1300001}}) {
+        for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MAX, ReduceOp::MIN}) {
+          if (op == ReduceOp::AVG && !c10::isFloatingType(dtype)) continue;  // div_ refuses integers on both
+          const bool specials = op == ReduceOp::MAX || op == ReduceOp::MIN;
+          auto input = input_for(m, pg->rank(), dtype, specials);
+          auto ours = input.clone();
+          all_reduce(ours, *pg, op);
+          auto gloo = input.clone();
+          {
+            c10d::AllreduceOptions opts;
+            opts.reduceOp = to_c10d(op);
+            std::vector<at::Tensor> ts{gloo};
+            pg->backend()->allreduce(ts, opts)->wait();
+            if (op == ReduceOp::AVG) gloo.div_(n);
+          }
+          EXPECT_TRUE(bitwise_equal(ours, gloo))
+              << "N=" << n << " " << dtype << " m=" << m << " " << op_name(op) << " rank " << pg->rank();
+          if (op == ReduceOp::SUM && dtype == torch::kFloat32 && n >= 3 && m > 1000) {
+            auto all = torch::empty({n * m}, input.options());
+            all_gather_into_tensor(all, input, *pg);
+            auto naive = all.view({n, m})[0].clone();
+            for (int r = 1; r < n; ++r) naive.add_(all.view({n, m})[r]);
+            EXPECT_FALSE(bitwise_equal(naive, gloo)) << "N=" << n << ": the data does not exercise the order";
+          }
+        }
+      }
+    }
+    // Five in flight, waited last first (issue order on the worker, both buffers reused).
+    std::vector<torch::Tensor> ts;
+    std::vector<Work> works;
+    for (int k = 0; k < 5; ++k) {
+      ts.push_back(torch::full({1 + k * 300000}, static_cast<float>(pg->rank() + k)));
+      works.push_back(all_reduce(ts.back(), *pg, ReduceOp::SUM, /*async_op=*/true));
+    }
+    for (int k = 4; k >= 0; --k) {
+      works[k].wait();
+      EXPECT_TRUE(ts[k].eq(static_cast<float>(n * (n - 1) / 2 + n * k)).all().item<bool>()) << "collective " << k;
+    }
+  });
+}
+
+// The reduce-scatter's reduction is the all-reduce's (one gloo_ring_reduce): MAX and MIN with NaN and signed
+// zeros equal Gloo's _reduce_scatter_base too.
+TEST_P(ShmCollectives, ReduceScatterMaxMinWithNaNEqualsGloo) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      for (int64_t m : {int64_t{5}, int64_t{700001}}) {
+        auto input = input_for(n * m, pg->rank(), dtype, /*specials=*/true);
+        for (auto op : {ReduceOp::MAX, ReduceOp::MIN}) {
+          auto ours = torch::empty({m}, input.options());
+          reduce_scatter_tensor(ours, input, *pg, op);
+          auto gloo = torch::empty({m}, input.options());
+          auto in = input.clone();
+          c10d::ReduceScatterOptions opts;
+          opts.reduceOp = to_c10d(op);
+          pg->backend()->_reduce_scatter_base(gloo, in, opts)->wait();
+          EXPECT_TRUE(bitwise_equal(ours, gloo)) << "N=" << n << " " << dtype << " m=" << m << " " << op_name(op);
+        }
+      }
+    }
+  });
+}
+
+// broadcast through shared memory: every source rank's bytes on every rank, as Gloo's broadcast.
+TEST_P(ShmCollectives, BroadcastFromEveryRankEqualsGloo) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(has_shm(*pg));
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kInt64}) {
+      for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{777}, int64_t{1300001}}) {
+        for (int src = 0; src < n; ++src) {
+          auto input = input_for(m, pg->rank(), dtype, /*specials=*/false);
+          auto ours = input.clone();
+          broadcast(ours, src, *pg);
+          auto gloo = input.clone();
+          {
+            c10d::BroadcastOptions opts;
+            opts.rootRank = src;
+            std::vector<at::Tensor> ts{gloo};
+            pg->backend()->broadcast(ts, opts)->wait();
+          }
+          EXPECT_TRUE(bitwise_equal(ours, gloo)) << "N=" << n << " " << dtype << " m=" << m << " src " << src;
+          EXPECT_TRUE(bitwise_equal(ours, input_for(m, src, dtype, false))) << "src " << src;
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShmCollectives, ::testing::Values(2, 3, 4));
+
+// A rank that skips an all_reduce (the loss's, say) and goes on to the next collective, a broadcast: every
+// rank fails at once (no timeout: 60 s here), naming both collectives and numbers, instead of pairing unlike
+// collectives. (A rank that skips one of two identical all_reduces is indistinguishable from one that does
+// not, in PyTorch too: the others then fail when it leaves, "destroyed its process group".)
+TEST(ShmCollectivesErrors, SkippedAllReduceFailsEveryRankAtOnce) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        auto t = torch::ones({5});
+        if (pg->rank() != 2) all_reduce(t, *pg);  // #0: rank 2 skips it
+        broadcast(t, 0, *pg);                      // rank 2's #0, the others' #1
+      },
+      std::chrono::seconds(90), std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("all_reduce #0 on"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("tensor [5] Float failed: ranks disagree on all_reduce #0"), std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("rank 2 a broadcast from rank 0 of 20 bytes as its #0"), std::string::npos) << errors[r];
+  }
+  EXPECT_NE(errors[2].find("ranks disagree on broadcast #0"), std::string::npos) << errors[2];
+  EXPECT_NE(errors[2].find("an all-reduce (SUM, Float) of 20 bytes as its #0"), std::string::npos) << errors[2];
+}
+
+// A rank that skips an all_reduce and stays alive: the others fail after the group timeout, naming the
+// collective and the missing rank; the skipping rank is unharmed.
+TEST(ShmCollectivesErrors, StalledRankTimesOutNamingIt) {
+  const auto timeout = std::chrono::seconds(2);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<double> failed_after(3, 0);
+  auto errors = run_ranks_collect(
+      3,
+      [&](ProcessGroupPtr pg) {
+        if (pg->rank() == 2) {
+          std::this_thread::sleep_for(timeout + std::chrono::seconds(3));
+          return;
+        }
+        auto t = torch::ones({5});
+        try {
+          broadcast(t, 0, *pg);
+        } catch (...) {
+          failed_after[pg->rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          throw;
+        }
+      },
+      std::chrono::seconds(60), timeout);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("broadcast #0"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("timed out after 2000 ms in the shared-memory transport waiting for ranks [2]"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("ranks that have not reached it: [2]"), std::string::npos) << errors[r];
+    EXPECT_GT(failed_after[r], 1.9);
+    EXPECT_LT(failed_after[r], 2.0 + 20.0);
+  }
+  EXPECT_EQ(errors[2], "");
+}
+
+// Ranks that disagree on the collective (a broadcast where the others all-reduce), on the reduce op, or on
+// the broadcast's source fail at once on every rank, each naming both sides, instead of combining unlike
+// bytes (Gloo, with no such check, would pair them or hang until its timeout).
+TEST(ShmCollectivesErrors, MismatchedCollectivesFailAtOnce) {
+  struct Case {
+    const char* name;
+    std::function<void(ProcessGroupPtr, torch::Tensor&)> call;
+    std::vector<std::string> expected;  // in every rank's error
+  };
+  std::vector<Case> cases = {
+      {"broadcast vs all_reduce",
+       [](ProcessGroupPtr pg, torch::Tensor& t) {
+         if (pg->rank() == 1) broadcast(t, 0, *pg);
+         else all_reduce(t, *pg);
+       },
+       {"ranks disagree on ", " #0", "a broadcast from rank 0 of 16 bytes", "an all-reduce (SUM, Float) of 16 bytes"}},
+      {"SUM vs MAX",
+       [](ProcessGroupPtr pg, torch::Tensor& t) { all_reduce(t, *pg, pg->rank() == 0 ? ReduceOp::MAX : ReduceOp::SUM); },
+       {"ranks disagree on all_reduce #0", "an all-reduce (MAX, Float)", "an all-reduce (SUM, Float)"}},
+      {"different sources",
+       [](ProcessGroupPtr pg, torch::Tensor& t) { broadcast(t, pg->rank() == 0 ? 0 : 1, *pg); },
+       {"ranks disagree on broadcast #0", "a broadcast from rank 0", "a broadcast from rank 1"}},
+  };
+  for (auto& c : cases) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto errors = run_ranks_collect(
+        3,
+        [&](ProcessGroupPtr pg) {
+          auto t = torch::ones({4});
+          c.call(pg, t);
+        },
+        std::chrono::seconds(90), std::chrono::seconds(60));
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0) << c.name;
+    for (int r = 0; r < 3; ++r) {
+      for (const auto& want : c.expected) {
+        EXPECT_NE(errors[r].find(want), std::string::npos) << c.name << ", rank " << r << ": " << errors[r];
+      }
+    }
+  }
+}
+
+// A rank killed (SIGKILL) before an all_reduce, and before a broadcast: the others fail within seconds,
+// naming the rank, its pid and the collective, not after the group timeout (60 s here). Three forked
+// processes over a FileStore, as ExitedPeerProcessFailsTheOthersFast.
+TEST(ShmCollectivesErrors, KilledRankFailsTheOthersFast) {
+  for (const std::string collective : {"all_reduce", "broadcast"}) {
+    auto dir = std::filesystem::temp_directory_path() /
+               ("fsdp_shm_killed_" + std::to_string(::getpid()) + "_" + collective);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const std::string store_path = (dir / "store").string();
+    std::vector<pid_t> pids;
+    for (int rank = 0; rank < 3; ++rank) {
+      pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        int code = 0;
+        try {
+          auto store = c10::make_intrusive<c10d::FileStore>(store_path, 3);
+          auto pg = make_gloo_group(store, rank, 3, std::chrono::seconds(60));
+          if (!has_shm(*pg)) std::_Exit(10);
+          auto t = torch::ones({1000});
+          all_reduce(t, *pg);  // #0: all alive
+          if (rank == 2) ::raise(SIGKILL);
+          auto t0 = std::chrono::steady_clock::now();
+          try {
+            if (collective == "all_reduce") all_reduce(t, *pg);
+            else broadcast(t, 2, *pg);
+            code = 11;
+          } catch (const c10::Error& e) {
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            FILE* f = std::fopen((dir / ("result" + std::to_string(rank))).c_str(), "w");
+            std::fprintf(f, "%.3f\n%s", s, e.what_without_backtrace());
+            std::fclose(f);
+          }
+        } catch (...) {
+          code = 12;
+        }
+        std::_Exit(code);
+      }
+      pids.push_back(pid);
+    }
+    // Rank 2 stays a zombie until the others are done: reap them first.
+    for (int rank = 0; rank < 2; ++rank) {
+      int status = 0;
+      ASSERT_EQ(::waitpid(pids[rank], &status, 0), pids[rank]);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << rank << "'s status " << status;
+    }
+    int status = 0;
+    ::waitpid(pids[2], &status, 0);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "rank 2's status " << status;
+    for (int rank = 0; rank < 2; ++rank) {
+      std::ifstream in(dir / ("result" + std::to_string(rank)));
+      double seconds = 1e9;
+      in >> seconds;
+      std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_LT(seconds, 10.0) << message;
+      EXPECT_NE(message.find("rank 2 (pid " + std::to_string(pids[2]) + ") exited before"), std::string::npos)
+          << message;
+      EXPECT_NE(message.find(collective + " #1"), std::string::npos) << message;
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 }  // namespace
