@@ -351,10 +351,18 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
   return best->second;
 }
 
+namespace {
+/// Sequences per microbatch over all data-parallel ranks of a `world`-rank run.
+int64_t global_batch_of(const Options& o, int world) {
+  return o.batch_size * std::max<int64_t>(1, world / std::max<int64_t>(1, o.tp * o.pp * o.cp));
+}
+}  // namespace
+
 nlohmann::json checkpoint_run_info(const Options& o, const GPTConfig& cfg, int64_t train_windows, int world) {
   return {{"model", model_json(cfg)},   {"train_windows", train_windows}, {"seed", o.seed},
           {"world_size", world},        {"batch_size", o.batch_size},     {"grad_accum_steps", o.grad_accum_steps},
-          {"steps", o.steps},           {"mixed_precision", o.mixed_precision}};
+          {"steps", o.steps},           {"mixed_precision", o.mixed_precision},
+          {"global_batch", global_batch_of(o, world)}};
 }
 
 bool checkpoint_due(const Options& o, int64_t step, int64_t last_step) {
@@ -400,6 +408,15 @@ Resumed resume(const Options& o, const ResumePlan& plan, int64_t train_windows, 
                                    std::to_string(last_step) + " done)"
                              : "continuing at step " + std::to_string(r.step + 1) + "/" + std::to_string(o.steps)) +
               (plan.why == "--resume" ? std::string() : " [" + plan.why + "]");
+  // A resume on another world size with a per-rank --batch-size trains another global batch from here on
+  // (an elastic restart, a resume by hand): allowed, but said, never silent.
+  const int64_t global = global_batch_of(o, pg->size());
+  if (saved.contains("global_batch") && saved.at("global_batch").get<int64_t>() != global) {
+    r.message += "; NOTE: the global batch changes from " + std::to_string(saved.at("global_batch").get<int64_t>()) +
+                 " to " + std::to_string(global) + " sequences (--batch-size " + std::to_string(o.batch_size) +
+                 " per rank on " + std::to_string(pg->size()) + " ranks): pass --global-batch-size " +
+                 std::to_string(saved.at("global_batch").get<int64_t>()) + " to keep it";
+  }
   return r;
 }
 

@@ -27,7 +27,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns_hosts import netns_hosts  # noqa: E402,F401 (a fixture)
-from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metrics, train_losses  # noqa: E402
+from fsdp_testing import (FSDPRUN, TRAIN_GPT, assert_close, clean_env, free_port, fsdprun_cmd, metrics,  # noqa: E402
+                          train_losses)
 
 PORT = 29612  # inside the test's own namespaces
 # Heartbeats every second, a node lost after 3 missed; a round closes 2 s after its first MIN nodes joined.
@@ -322,3 +323,17 @@ def test_bad_elastic_flags(flags, expect):
     p = subprocess.run([str(FSDPRUN), *flags, "--", "/bin/true"], env=job_env(), capture_output=True, text=True,
                        timeout=30)
     assert p.returncode == 1 and expect in p.stderr, p.stderr
+
+
+def test_one_node_elastic_job_on_localhost_and_torchruns_ignored_keys():
+    """--nnodes 1:2 on one machine: the round closes after the last call with one node, WORLD_SIZE 2; torchrun's
+    close_timeout, use_libuv and store_type are accepted (and ignored), so its command lines run unchanged."""
+    port = free_port()
+    p = subprocess.run([str(FSDPRUN), "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-id", "one", "--nproc-per-node", "2", "--rdzv-conf",
+                        "last_call_timeout=0.5,close_timeout=5,use_libuv=1,store_type=tcp", "--",
+                        "sh", "-c", 'echo "W=$WORLD_SIZE R=$RANK RC=$TORCHELASTIC_RESTART_COUNT"'],
+                       env=job_env(GLOO_SOCKET_IFNAME=""), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "round 0 complete: this is node 0 of 1" in p.stderr, p.stderr
+    assert sorted(re.findall(r"W=2 R=\d RC=0", p.stdout)) == ["W=2 R=0 RC=0", "W=2 R=1 RC=0"], p.stdout

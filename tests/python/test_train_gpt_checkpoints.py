@@ -99,6 +99,7 @@ def test_resume_on_another_world_size(text_files, tmp_path, fmt):
     assert second.returncode == 0, show(second)
     assert re.search(r"\[default0\]:resume: .*/step-10 \(after step 10, saved on 2 ranks, loaded on 1 .*\); "
                      r"data: epoch 0, window 80 of \d+; continuing at step 11/20", second.stdout), show(second)
+    assert "global batch changes" not in second.stdout, show(second)  # 2 x 4 then 1 x 8
     # The same batches: the one rank's batch of each step is the 2 ranks' batches interleaved (rank r
     # takes every 2nd window of the global batch from r).
     r0, r1 = (load_file(str(tmp_path / "ref_batches" / f"rank{r}.safetensors"))["batches"] for r in (0, 1))
@@ -111,6 +112,20 @@ def test_resume_on_another_world_size(text_files, tmp_path, fmt):
     ev = eval_losses(metrics(tmp_path / "ref.jsonl"))
     assert_close(eval_losses(metrics(tmp_path / "second.jsonl")), {20: ev[20]}, RTOL, "eval loss after resume")
     print(f"[resume 2 -> 1 rank] max relative loss difference {worst:.3g} (tolerance {RTOL:g})")
+
+
+def test_resume_with_another_global_batch_says_so(text_files, tmp_path):
+    """Saved on 2 ranks with --batch-size 4 (global 8), resumed on 1 with the same per-rank --batch-size: the run
+    goes on with a global batch of 4, and the resume line says so and names the flag that keeps it."""
+    ckpt = tmp_path / "ckpt"
+    first = run(tiny(text_files, tmp_path, *RESUME, "--ckpt-dir", ckpt, "--ckpt-every", "2", "--stop-at", "2",
+                     name="first.jsonl"), timeout=120)
+    assert first.returncode == 0, show(first)
+    second = run(tiny(text_files, tmp_path, *RESUME, "--ckpt-dir", ckpt, "--resume", "--stop-at", "3",
+                      name="second.jsonl"), nproc=1, timeout=120)
+    assert second.returncode == 0, show(second)
+    assert "NOTE: the global batch changes from 8 to 4 sequences (--batch-size 4 per rank on 1 ranks): pass " \
+           "--global-batch-size 8 to keep it" in second.stdout, show(second)
 
 
 def test_keep_last(text_files, tmp_path):

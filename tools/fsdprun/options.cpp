@@ -115,9 +115,13 @@ void apply_rdzv_conf(const std::string& conf, Plan& plan) {
       if (l == "1" || l == "true" || l == "yes") plan.is_host = true;
       else if (l == "0" || l == "false" || l == "no") plan.is_host = false;
       else die("--rdzv-conf is_host=" + v + ": expected true or false");
+    } else if (k == "close_timeout" || k == "use_libuv" || k == "store_type") {
+      // torchrun's, accepted so that its command lines run: fsdprun has no close phase after the last call,
+      // and its store is LibTorch's TCPStore whatever the backend.
     } else {
       die("--rdzv-conf: unknown key '" + k + "'; expected join_timeout, last_call_timeout, read_timeout, "
-          "keep_alive_interval, keep_alive_max_attempt or is_host");
+          "keep_alive_interval, keep_alive_max_attempt or is_host (close_timeout, use_libuv and store_type are "
+          "accepted and ignored)");
     }
   }
   if (keep_alive.count() > 0 || keep_alive_attempts > 0) {
