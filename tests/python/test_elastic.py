@@ -1,7 +1,7 @@
 """Elastic training (issue 36; CTest label elastic): fsdprun --nnodes MIN:MAX on two test hosts made of network
 namespaces (tests/python/netns_hosts.py, as test_multinode.py), one agent per host, --nproc-per-node 2.
 
-What is tested ([Note: elastic rounds] in tools/fsdprun/nodes.cpp):
+What is tested ([Note: elastic rounds] in tools/fsdprun/rounds.cpp):
 - a node lost mid-run (its agent killed with SIGKILL right after the checkpoint of step 4, or stopped with SIGSTOP):
   the other host notices the missing heartbeat, restarts its workers alone at WORLD_SIZE 2, and train_gpt resumes
   from the checkpoint; with --global-batch-size the batches are the uninterrupted run's, and the final checkpoint

@@ -1,5 +1,6 @@
 // fsdprun's parts (see main.cpp for what it does): the command line and the plan it yields
-// (options.cpp), the workers of one attempt (workers.cpp), and main (main.cpp).
+// (options.cpp), the workers of one attempt (workers.cpp), the nodes (nodes.cpp, rounds.cpp), and main
+// (main.cpp).
 #pragma once
 
 #include <atomic>
@@ -73,7 +74,7 @@ struct Plan {
   bool c10d = false;
   std::chrono::milliseconds rdzv_timeout{900000};  // --rdzv-timeout, or --rdzv-conf join_timeout
   // Elastic membership (--nnodes MIN:MAX with MIN < MAX, c10d only): see [Note: elastic rounds] in
-  // nodes.cpp. nnodes and node_rank then change at every round.
+  // rounds.cpp. nnodes and node_rank then change at every round.
   int min_nodes = 1, max_nodes = 1;
   bool elastic() const { return min_nodes < max_nodes; }
   std::chrono::milliseconds last_call_timeout{30000};  // --rdzv-conf last_call_timeout (torchrun: 30 s)
@@ -142,7 +143,8 @@ std::string describe_workers(const Attempt& a);
 /// torchrun's ChildFailedError report, plus the failed rank's last stderr lines.
 void print_summary(const Plan& plan, const Attempt& a, int restart);
 
-// ---- Nodes (nodes.cpp): the agent store, the agents' rendezvous, and their coordination.
+// ---- Nodes (nodes.cpp; the elastic rounds in rounds.cpp): the agent store, the agents' rendezvous, and their
+// coordination.
 class Nodes {
  public:
   /// Hosts or joins the agent store (static: node 0 at --master-addr:--master-port; c10d: the agent on
@@ -204,7 +206,7 @@ class Nodes {
   c10::intrusive_ptr<c10d::TCPStore> store_;
   bool hosts_store_ = false, aborted_ = false;
   int round_ = 0;  // elastic: the round this node is a member of (0 otherwise)
-  // The store-call watchdog (see StoreCall in nodes.cpp): when the call under way started (ms since the
+  // The store-call watchdog (see StoreCall in agent_store.h): when the call under way started (ms since the
   // steady clock's epoch; 0: none).
   std::atomic<int64_t> call_since_ms_{0};
   std::atomic<bool> stop_watchdog_{false};

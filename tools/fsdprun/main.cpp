@@ -34,7 +34,8 @@
 //    a lost node (no heartbeat) or a lost store ends the job on all of them (nodes.cpp).
 //
 // The parts: options.cpp (command line, plan), workers.cpp (one attempt's workers), nodes.cpp (the agent
-// store, the rendezvous, the agents' coordination), this file (the run folder, restarts).
+// store, the rendezvous, the agents' coordination), rounds.cpp (elastic rounds), this file (the run folder,
+// restarts).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -140,7 +141,7 @@ int run_attempts(Plan& plan, Nodes& nodes) {
 }
 
 /// Elastic jobs (--nnodes MIN:MAX): every attempt is one round of the rendezvous ([Note: elastic rounds]
-/// in nodes.cpp), numbered alike on every node; after a failure, a lost node or nodes waiting to join,
+/// in rounds.cpp), numbered alike on every node; after a failure, a lost node or nodes waiting to join,
 /// the agents stop their workers and form the next round, at whatever size it has.
 int run_elastic(Plan& plan, Nodes& nodes) {
   int failures = 0;  // attempts that failed or lost a node (--max-restarts); nodes joining are free
