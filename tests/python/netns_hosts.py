@@ -196,3 +196,56 @@ def netns_hosts():
         yield hs
     finally:
         hs.remove()
+
+
+# --------------------------------------------------------------------------------------------------
+# One fsdprun agent per host, as the multi-node and elastic tests run them.
+def agent_env(**extra):
+    """A job's environment on the test hosts: no launcher variables, one thread, a 60 s group timeout, Gloo on
+    the data network (an empty value removes a variable)."""
+    from fsdp_testing import clean_env
+    env = clean_env()
+    env.update(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60", GLOO_SOCKET_IFNAME="data0")
+    env.update({k: str(v) for k, v in extra.items()})
+    return {k: v for k, v in env.items() if v != ""}
+
+
+class Agent:
+    """One fsdprun on one host; its output goes to files (no pipe can fill up and block it)."""
+
+    def __init__(self, host, args, tmp_path, env, name):
+        from fsdp_testing import FSDPRUN
+        self.name = name
+        self.out = open(tmp_path / f"{name}.out", "w+")
+        self.err = open(tmp_path / f"{name}.err", "w+")
+        self.t0 = time.monotonic()
+        self.p = host.popen([str(FSDPRUN), *map(str, args)], env=env, stdout=self.out, stderr=self.err,
+                            start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            pytest.fail(f"{self.name}: fsdprun still running after {timeout} s (a hang)\n{self.text()}")
+        self.elapsed = time.monotonic() - self.t0
+        return self.p.returncode
+
+    def stdout(self):
+        self.out.flush()
+        return Path(self.out.name).read_text(errors="replace")
+
+    def stderr(self):
+        self.err.flush()
+        return Path(self.err.name).read_text(errors="replace")
+
+    def text(self):
+        return f"--- {self.name} rc={self.p.returncode} stdout ---\n{self.stdout()[-3000:]}\n" \
+               f"--- {self.name} stderr ---\n{self.stderr()[-6000:]}"
+
+
+def show_agents(*agents):
+    """Every agent's output, for an assertion's message."""
+    return "\n".join(a.text() for a in agents)
+

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_hosts import netns_hosts  # noqa: E402,F401 (a fixture)
-from fsdp_testing import (FSDPRUN, TRAIN_GPT, assert_close, clean_env, free_port, fsdprun_cmd, metrics,  # noqa: E402
+from netns_hosts import Agent, agent_env as job_env, netns_hosts, show_agents as show  # noqa: E402,F401
+from fsdp_testing import (FSDPRUN, TRAIN_GPT, assert_close, free_port, fsdprun_cmd, metrics,  # noqa: E402
                           train_losses)
 
 PORT = 29612  # inside the test's own namespaces
@@ -40,48 +40,11 @@ RUN = ["--model", "tiny", "--global-batch-size", "8", "--seed", "7", "--threads"
        "--eval-every", "100", "--warmup-steps", "2", "--sample-tokens", "0", "--ckpt-every", "2"]
 
 
-class Agent:
-    """One fsdprun on one host; its output goes to files (no pipe can fill up and block it)."""
-
-    def __init__(self, host, args, tmp_path, env, name):
-        self.name = name
-        self.out = open(tmp_path / f"{name}.out", "w+")
-        self.err = open(tmp_path / f"{name}.err", "w+")
-        self.t0 = time.monotonic()
-        self.p = host.popen([str(FSDPRUN), *map(str, args)], env=env, stdout=self.out, stderr=self.err,
-                            start_new_session=True)
-
-    def wait(self, timeout):
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            pytest.fail(f"{self.name}: fsdprun still running after {timeout} s (a hang)\n{self.text()}")
-        return self.p.returncode
-
-    def stdout(self):
-        self.out.flush()
-        return Path(self.out.name).read_text(errors="replace")
-
-    def stderr(self):
-        self.err.flush()
-        return Path(self.err.name).read_text(errors="replace")
-
-    def text(self):
-        return f"--- {self.name} rc={self.p.returncode} stdout ---\n{self.stdout()[-3000:]}\n" \
-               f"--- {self.name} stderr ---\n{self.stderr()[-6000:]}"
-
-
-def show(*agents):
-    return "\n".join(a.text() for a in agents)
-
-
-def job_env(**extra):
-    env = clean_env()
-    env.update(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60", GLOO_SOCKET_IFNAME="data0")
-    env.update({k: str(v) for k, v in extra.items()})
-    return {k: v for k, v in env.items() if v != ""}
+def train_prog(text_files, tmp_path, steps, run=RUN):
+    """train_gpt's command for `steps` steps, metrics to tmp_path/m.jsonl, checkpoints to tmp_path/ckpt: (ckpt, prog)."""
+    ckpt = tmp_path / "ckpt"
+    return ckpt, [TRAIN_GPT, *run, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
+                  "--ckpt-dir", ckpt]
 
 
 def wait_for(what, cond, agents, timeout=120):
@@ -135,8 +98,7 @@ def test_lost_node_continues_at_the_new_world_size(netns_hosts, text_files, tmp_
     resumes from step-4 with the same global batch. The losses and the final checkpoint equal the reference's bit
     for bit."""
     ref_losses, ref_ckpt = world_change_reference
-    ckpt = tmp_path / "ckpt"
-    prog = [TRAIN_GPT, *RUN, "--steps", "8", "--data", *text_files, "--metrics", tmp_path / "m.jsonl", "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, 8)
     env = job_env(TRAIN_GPT_TEST_KILL_AFTER_CHECKPOINT="4:3:agent")  # global rank 3: host 1's local rank 1
     a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
     time.sleep(0.5)  # host 0 joins first: it is node 0 (the store's host must survive)
@@ -168,10 +130,8 @@ def test_a_joining_node_scales_the_job_up(netns_hosts, text_files, tmp_path):
     (WORLD_SIZE 4), which resumes from the newest checkpoint and finishes on both hosts. Every step is trained once
     with the global batch of an uninterrupted 2-rank run, and the losses agree with that run's within the sharding
     tolerance (the world size changed at a step the test does not choose)."""
-    ckpt = tmp_path / "ckpt"
     steps = 40
-    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
-            "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, steps)
     env = job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100)  # a tiny model stepping as slowly as a real one
     a0 = Agent(netns_hosts.hosts[0], ELASTIC + ["--", *prog], tmp_path, env, "host0")
     wait_for("host 0 never saved a checkpoint", lambda: (ckpt / "step-2").is_dir(), [a0])
@@ -213,10 +173,8 @@ def test_a_stopped_agent_is_a_lost_node_and_rejoins_when_continued(netns_hosts, 
     within the keep-alive (3 s) and goes on alone at WORLD_SIZE 2. SIGCONT: host 1's agent finds its round ended,
     reaps its failed workers (one restart), and waits in the next round; host 0 sees it waiting and both go on at
     WORLD_SIZE 4 to the end."""
-    ckpt = tmp_path / "ckpt"
     steps = 60
-    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
-            "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, steps)
     a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
     wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
     a1.p.send_signal(signal.SIGSTOP)  # ip netns exec execs fsdprun: this is the agent itself
@@ -240,10 +198,8 @@ def test_a_stopped_agent_is_a_lost_node_and_rejoins_when_continued(netns_hosts, 
 def test_a_cut_link_loses_the_node_and_the_other_goes_on(netns_hosts, text_files, tmp_path):
     """`ip link set data0 down` on host 1 mid-run: host 1 loses the store (its agent stops its workers and exits 1,
     naming the store), host 0 finds host 1 lost and finishes the run alone at WORLD_SIZE 2."""
-    ckpt = tmp_path / "ckpt"
     steps = 40
-    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
-            "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, steps)
     a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
     wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
     h1 = netns_hosts.hosts[1]
@@ -266,14 +222,12 @@ def test_a_third_node_joining_two_uses_no_restart(netns_hosts, text_files, tmp_p
     agent) joins. Both running nodes stop their workers 2 s after they see it, so one node's workers break the
     other's collectives first: those failures are the round ending, not a failed attempt, and the job goes on at 3
     nodes (WORLD_SIZE 6) to the end without using a restart."""
-    ckpt = tmp_path / "ckpt"
     steps = 40
     flags = [("2:3" if a == "1:2" else "0" if a == "1" and i > 0 and ELASTIC[i - 1] == "--max-restarts" else a)
              for i, a in enumerate(ELASTIC)]
     assert "2:3" in flags and flags[flags.index("--max-restarts") + 1] == "0", flags
     run = [a for a in RUN if a not in ("--global-batch-size", "8")] + ["--global-batch-size", "12"]
-    prog = [TRAIN_GPT, *run, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
-            "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, steps, run)
     env = job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100)
     a0 = Agent(netns_hosts.hosts[0], flags + ["--", *prog], tmp_path, env, "host0")
     a1 = Agent(netns_hosts.hosts[1], flags + ["--", *prog], tmp_path, env, "host1")
@@ -291,10 +245,8 @@ def test_a_third_node_joining_two_uses_no_restart(netns_hosts, text_files, tmp_p
 def test_a_signaled_agent_leaves_and_the_others_go_on(netns_hosts, text_files, tmp_path):
     """SIGTERM to host 1's agent (a preempted node): it stops its workers and exits 128 + 15 without ending the job
     (as torchrun); host 0 finds it lost and finishes alone."""
-    ckpt = tmp_path / "ckpt"
     steps = 40
-    prog = [TRAIN_GPT, *RUN, "--steps", steps, "--data", *text_files, "--metrics", tmp_path / "m.jsonl",
-            "--ckpt-dir", ckpt]
+    ckpt, prog = train_prog(text_files, tmp_path, steps)
     a0, a1 = start_two(netns_hosts, tmp_path, prog, job_env(TRAIN_GPT_TEST_STEP_DELAY_MS=100))
     wait_for("no checkpoint", lambda: (ckpt / "step-4").is_dir(), [a0, a1])
     a1.p.send_signal(signal.SIGTERM)

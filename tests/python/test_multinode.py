@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_hosts import netns_hosts  # noqa: E402,F401 (a fixture)
-from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, clean_env, fsdprun_cmd, metrics, train_losses  # noqa: E402
+from netns_hosts import Agent, agent_env as job_env, netns_hosts, show_agents as show  # noqa: E402,F401
+from fsdp_testing import FSDPRUN, TRAIN_GPT, assert_close, fsdprun_cmd, metrics, train_losses  # noqa: E402
 
 BINARIES = (FSDPRUN, TRAIN_GPT)
 
@@ -35,46 +35,6 @@ RTOL = 1e-5   # the issue's tolerance (same world size and order: the losses are
 # The tiny preset for a few steps, fp32, a checkpoint every 3 steps (resumable), metrics on rank 0.
 RUN = ["--model", "tiny", "--batch-size", "4", "--seed", "7", "--threads", "1", "--steps", "6", "--log-every", "1",
        "--eval-every", "100", "--warmup-steps", "2", "--sample-tokens", "0"]
-
-
-class Agent:
-    """One fsdprun on one host; its output goes to files (no pipe can fill up and block it)."""
-
-    def __init__(self, host, args, tmp_path, env, name):
-        self.name = name
-        self.out = open(tmp_path / f"{name}.out", "w+")
-        self.err = open(tmp_path / f"{name}.err", "w+")
-        self.t0 = time.monotonic()
-        self.p = host.popen([FSDPRUN, *args], env=env, stdout=self.out, stderr=self.err, start_new_session=True)
-
-    def wait(self, timeout):
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            pytest.fail(f"{self.name}: fsdprun still running after {timeout} s (a hang)\n{self.text()}")
-        self.elapsed = time.monotonic() - self.t0
-        return self.p.returncode
-
-    def stdout(self):
-        self.out.flush()
-        return Path(self.out.name).read_text(errors="replace")
-
-    def stderr(self):
-        self.err.flush()
-        return Path(self.err.name).read_text(errors="replace")
-
-    def text(self):
-        return f"--- {self.name} rc={self.p.returncode} stdout ---\n{self.stdout()[-3000:]}\n" \
-               f"--- {self.name} stderr ---\n{self.stderr()[-5000:]}"
-
-
-def job_env(**extra):
-    env = clean_env()
-    env.update(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60", GLOO_SOCKET_IFNAME="data0")
-    env.update({k: str(v) for k, v in extra.items()})
-    return {k: v for k, v in env.items() if v != ""}
 
 
 def launch_args(form, host_index, nproc=2, extra=()):
@@ -92,10 +52,6 @@ def two_hosts(hosts, tmp_path, form, program, env, extra=(), order=(0, 1)):
                           env, f"host{i}")
         time.sleep(0.2)
     return agents[0], agents[1]
-
-
-def show(*agents):
-    return "\n".join(a.text() for a in agents)
 
 
 @pytest.fixture(scope="module")
