@@ -353,9 +353,7 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
 
 namespace {
 /// Sequences per microbatch over all data-parallel ranks of a `world`-rank run.
-int64_t global_batch_of(const Options& o, int world) {
-  return o.batch_size * std::max<int64_t>(1, world / std::max<int64_t>(1, o.tp * o.pp * o.cp));
-}
+int64_t global_batch_of(const Options& o, int world) { return o.batch_size * data_parallel_ranks(o, world); }
 }  // namespace
 
 nlohmann::json checkpoint_run_info(const Options& o, const GPTConfig& cfg, int64_t train_windows, int world) {

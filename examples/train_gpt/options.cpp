@@ -427,14 +427,18 @@ void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env) {
   }
 }
 
+int data_parallel_ranks(const Options& o, int world_size) {
+  return std::max<int>(1, world_size / static_cast<int>(std::max<int64_t>(1, o.tp * o.pp * o.cp)));
+}
+
 void resolve_global_batch(Options& o, int world_size) {
   if (o.global_batch_size <= 0) return;
   if (o.batch_size_given) {
     throw UsageError("--global-batch-size and --batch-size both given: the global batch sets the per-rank one. "
                      "Fix: drop one of them");
   }
-  const int per_replica = std::max<int64_t>(1, o.tp * o.pp * o.cp);
-  const int dp = std::max(1, world_size / per_replica);
+  const int per_replica = static_cast<int>(std::max<int64_t>(1, o.tp * o.pp * o.cp));
+  const int dp = data_parallel_ranks(o, world_size);
   if (o.global_batch_size % dp != 0) {
     throw UsageError("--global-batch-size " + std::to_string(o.global_batch_size) + " is not divisible by the " +
                      std::to_string(dp) + " data-parallel ranks (WORLD_SIZE " + std::to_string(world_size) +

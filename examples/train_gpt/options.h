@@ -151,6 +151,9 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env);
 
 /// --no-shard is one process of plain LibTorch: no launcher's world, nothing FSDP-only. Throws UsageError.
 void check_no_shard(const Options& o, int world_size);
+/// The data-parallel ranks of a `world_size`-rank run: WORLD_SIZE / (tp x pp x cp), at least 1 (before the
+/// parallel options are checked: ParallelOptions::data_ranks is the same number once they are).
+int data_parallel_ranks(const Options& o, int world_size);
 /// --global-batch-size G: sets o.batch_size to G / the data-parallel ranks of `world_size` (WORLD_SIZE /
 /// (tp x pp x cp)). Throws UsageError when they do not divide G or --batch-size was also given.
 /// Example: 4 ranks, --global-batch-size 8 -> --batch-size 2; after an elastic restart on 2 -> 4.
