@@ -45,3 +45,5 @@
 #include "fsdp/pipelining/schedules.h"
 #include "fsdp/pipelining/split.h"
 #include "fsdp/pipelining/stage.h"
+// torch.distributed.elastic
+#include "fsdp/elastic/errors.h"

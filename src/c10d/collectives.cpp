@@ -270,7 +270,10 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
 // rounded), so one output chunk can span two ring chunks, each with its own order.
 // The all-to-all is one Gloo collective: it takes the group's next Gloo tag, honours the group timeout
 // and fails like any other Work; fingerprints, the flight recorder and progress marks are unchanged
-// (launch() wraps it as before).
+// (launch() wraps it as before). On the shared-memory transport ([Note: shared-memory transport]) the
+// dtypes its all-reduce takes skip `gathered` too: each round of the all-to-all is reduced straight out of
+// the slots into `output` by the same gloo_ring_reduce (issue 37 item 1: the input's bytes are no longer
+// written to `gathered` and read back); other dtypes, and an output inside the input, keep the all-to-all.
 //
 // [Note: Gloo ring order]
 // Gloo's ring all-reduce (gloo/allreduce.cc) reduces ring chunk g (GlooRingLayout: segments
@@ -334,6 +337,49 @@ void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered
   const int64_t m = output.numel();
   auto rows = gathered.view({n, m}).unbind(0);
   gloo_ring_reduce(output.view({-1}), rows, static_cast<int64_t>(rank) * m, n, op, total_bytes);
+}
+
+// One round of a reduction through the shared-memory transport (ShmTransport::ReduceRound): slots[r] holds
+// rank r's bytes [off, off + len) of the piece of a ring all-reduce of `total` bytes over `n` ranks that
+// starts at element `begin` (an all-reduce's whole tensor: 0; a reduce-scatter's chunk: rank x its numel),
+// reduced in Gloo's ring order into `out` at the same bytes.
+detail::ShmTransport::ReduceRound ring_reduce_round(const torch::Tensor& out, int64_t begin, int n, ReduceOp op,
+                                                    uint64_t total) {
+  const int64_t elem = out.element_size();
+  const auto dtype = out.scalar_type();
+  char* data = static_cast<char*>(out.data_ptr());
+  return [n, op, total, elem, dtype, data, begin](uint64_t off, uint64_t len, const char* const* slots) {
+    // Plain tensors over the raw bytes: no autograd or inference-mode state of the caller's tensor reaches
+    // the worker thread.
+    const auto opts = torch::TensorOptions().dtype(dtype);
+    const int64_t first = begin + static_cast<int64_t>(off) / elem, numel = static_cast<int64_t>(len) / elem;
+    // In pieces of at most ATen's grain size (TensorIterator runs smaller ops serially), so that each op runs
+    // on this thread alone: one core per group, as Gloo's reduction on its worker, rather than a second
+    // OpenMP team of the worker's competing with the training threads' (OpenMP gives each calling thread a
+    // team of its own).
+    for (int64_t a = 0; a < numel; a += at::internal::GRAIN_SIZE) {
+      const int64_t len_a = std::min<int64_t>(at::internal::GRAIN_SIZE, numel - a);
+      std::vector<torch::Tensor> rows;
+      rows.reserve(n);
+      for (int r = 0; r < n; ++r) {
+        rows.push_back(torch::from_blob(const_cast<char*>(slots[r]) + a * elem, {len_a}, opts));
+      }
+      gloo_ring_reduce(torch::from_blob(data + off + a * elem, {len_a}, opts), rows, first + a, n, op, total);
+    }
+  };
+}
+
+// Whether two tensors' bytes overlap (contiguous tensors: their data_ptr() and nbytes() span them).
+bool overlap(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// What the shared-memory transport compares of a reduction across ranks: the op and the dtype.
+uint32_t shm_reduce_arg(ReduceOp op, const torch::Tensor& t) {
+  return static_cast<uint32_t>(op) << 8 | static_cast<uint32_t>(t.scalar_type());
 }
 
 // all_reduce and broadcast through the shared-memory transport: contiguous dense CPU tensors of the dtypes
@@ -455,6 +501,23 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
     count_all_reduce(group, counter, input.nbytes(), input.element_size());
   }
   std::function<void()> on_done;
+  auto* shm = shm_for(group, input);
+  if (ours && shm && shm_can_carry(input) && shm_can_carry(output) && !overlap(output, input)) {
+    // [Note: Gloo reduce-scatter] through the shared-memory transport: each round of the all-to-all is reduced
+    // straight out of the slots into `output`, in Gloo's ring order as the completion step below would, with
+    // no `gathered` scratch (N x output's bytes written and read again) and no completion step but AVG's.
+    if (op == ReduceOp::AVG) on_done = [output, n] { output.div_(n); };
+    return launch(
+        group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output,
+        static_cast<int64_t>(op),
+        [&] {
+          auto out = output.view({-1});
+          auto reduce = ring_reduce_round(out, static_cast<int64_t>(group.rank()) * out.numel(), n, op, input.nbytes());
+          return shm->reduce_scatter(out, input.view({-1}), shm_reduce_arg(op, input), std::move(reduce), seq,
+                                     header("reduce_scatter_tensor", group, seq));
+        },
+        std::move(on_done));
+  }
   if (ours) {
     // See [Note: Gloo reduce-scatter]. `gathered` is kept alive by the completion step (and by Gloo's work).
     // On the CPU from the input's allocator: FSDP's inputs come from its buffer pool (fsdp/fsdp_buffer_pool.h),
@@ -475,9 +538,7 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
         static_cast<int64_t>(op),
         [&] {
           auto in = input.view({-1});
-          if (auto* shm = shm_for(group, input)) {
-            return shm->all_to_all(gathered, in, seq, header("reduce_scatter_tensor", group, seq));
-          }
+          if (shm) return shm->all_to_all(gathered, in, seq, header("reduce_scatter_tensor", group, seq));
           std::vector<int64_t> equal_splits;  // empty: n equal chunks
           return group.backend()->alltoall_base(gathered, in, equal_splits, equal_splits, c10d::AllToAllOptions());
         },
@@ -517,32 +578,9 @@ Work all_reduce(const torch::Tensor& tensor, ProcessGroup& group, ReduceOp op, b
         if (auto* shm = shm_can_carry(tensor) ? shm_for(group, tensor) : nullptr) {
           // [Note: shared-memory transport]: every rank's bytes, round by round through the slots, each
           // round reduced straight out of them into this rank's tensor in Gloo's ring order.
-          const int n = group.size();
-          const uint64_t total = tensor.nbytes();
-          const int64_t elem = tensor.element_size();
-          const auto dtype = tensor.scalar_type();
-          char* data = static_cast<char*>(tensor.data_ptr());
-          auto reduce = [n, op, total, elem, dtype, data](uint64_t off, uint64_t len, const char* const* slots) {
-            // Plain tensors over the raw bytes: no autograd or inference-mode state of the caller's tensor
-            // reaches the worker thread.
-            const auto opts = torch::TensorOptions().dtype(dtype);
-            const int64_t first = static_cast<int64_t>(off) / elem, numel = static_cast<int64_t>(len) / elem;
-            // In pieces of at most ATen's grain size (TensorIterator runs smaller ops serially), so that each op
-            // runs on this thread alone: one core per group, as Gloo's reduction on its worker, rather than a
-            // second OpenMP team of the worker's competing with the training threads' (OpenMP gives each
-            // calling thread a team of its own).
-            for (int64_t a = 0; a < numel; a += at::internal::GRAIN_SIZE) {
-              const int64_t len_a = std::min<int64_t>(at::internal::GRAIN_SIZE, numel - a);
-              std::vector<torch::Tensor> rows;
-              rows.reserve(n);
-              for (int r = 0; r < n; ++r) {
-                rows.push_back(torch::from_blob(const_cast<char*>(slots[r]) + a * elem, {len_a}, opts));
-              }
-              gloo_ring_reduce(torch::from_blob(data + off + a * elem, {len_a}, opts), rows, first + a, n, op, total);
-            }
-          };
-          const uint32_t arg = static_cast<uint32_t>(op) << 8 | static_cast<uint32_t>(dtype);
-          return shm->all_reduce(tensor, arg, std::move(reduce), seq, header("all_reduce", group, seq));
+          auto reduce = ring_reduce_round(tensor, 0, group.size(), op, tensor.nbytes());
+          return shm->all_reduce(tensor, shm_reduce_arg(op, tensor), std::move(reduce), seq,
+                                 header("all_reduce", group, seq));
         }
         c10d::AllreduceOptions opts;
         opts.reduceOp = to_c10d(op);

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <sstream>
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -236,8 +237,30 @@ std::string ProcessGroup::dump_flight_recorder(const std::string& dir) const {
   return recorder_->dump(name_, rank_, size_, dir);
 }
 
+namespace {
+// [Note: no progress marks on a FileStore]
+// c10d's FileStore appends a set() as several write()s (the key's length and bytes, then the value's), and
+// its readers loop until they have a whole record: a process killed between those writes (SIGKILL, the OOM
+// killer) leaves a record cut short, and from then on every check/get of every process spins on it forever
+// (its File::read retries a read that returns 0 at the end of the file). The progress marks are written in
+// the background at every collective, so a killed rank would often cut one, and the survivors' error path
+// (lagging_ranks) would hang instead of failing (tests/c10d/test_shm_transport.cpp:
+// KilledRankFailsTheOthersFast hung in CI that way). Groups over a FileStore, bare or under a PrefixStore,
+// keep no marks: their errors name the collective and the dead or stalled rank but not the lagging ones.
+bool file_backed(c10d::Store* s) {
+  while (s) {
+    if (dynamic_cast<c10d::FileStore*>(s)) return true;
+    auto* prefixed = dynamic_cast<c10d::PrefixStore*>(s);
+    if (!prefixed) return false;
+    s = prefixed->getUnderlyingStore().get();
+  }
+  return false;
+}
+}  // namespace
+
 void ProcessGroup::note_progress(uint64_t seq) {
   if (!store_ || size_ == 1) return;
+  if (!progress_ && file_backed(store_.get())) return;  // [Note: no progress marks on a FileStore]
   // Written by a background thread: an inline store round trip per collective was most of the
   // collectives layer's own cost on tiny models (see progress_publisher.h, docs/BENCHMARKS.md).
   if (!progress_) {
@@ -248,7 +271,7 @@ void ProcessGroup::note_progress(uint64_t seq) {
 
 std::vector<int> ProcessGroup::lagging_ranks(uint64_t seq) const {
   std::vector<int> lagging;
-  if (!store_) return lagging;
+  if (!store_ || file_backed(store_.get())) return lagging;  // [Note: no progress marks on a FileStore]
   // This rank's own mark may still be on its way to the store.
   if (progress_) progress_->flush(std::chrono::seconds(5));
   try {

@@ -355,16 +355,17 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
 
 namespace {
 // The kinds of rounds (compared across ranks) and their names in errors.
-constexpr uint64_t kAllGather = 1, kAllToAll = 2, kAllReduce = 3, kBroadcast = 4;
+constexpr uint64_t kAllGather = 1, kAllToAll = 2, kAllReduce = 3, kBroadcast = 4, kReduceScatter = 5;
 std::string kind_name(uint64_t kind, uint32_t arg) {
   switch (kind) {
     case kAllGather: return "an all-gather";
     case kAllToAll: return "an all-to-all";
-    case kAllReduce: {
+    case kAllReduce:
+    case kReduceScatter: {
       static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};  // fsdp::ReduceOp's order
       const uint32_t op = arg >> 8;
-      return std::string("an all-reduce (") + (op < 5 ? ops[op] : "?") + ", " +
-             c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
+      return std::string(kind == kAllReduce ? "an all-reduce (" : "a reduce-scatter (") + (op < 5 ? ops[op] : "?") +
+             ", " + c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
     }
     case kBroadcast: return "a broadcast from rank " + std::to_string(arg);
   }
@@ -507,6 +508,36 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::T
               const char* from = r == rank_ ? src + rank_ * m + off : slots[r] + rank_ * region;
               if (to != from) std::memcpy(to, from, len);
             }
+          },
+          deadline, what);
+      off += len;
+    } while (off < m);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(at::Tensor output, at::Tensor input, uint32_t arg,
+                                                            ReduceRound reduce, uint64_t seq, std::string what) {
+  return enqueue([this, output = std::move(output), input = std::move(input), arg, reduce = std::move(reduce), seq,
+                  what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t m = output.nbytes();  // bytes per destination
+    // Per destination per round: whole cache lines, so a whole number of elements of any dtype.
+    const uint64_t region = kSlotBytes / static_cast<uint64_t>(size_) / 64 * 64;
+    const char* src = static_cast<const char*>(input.data_ptr());
+    const char* rows[kMaxRanks];
+    uint64_t off = 0;
+    do {  // at least one round, so that ranks compare even an empty collective
+      const uint64_t len = std::min(region, m - off);
+      round(
+          kReduceScatter, seq, m, arg,
+          [&](char* mine) {
+            for (int j = 0; j < size_; ++j) {
+              if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
+            }
+          },
+          [&](const char* const* slots) {
+            for (int r = 0; r < size_; ++r) rows[r] = r == rank_ ? src + rank_ * m + off : slots[r] + rank_ * region;
+            if (len > 0) reduce(off, len, rows);
           },
           deadline, what);
       off += len;

@@ -6,15 +6,16 @@
 // per rank per step) ranks spent ~100 ms of a ~300 ms step blocked in collectives. Here the ranks of a
 // group map one shared-memory segment instead: a collective is a copy of this rank's bytes into its slot
 // and a copy of the other ranks' slots out, done by one worker thread per group, in issue order, as
-// Gloo's own worker does. It carries all_gather_into_tensor, the all-to-all of libfsdp's reduce-scatter
-// ([Note: Gloo reduce-scatter] in collectives.cpp), all_reduce and broadcast (issue 37: the loss's and
-// clip_grad_norm_'s all-reduces, HSDP's replicate all-reduce, Join's), with the same bytes as Gloo's: an
-// all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce reduces each round straight
-// out of the slots in the order of Gloo's ring ([Note: Gloo ring order] in collectives.cpp), every rank the
-// whole buffer. That takes no scratch (the slots are the only buffer, whatever the tensor's size) and reads
-// N x the tensor per rank where Gloo's ring reduces (N-1)/N of it: measured 3.5-3.9x faster than Gloo on 64 MiB
-// at 2 ranks and 2.0-2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to
-// Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8, uint8, int32 and
+// Gloo's own worker does. It carries all_gather_into_tensor, libfsdp's reduce-scatter ([Note: Gloo
+// reduce-scatter] in collectives.cpp: its all-to-all, or for the dtypes all_reduce takes the whole
+// reduce-scatter, each round reduced straight out of the slots), all_reduce and broadcast (issue 37: the
+// loss's and clip_grad_norm_'s all-reduces, HSDP's replicate all-reduce, Join's), with the same bytes as
+// Gloo's: an all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce (and such a
+// reduce-scatter) reduces each round straight out of the slots in the order of Gloo's ring ([Note: Gloo
+// ring order] in collectives.cpp), every rank the whole buffer (its chunk). That takes no scratch (the slots
+// are the only buffer, whatever the tensor's size) and reads N x the tensor per rank where Gloo's ring
+// reduces (N-1)/N of it: measured 3.5-3.9x faster than Gloo on 64 MiB at 2 ranks and 2.0-2.2x at 4
+// (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8, uint8, int32 and
 // int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier and
 // the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
 //
@@ -100,6 +101,13 @@ class ShmTransport {
   /// that ranks that disagree on the op or dtype fail instead of combining unlike bytes.
   c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce, uint64_t seq,
                                             std::string what);
+  /// Queues a reduce-scatter of equal chunks: `input` (contiguous CPU) is `size` chunks of output's bytes;
+  /// chunk j of every rank goes to rank j, round by round, and `reduce` combines each round straight out of
+  /// the slots into `output` (contiguous CPU, not overlapping `input`): `offset` and `length` are bytes of
+  /// this rank's chunk, `slots[r]` rank r's bytes of it (this rank's own straight from `input`). No scratch:
+  /// the all-to-all then reduction it replaces gathered N x output's bytes first. `arg` as for all_reduce.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, at::Tensor input, uint32_t arg, ReduceRound reduce,
+                                                uint64_t seq, std::string what);
   /// Queues a broadcast: rank `src`'s `tensor` (contiguous CPU) is copied into every rank's `tensor`.
   c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor tensor, int src, uint64_t seq, std::string what);
 

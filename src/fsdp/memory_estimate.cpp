@@ -306,7 +306,7 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   const int64_t grads_at_start = host_states ? 0 : (o.grads_set_to_none ? e.grads - grouped_grads : e.grads);
   // Input-sized buffers held by a reduce-scatter in flight; at world size 1 no backend is called (the
   // input is copied to the output and freed at once).
-  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(o.device_is_cpu ? 2 : 1);
+  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(1);
   TORCH_CHECK(rs_held >= 0, "estimate_memory: reduce_scatter_held_inputs must be >= 0, got ", rs_held);
 
   e.peak_backward = -1;

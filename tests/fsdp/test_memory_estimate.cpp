@@ -66,6 +66,7 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   MemoryEstimateOptions o;
   o.world_size = 3;
   o.param_dtype = torch::kBFloat16;
+  o.reduce_scatter_held_inputs = 2;  // Gloo across hosts: its all-to-all's receive buffer beside the input
   auto e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.sharded_params, 96);  // shards stay fp32
   EXPECT_EQ(e.grads, 96);
@@ -87,6 +88,9 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   o.reduce_scatter_held_inputs = 1;  // a backend that keeps only the input (NCCL): no receive buffers
   e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.peak_backward, 96 + 192 + 60 + 20 + 264 + 88);
+  // Unset is 1 on the CPU too: one host's Gloo group reduces straight out of shared memory, no receive buffer.
+  o.reduce_scatter_held_inputs.reset();
+  EXPECT_EQ(estimate_memory(two_group_params(), two_groups(), o).peak_backward, e.peak_backward);
 }
 
 TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
@@ -95,6 +99,7 @@ TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
   std::vector<ShardGroupInfo> groups = {{"", {"r"}, false}, {"a", {"a"}, std::nullopt}, {"b", {"b"}, std::nullopt}};
   MemoryEstimateOptions o;
   o.world_size = 3;
+  o.reduce_scatter_held_inputs = 2;  // Gloo across hosts: its all-to-all's receive buffer beside the input
   // States: 36 shard elements (144 bytes) + AdamW 288. Without activations both settings peak at a's
   // reduce-scatter, after a's and b's post-backwards resharded them: the root (48), its full-size
   // gradients (40; a's were released at the copy-in), a's input [3, 17] (204), Gloo's receive buffer (204)

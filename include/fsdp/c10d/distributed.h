@@ -103,8 +103,9 @@ struct CommBytes {
 /// - all_reduce: Gloo's ring all-reduce (a reduce-scatter then an all-gather, in segments): about
 ///   2(N-1)/N of the tensor each way, computed segment by segment as Gloo cuts it;
 /// - broadcast: Gloo's binomial tree: a non-root receives the tensor once; a rank sends it once per child.
-/// On a one-host Gloo group the all-gathers and the reduce-scatter's all-to-all go through shared memory
-/// (see make_gloo_group): counted the same, as the bytes each rank copies to and from the other ranks.
+/// On a one-host Gloo group the all-gathers, the reduce-scatter's all-to-all, and the all-reduces and
+/// broadcasts of plain dtypes go through shared memory (see make_gloo_group): counted with the same
+/// figures as on Gloo's sockets, so that the ratio to FSDP's minimum does not depend on the transport.
 /// NCCL and MPI groups are counted with the nominal figures of the ring algorithms (the same as above for
 /// all-gather and reduce-scatter, 2(N-1)/N for all-reduce, a chain for broadcast: every rank but the last
 /// sends the tensor once): those libraries choose their algorithm at run time and do not report bytes.
@@ -176,7 +177,9 @@ class ProcessGroup {
   /// Side Gloo backend that compares collective fingerprints in debug mode (null when off).
   const c10::intrusive_ptr<c10d::Backend>& debug_backend() const { return debug_backend_; }
   /// Ranks of the group that have not reached collective `seq` according to the store, e.g. after a
-  /// timeout. Empty when unknown (no store).
+  /// timeout. Empty when unknown: no store, or a c10d::FileStore, on which no marks are kept because a
+  /// killed rank's cut write would hang every reader (src/c10d/distributed.cpp: [Note: no progress marks
+  /// on a FileStore]).
   std::vector<int> lagging_ranks(uint64_t seq) const;
 
  private:
@@ -223,16 +226,18 @@ ProcessGroupPtr init_process_group(const InitOptions& options = {});
 /// Builds a Gloo group of `size` ranks over `store` (e.g. an in-memory c10d::HashStore shared by
 /// threads, as the test harness does). Used by init_process_group and new_group.
 /// When all ranks run on one host (same boot id, hostname and ipc/mnt/net/pid namespaces), the group's
-/// all_gather_into_tensor and reduce_scatter_tensor move their bytes through a shared-memory segment
+/// all_gather_into_tensor, reduce_scatter_tensor, and all_reduce and broadcast of contiguous fp32, fp64,
+/// fp16, bf16, int8, uint8, int32 and int64 CPU tensors move their bytes through a shared-memory segment
 /// (/dev/shm, 2 x 2 MiB per rank, reserved at creation) on a worker thread instead of Gloo's loopback
-/// sockets; everything else stays on Gloo. Results are identical; a rank that skips or disagrees on such
-/// a collective, or whose process exits, makes the others fail (after the timeout, at once, or within a
-/// fraction of a second). `FSDP_SHM_TRANSPORT=0` keeps the bytes on Gloo; if the segment cannot be made
-/// (e.g. /dev/shm full: each group takes 4 MiB x size of it) the group warns and stays on Gloo. Ranks
-/// must issue such collectives in the same order as the group's other collectives (each is checked
-/// against its number in the group: a reordering fails at once). A process forked after the group's
-/// creation cannot use it. Throws c10::Error when the rendezvous fails or FSDP_SHM_TRANSPORT is neither 0
-/// nor 1 on any rank (every rank then throws, naming that rank).
+/// sockets, reducing in Gloo's ring order ([Note: Gloo ring order]); everything else (barriers,
+/// point-to-point, other dtypes) stays on Gloo. Results are identical bit for bit; a rank that skips or
+/// disagrees on such a collective, or whose process exits, makes the others fail (after the timeout, at
+/// once, or within a fraction of a second). `FSDP_SHM_TRANSPORT=0` keeps the bytes on Gloo; if the
+/// segment cannot be made (e.g. /dev/shm full: each group takes 4 MiB x size of it) the group warns and
+/// stays on Gloo. Ranks must issue such collectives in the same order as the group's other collectives
+/// (each is checked against its number in the group: a reordering fails at once). A process forked
+/// after the group's creation cannot use it. Throws c10::Error when the rendezvous fails or
+/// FSDP_SHM_TRANSPORT is neither 0 nor 1 on any rank (every rank then throws, naming that rank).
 ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                 std::chrono::milliseconds timeout, std::vector<int> global_ranks = {},
                                 std::string name = "default", int threads = 2);

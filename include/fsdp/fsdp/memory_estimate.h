@@ -85,9 +85,10 @@ struct MemoryEstimateOptions {
   int64_t activation_bytes = 0;  ///< caller's peak activations (saved tensors + backward temporaries), bytes
   int64_t runtime_overhead_bytes = 0;  ///< caller's fixed overhead of the runtime (see the file comment), bytes
   bool grads_set_to_none = true;  ///< zero_grad() frees the gradients (LibTorch's default): none at the backward's start
-  /// Input-sized buffers a reduce-scatter keeps until it is finished (the input itself included). Unset:
-  /// 2 on the CPU (Gloo: the input, which its all-to-all sends from, and the receive buffer), 1 otherwise
-  /// (NCCL: the input); 0 at world size 1 (no backend: the input is copied to the output and freed).
+  /// Input-sized buffers a reduce-scatter keeps until it is finished (the input itself included). Unset: 1
+  /// (NCCL, and Gloo groups on one host, whose reduce-scatter reduces straight out of shared memory: the
+  /// input only); 0 at world size 1 (no backend: the input is copied to the output and freed). Set 2 for a
+  /// Gloo group across hosts (or FSDP_SHM_TRANSPORT=0): its all-to-all also holds an input-sized receive buffer.
   std::optional<int> reduce_scatter_held_inputs;
 };
 
