@@ -1,23 +1,22 @@
 // Shared-memory transport for the bulk collectives of a Gloo group whose ranks share one host (issue 16).
 //
 // [Note: shared-memory transport]
-// On one host Gloo moves every byte through loopback TCP: per byte a copy into the kernel, a copy out, and
-// the protocol's work, on CPUs that FSDP's compute also needs. On the `wide` benchmark config (76 MB sent
-// per rank per step) ranks spent ~100 ms of a ~300 ms step blocked in collectives. Here the ranks of a
-// group map one shared-memory segment instead: a collective is a copy of this rank's bytes into its slot
-// and a copy of the other ranks' slots out, done by one worker thread per group, in issue order, as
-// Gloo's own worker does. It carries all_gather_into_tensor, libfsdp's reduce-scatter ([Note: Gloo
-// reduce-scatter] in collectives.cpp: its all-to-all, or for the dtypes all_reduce takes the whole
-// reduce-scatter, each round reduced straight out of the slots), all_reduce and broadcast (issue 37: the
-// loss's and clip_grad_norm_'s all-reduces, HSDP's replicate all-reduce, Join's), with the same bytes as
-// Gloo's: an all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce (and such a
-// reduce-scatter) reduces each round straight out of the slots in the order of Gloo's ring ([Note: Gloo
-// ring order] in collectives.cpp), every rank the whole buffer (its chunk). That takes no scratch (the slots
-// are the only buffer, whatever the tensor's size) and reads N x the tensor per rank where Gloo's ring
-// reduces (N-1)/N of it: measured 3.5-3.9x faster than Gloo on 64 MiB at 2 ranks and 2.0-2.2x at 4
-// (docs/BENCHMARKS.md, issue 37 item 2), so large tensors are not sent back to Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8, uint8, int32 and
-// int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier and
-// the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
+// On one host Gloo moves every byte through loopback TCP: per byte a copy into the kernel, a copy out, and the
+// protocol's work, on CPUs that FSDP's compute also needs. On the `wide` benchmark config (76 MB sent per rank per
+// step) ranks spent ~100 ms of a ~300 ms step blocked in collectives. Here the ranks of a group map one shared-memory
+// segment instead: a collective is a copy of this rank's bytes into its slot and a copy of the other ranks' slots out,
+// done by one worker thread per group, in issue order, as Gloo's own worker does. It carries all_gather_into_tensor,
+// libfsdp's reduce-scatter ([Note: Gloo reduce-scatter] in collectives.cpp: its all-to-all, or for the dtypes
+// all_reduce takes the whole reduce-scatter, each round reduced straight out of the slots), all_reduce and broadcast
+// (issue 37: the loss's and clip_grad_norm_'s all-reduces, HSDP's replicate all-reduce, Join's), with the same bytes as
+// Gloo's: an all-gather, an all-to-all and a broadcast only move bytes, and an all-reduce (and such a reduce-scatter)
+// reduces each round straight out of the slots in the order of Gloo's ring ([Note: Gloo ring order] in
+// collectives.cpp), every rank the whole buffer (its chunk). That takes no scratch (the slots are the only buffer,
+// whatever the tensor's size) and reads N x the tensor per rank where Gloo's ring reduces (N-1)/N of it: measured
+// 3.5-3.9x faster than Gloo on 64 MiB at 2 ranks and 2.0-2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large
+// tensors are not sent back to Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8,
+// uint8, int32 and int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier
+// and the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
 //
 // When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
 // namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
