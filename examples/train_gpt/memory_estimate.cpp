@@ -2,6 +2,7 @@
 #include "memory_estimate.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 
 #include "fsdp/fsdp.h"
@@ -116,6 +117,12 @@ void print_memory_estimate(const RunSetup& s, int world, int rank, bool cuda) {
   }
   eo.cpu_offload = o.cpu_offload;
   eo.device_is_cpu = !cuda;
+  // CPU ranks of one host share memory (make_gloo_group's transport) unless it is turned off; across hosts
+  // (LOCAL_WORLD_SIZE below the world) Gloo's sockets hold an output and receive buffers beside FSDP's.
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const char* shm = std::getenv("FSDP_SHM_TRANSPORT");
+  eo.cpu_shared_memory =
+      !(local && std::atoi(local) > 0 && std::atoi(local) < world) && !(shm && std::string(shm) == "0");
   eo.optimizer_bytes_per_element = 8.0;  // AdamW: exp_avg + exp_avg_sq in fp32
   const int64_t e = static_cast<int64_t>(c10::elementSize(s.parallel.param_dtype));
   eo.activation_bytes = fsdp::activation_peak_bytes(s.cfg.is_llama() ? llama_activation_profile(s.cfg, o.batch_size, e)

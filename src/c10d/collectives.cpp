@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "c10d/all_gather_placed.h"
 #include "c10d/process_group_access.h"
 #include "c10d/shm_transport.h"
 
@@ -479,6 +480,30 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
   });
 }
 
+namespace detail {
+
+bool can_all_gather_placed(ProcessGroup& group) {
+  return group.size() > 1 && !group.debug_backend() && ProcessGroupAccess::shm(group) != nullptr;
+}
+
+Work all_gather_placed(const torch::Tensor& input, ShmTransport::PlaceRound place, ProcessGroup& group,
+                       bool async_op) {
+  TORCH_INTERNAL_ASSERT(can_all_gather_placed(group) && input.is_cpu() && input.is_contiguous());
+  uint64_t seq = ProcessGroupAccess::next_seq(group);
+  const int n = group.size();
+  const std::string desc = header("all_gather_into_tensor", group, seq) + ": input " + describe(input) +
+                           ", placed straight into its destinations (no output buffer)";
+  const uint64_t ag_bytes = input.nbytes() * static_cast<uint64_t>(n - 1);
+  add_bytes(ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
+  return launch(group, "all_gather_into_tensor", seq, input.nbytes() * static_cast<uint64_t>(n), desc, async_op,
+                &input, nullptr, 0, [&] {
+                  return ProcessGroupAccess::shm(group)->all_gather_placed(
+                      input.view({-1}), std::move(place), seq, header("all_gather_into_tensor", group, seq));
+                });
+}
+
+}  // namespace detail
+
 Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ProcessGroup& group,
                            ReduceOp op, bool async_op) {
   uint64_t seq = detail::ProcessGroupAccess::next_seq(group);
@@ -506,7 +531,11 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
     // [Note: Gloo reduce-scatter] through the shared-memory transport: each round of the all-to-all is reduced
     // straight out of the slots into `output`, in Gloo's ring order as the completion step below would, with
     // no `gathered` scratch (N x output's bytes written and read again) and no completion step but AVG's.
-    if (op == ReduceOp::AVG) on_done = [output, n] { output.div_(n); };
+    // The input stays alive until the wait, as Gloo's work keeps it (the transport drops its reference when it
+    // is done, at a moment that depends on the threads' timing): the memory estimator counts it until then.
+    on_done = [output, input, n, op] {
+      if (op == ReduceOp::AVG) output.div_(n);
+    };
     return launch(
         group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output,
         static_cast<int64_t>(op),

@@ -484,6 +484,26 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::T
   });
 }
 
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_placed(at::Tensor input, PlaceRound place, uint64_t seq,
+                                                               std::string what) {
+  return enqueue([this, input = std::move(input), place = std::move(place), seq, what = std::move(what)] {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const uint64_t n = input.nbytes();
+    const char* src = static_cast<const char*>(input.data_ptr());
+    uint64_t off = 0;
+    do {  // at least one round, so that ranks compare even an empty collective
+      const uint64_t len = std::min(kSlotBytes, n - off);
+      round(kAllGather, seq, n, 0, [&](char* mine) { std::memcpy(mine, src + off, len); },
+            [&](const char* const* slots) {
+              if (len == 0) return;
+              for (int r = 0; r < size_; ++r) place(r, off, len, r == rank_ ? src + off : slots[r]);
+            },
+            deadline, what);
+      off += len;
+    } while (off < n);
+  });
+}
+
 c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::Tensor input, uint64_t seq,
                                                         std::string what) {
   return enqueue([this, output = std::move(output), input = std::move(input), seq, what = std::move(what)] {

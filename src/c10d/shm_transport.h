@@ -86,6 +86,14 @@ class ShmTransport {
   /// the others at once); `what` names the collective in errors. Returns a Work that completes (or fails)
   /// when this rank's output is written.
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor output, at::Tensor input, uint64_t seq, std::string what);
+  /// Places one round of an all-gather: `slot` holds rank `r`'s bytes [offset, offset + length) of its input;
+  /// the function copies them wherever they belong (FSDP: straight into the unsharded parameters).
+  using PlaceRound = std::function<void(int r, uint64_t offset, uint64_t length, const char* slot)>;
+  /// Queues an all-gather with no output buffer: every rank's `input` (contiguous CPU, the same bytes on every
+  /// rank) goes through the slots round by round and `place` puts each round of each rank, this rank's own
+  /// included (from `input`), where it belongs. Compared across ranks as all_gather (the same kind), so a rank
+  /// on this path and one on all_gather agree. `seq` and `what` as for all_gather.
+  c10::intrusive_ptr<c10d::Work> all_gather_placed(at::Tensor input, PlaceRound place, uint64_t seq, std::string what);
   /// Queues an all-to-all of equal splits: `input` (contiguous CPU) is `size` chunks; chunk j goes to rank j;
   /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
   /// `seq` and `what` as for all_gather.

@@ -1,6 +1,8 @@
 // The packing of an FSDP group's all-gather and reduce-scatter (see fsdp_collectives.h).
 #include "fsdp/fsdp_collectives.h"
 
+#include "c10d/all_gather_placed.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -37,8 +39,20 @@ bool plain_cpu(const torch::Tensor& t) {
 char* bytes_of(const torch::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 }  // namespace
 
+// [Note: placed all-gather]
+// On a one-host CPU group (the shared-memory transport, issue 37 item 1) the all-gather needs no output: the
+// unsharded parameters are allocated before it is issued (instead of at its wait) and the transport's worker
+// copies each rank's bytes out of its slot straight into them (c10d/all_gather_placed.h). That removes the
+// copy-out (every gathered byte copied once instead of twice) and the [world x N] output, which the copy-out
+// held beside the unsharded parameters; the input is this rank's N elements alone. The wait then only marks
+// the unsharded data as changed (its version counter, as the copy-out's copy_ would). Taken when every piece is
+// a plain shard of one dtype in parameter order: no extension ([Note: all-gather extension]), no mixed-dtype
+// bytes, dim-0 shards (or post-forward flat slices), contiguous CPU unsharded tensors of the piece's dtype and
+// world x its size, no custom AllGather, no debug-mode fingerprints; anything else takes the output and the
+// copy-out as before. The bytes are the same either way, so the results are identical bit for bit.
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
-                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom) {
+                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom,
+                                   const std::function<void()>& alloc_unsharded) {
   const int world = pg.size();
   AllGatherResult result;
   result.world = world;
@@ -81,9 +95,27 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
       for (const auto& [dt, numel] : ps) n += size(dt, numel);
     }
     const auto wire = result.as_bytes ? torch::kByte : dtype.value_or(torch::kFloat32);
+    // [Note: placed all-gather]: the unsharded parameters are the destination, allocated now.
+    bool placed = alloc_unsharded && !custom && world > 1 && device.is_cpu() && !result.as_bytes &&
+                  detail::can_all_gather_placed(pg);
+    for (size_t i = 0; placed && i < params.size(); ++i) {
+      placed = !result.extended[i] && (params[i].shard_dim == 0 || post_forward) && result.pieces[i].size() == 1;
+    }
+    if (placed) {
+      alloc_unsharded();
+      for (size_t i = 0; placed && i < params.size(); ++i) {
+        const auto& dst = params[i].unsharded_padded;
+        placed = plain_cpu(dst) && dst.scalar_type() == wire && dst.numel() == result.pieces[i][0].second * world;
+      }
+    }
+    result.placed = placed;
     // CPU: a pool block (see fsdp_buffer_pool.h), unless the user's AllGather allocates.
-    output = custom ? custom->allocate({world * n}, wire, device) : comm.empty({world * n}, wire, device);
-    TORCH_CHECK(output.numel() == world * n && output.scalar_type() == wire && output.is_contiguous(),
+    if (placed) {
+      output = comm.empty({n}, wire, device);  // this rank's input alone
+    } else {
+      output = custom ? custom->allocate({world * n}, wire, device) : comm.empty({world * n}, wire, device);
+    }
+    TORCH_CHECK(placed || (output.numel() == world * n && output.scalar_type() == wire && output.is_contiguous()),
                 "fully_shard: the custom AllGather's allocate({", world * n, "}, ", wire, ") returned ",
                 output.sizes(), " ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)",
                 "; expected a contiguous tensor of exactly that size and dtype");
@@ -92,7 +124,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
                 " bytes; the group gathers several dtypes as bytes and views each piece in its dtype in place. Fix: ",
                 "allocate with torch::empty (or align the buffer to ", kAlign, " bytes)");
     // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
-    input = output.narrow(0, pg.rank() * n, n);
+    input = placed ? output : output.narrow(0, pg.rank() * n, n);
     const int64_t wire_size = static_cast<int64_t>(c10::elementSize(wire));
     const bool cpu_out = plain_cpu(output);
     int64_t off = 0;
@@ -104,7 +136,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
         if (cpu_out && piece_bytes <= kSmallCopyBytes && src.scalar_type() == dt && plain_cpu(src)) {
           // [Note: small copies by memcpy] (an empty piece has nothing to copy, and maybe no pointer)
           if (piece_bytes > 0) {
-            std::memcpy(bytes_of(output) + (pg.rank() * n + off) * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+            std::memcpy(bytes_of(input) + off * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
           }
         } else {
           auto dst = result.as_bytes ? input.narrow(0, off, piece_bytes).view(dt) : input.narrow(0, off, numel);
@@ -117,6 +149,41 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
   comm.wait(CommStream::kAllGather, CommStream::kAllGatherCopyIn);
   StreamScope all_gather(&comm, CommStream::kAllGather, /*wait_previous=*/false);
   // One rank (replicate's one-rank shard dimension, or a world of 1): the copy-in is the whole output.
+  if (result.placed) {
+    // Each parameter's piece: its byte range in a rank's input, and where rank r's copy of it goes (rows r
+    // of the unsharded tensor, a dim-0 shard or a flat slice). Pieces are in parameter order.
+    struct Dest {
+      uint64_t begin, bytes;
+      char* base;
+      torch::Tensor keep;  // its storage outlives the work even if the group is destroyed first
+    };
+    std::vector<Dest> dests;
+    dests.reserve(params.size());
+    const uint64_t wire_size = output.element_size();
+    uint64_t begin = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const uint64_t bytes = static_cast<uint64_t>(result.pieces[i][0].second) * wire_size;
+      dests.push_back({begin, bytes, bytes_of(params[i].unsharded_padded), params[i].unsharded_padded});
+      begin += bytes;
+    }
+    auto place = [dests = std::move(dests)](int r, uint64_t off, uint64_t len, const char* src) {
+      const uint64_t end = off + len;
+      // First piece that ends after `off` (the pieces are sorted and contiguous).
+      auto it = std::upper_bound(dests.begin(), dests.end(), off,
+                                 [](uint64_t o, const Dest& d) { return o < d.begin + d.bytes; });
+      for (; it != dests.end() && it->begin < end; ++it) {
+        const uint64_t lo = std::max(off, it->begin), hi = std::min(end, it->begin + it->bytes);
+        if (hi > lo) {
+          std::memcpy(it->base + static_cast<uint64_t>(r) * it->bytes + (lo - it->begin), src + (lo - off), hi - lo);
+        }
+      }
+    };
+    result.work = detail::all_gather_placed(input, std::move(place), pg, /*async_op=*/true);
+    // Kept until the wait (the transport drops its reference when it is done, at a moment that depends on the
+    // threads' timing), so that the memory a step holds does not: the estimator counts it until then.
+    result.output = std::move(output);
+    return result;
+  }
   if (world > 1) {
     result.work = custom ? (*custom)(output, input, pg, /*async_op=*/true)
                          : all_gather_into_tensor(output, input, pg, /*async_op=*/true);
@@ -127,6 +194,15 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
 
 void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPParam>& params) {
   torch::NoGradGuard no_grad;
+  if (ag.placed) {
+    // [Note: placed all-gather]: the bytes are in place already; mark them changed as copy_ would (the
+    // version counter is what autograd and the checkpoint's mutation check read).
+    for (auto& p : params) {
+      p.unsharded_padded.unsafeGetTensorImpl()->bump_version();
+      p.post_forward_shard = torch::Tensor();
+    }
+    return;
+  }
   auto out2d = ag.output.view({ag.world, -1});
   const int64_t row_bytes = out2d.size(1) * static_cast<int64_t>(ag.output.element_size());
   const bool cpu_out = plain_cpu(ag.output);

@@ -19,7 +19,8 @@ namespace fsdp::detail {
 
 /// An all-gather in flight (issued by FSDPParamGroup::unshard, waited by wait_for_unshard).
 struct AllGatherResult {
-  torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out
+  torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out (`placed`: the input, [N])
+  bool placed = false;   // gathered straight into the unsharded parameters: no copy-out ([Note: placed all-gather])
   Work work;
   int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
   bool as_bytes = false; // the pieces have several dtypes: output is uint8 ([Note: mixed-dtype all-gather])
@@ -36,8 +37,11 @@ struct AllGatherResult {
 /// [Note: mixed-dtype all-gather] in fsdp_collectives.cpp). CUDA: copy-in on the copy-in stream, the collective on the all-gather
 /// stream (see fsdp_streams.h). Asynchronous: the result's work must be waited before the copy-out.
 /// `custom` (may be null): the user's AllGather (allocation and collective), see FSDPModuleAPI::set_custom_all_gather.
+/// `alloc_unsharded` (may be empty) allocates the parameters' unsharded tensors: given, and where the group
+/// qualifies ([Note: placed all-gather]), it is called first and the all-gather writes straight into them.
 AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool post_forward, ProcessGroup& pg,
-                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom);
+                                   CommContext& comm, torch::Device device, bool non_blocking, AllGather* custom,
+                                   const std::function<void()>& alloc_unsharded = {});
 
 /// Copy-out: the (completed) all-gather output viewed as [world, N] holds, per rank, every parameter's
 /// piece in group order; each piece goes to its parameter's (allocated) unsharded padded tensor.

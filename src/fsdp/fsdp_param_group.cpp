@@ -186,7 +186,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
   pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
-                                   /*non_blocking=*/opts_.offload, all_gather_comm());
+                                   /*non_blocking=*/opts_.offload, all_gather_comm(), [this] { alloc_unsharded(); });
   if (!async_op) wait_for_unshard();
 }
 
@@ -199,7 +199,7 @@ void FSDPParamGroup::wait_for_unshard() {
   comm_->current_wait(comm_->record(CommStream::kAllGather));
   auto ag = std::move(*pending_ag_);
   pending_ag_.reset();
-  alloc_unsharded();
+  if (!ag.placed) alloc_unsharded();  // [Note: placed all-gather]: allocated before the all-gather
   foreach_all_gather_copy_out(ag, params_);
   post_forward_pg_.reset();
   comm_->retire_all_gather_output(std::move(ag.output));  // freed after its copy-out (limiter)

@@ -224,6 +224,13 @@ struct StepWalk {
     return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
   }
   int64_t pending_bytes(size_t j) const { return gs[j].rs_out + rs_held * gs[j].rs_in; }
+  // Group j's unsharding: at its copy-out, what is alive beside its unsharded parameters: the all-gather
+  // output, or placed straight into them ([Note: placed all-gather] in fsdp_collectives.cpp) this rank's
+  // input, 1 / world_size of them, kept until the wait. While it is in flight: its output, or placed its
+  // unsharded parameters and that input.
+  bool placed() const { return o.device_is_cpu && o.cpu_shared_memory && o.world_size > 1; }
+  int64_t copy_out_extra(size_t j) const { return placed() ? gs[j].unsharded / o.world_size : gs[j].unsharded; }
+  int64_t in_flight(size_t j) const { return gs[j].unsharded + (placed() ? gs[j].unsharded / o.world_size : 0); }
 
   // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
   // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
@@ -233,9 +240,10 @@ struct StepWalk {
     consider(0, 0, 0, grads_at_start, n == 0 ? o.activation_bytes : 0, n == 0 ? "backward (no group)" : "start of the step");
     int64_t kept = 0;
     for (size_t k = 0; k < n; ++k) {
-      consider(kept + 2 * gs[k].unsharded, 0, 0, grads_at_start, acts_of(k), named("forward all-gather copy-out of", k));
+      consider(kept + gs[k].unsharded + copy_out_extra(k), 0, 0, grads_at_start, acts_of(k),
+               named("forward all-gather copy-out of", k));
       if (k + 1 < n) {
-        consider(kept + gs[k].unsharded + gs[k + 1].unsharded, 0, 0, grads_at_start, acts_of(k + 1),
+        consider(kept + gs[k].unsharded + in_flight(k + 1), 0, 0, grads_at_start, acts_of(k + 1),
                  named("forward with the next all-gather in flight,", k));
       }
       if (!gs[k].reshard) kept += gs[k].unsharded;
@@ -253,11 +261,12 @@ struct StepWalk {
     int64_t done = grads_at_start;  // sharded gradients copied out so far
     for (size_t k = gs.size(); k-- > 0;) {
       const int64_t prev = pending ? pending_bytes(*pending) : 0;
-      const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? gs[k - 1].unsharded : 0;  // backward prefetch
+      const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? in_flight(k - 1) : 0;  // backward prefetch
       const int64_t root_grads = k > 0 ? gs[0].grad : 0;
       int64_t cur = 0;
       if (gs[k].reshard) {
-        consider(kept + 2 * gs[k].unsharded, root_grads, prev, done, acts_of(k + 1), named("backward all-gather copy-out of", k));
+        consider(kept + gs[k].unsharded + copy_out_extra(k), root_grads, prev, done, acts_of(k + 1),
+                 named("backward all-gather copy-out of", k));
         cur = gs[k].unsharded;
       }
       consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
@@ -306,7 +315,7 @@ MemoryEstimate estimate_memory(const std::vector<ParamInfo>& params, const std::
   const int64_t grads_at_start = host_states ? 0 : (o.grads_set_to_none ? e.grads - grouped_grads : e.grads);
   // Input-sized buffers held by a reduce-scatter in flight; at world size 1 no backend is called (the
   // input is copied to the output and freed at once).
-  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(1);
+  const int64_t rs_held = N == 1 ? 0 : o.reduce_scatter_held_inputs.value_or(o.device_is_cpu && !o.cpu_shared_memory ? 2 : 1);
   TORCH_CHECK(rs_held >= 0, "estimate_memory: reduce_scatter_held_inputs must be >= 0, got ", rs_held);
 
   e.peak_backward = -1;

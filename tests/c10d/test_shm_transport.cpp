@@ -31,6 +31,7 @@
 
 #include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
+#include "c10d/all_gather_placed.h"
 #include "c10d/process_group_access.h"
 
 namespace fsdp::testing {
@@ -139,6 +140,55 @@ TEST_P(ShmTransport, ReduceScatterEqualsGlooBitForBit) {
       auto mine = buf.narrow(0, pg->rank() * m, m);
       reduce_scatter_tensor(mine, buf, *pg, ReduceOp::AVG);
       EXPECT_TRUE(bitwise_equal(mine, gloo)) << "in place, N=" << n << " m=" << m;
+    }
+  });
+}
+
+// all_gather_placed (c10d/all_gather_placed.h, FSDP's all-gather straight into the unsharded parameters): each
+// rank's bytes reach their destinations, pieces of no element and one crossing the 2 MiB round boundary
+// included, equal to all_gather_into_tensor's output bit for bit; and a rank on the placed path meets ranks on
+// all_gather_into_tensor in the same collective (the transport compares both as an all-gather).
+TEST_P(ShmTransport, AllGatherPlacedEqualsAllGatherIntoTensor) {
+  const int n = GetParam();
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(detail::can_all_gather_placed(*pg));
+    const std::vector<int64_t> sizes = {0, 5, 524287, 1, 0, 175708};  // 700001 floats: 2 rounds
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(31 + pg->rank());
+    auto input = torch::randn({700001}, gen);
+    auto expect = torch::empty({n * 700001});
+    all_gather_into_tensor(expect, input, *pg);
+    for (int placed_ranks : {n, 1}) {  // every rank placed; only rank 0
+      std::vector<torch::Tensor> dests;
+      for (auto m : sizes) dests.push_back(torch::full({n, m}, -1.0f));
+      if (pg->rank() < placed_ranks) {
+        std::vector<char*> bases;
+        for (auto& d : dests) bases.push_back(static_cast<char*>(d.data_ptr()));
+        auto place = [&](int r, uint64_t off, uint64_t len, const char* src) {
+          uint64_t begin = 0;
+          for (size_t i = 0; i < sizes.size(); ++i) {
+            const uint64_t bytes = sizes[i] * 4, lo = std::max(off, begin), hi = std::min(off + len, begin + bytes);
+            if (hi > lo) std::memcpy(bases[i] + r * bytes + (lo - begin), src + (lo - off), hi - lo);
+            begin += bytes;
+          }
+        };
+        detail::all_gather_placed(input, place, *pg, /*async_op=*/false);
+      } else {
+        auto out = torch::empty({n * 700001});
+        all_gather_into_tensor(out, input, *pg);
+        auto rows = out.view({n, 700001});
+        int64_t off = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          dests[i].copy_(rows.narrow(1, off, sizes[i]));
+          off += sizes[i];
+        }
+      }
+      auto rows = expect.view({n, 700001});
+      int64_t off = 0;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(dests[i], rows.narrow(1, off, sizes[i]).contiguous()))
+            << "piece " << i << ", rank " << pg->rank() << ", " << placed_ranks << " rank(s) placed";
+        off += sizes[i];
+      }
     }
   });
 }

@@ -52,6 +52,88 @@ TEST(Communication, WorldSizeOneIssuesNoCollectives) {
   });
 }
 
+// ---- The placed all-gather (issue 37 item 1) ------------------------------------------------------
+// On one host FSDP's all-gather writes each rank's bytes straight into the unsharded parameters ([Note:
+// placed all-gather] in src/fsdp/fsdp_collectives.cpp); through Gloo's sockets (FSDP_SHM_TRANSPORT=0) it fills
+// an output that FSDP copies out. The same bytes either way: every step's loss, every full gradient and every
+// parameter after 3 AdamW steps equal bit for bit, on 2 and 3 ranks (the Net's rows do not divide by 3: padded
+// shards), in fp32 and with bf16 param_dtype, resharding the blocks after forward or keeping them. The flight
+// recorder shows which path each all-gather took.
+struct PlacedRun {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> grads, params;  // full tensors, rank 0's
+  size_t placed = 0, all_gathers = 0;                  // rank 0's all-gathers of the first step, those placed
+};
+
+PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, bool reshard) {
+  if (!shm) ::setenv("FSDP_SHM_TRANSPORT", "0", 1);  // read by each group at its creation
+  PlacedRun out;
+  auto batches = make_batches(3, kBatch, kSeq);
+  run_ranks(ws, [&](ProcessGroupPtr pg) {
+    Net net;
+    load_full(*net, initial_weights());
+    auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {ws}));
+    if (bf16) opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32));
+    auto bopts = opts;
+    bopts.reshard_after_forward(ReshardAfterForward(reshard));
+    for (auto& b : net->blocks) fully_shard(b, bopts);
+    fully_shard(net, opts);
+    FSDPModule<Net> model(net);
+    auto opt = make_optimizer(net->parameters(), Opt::ADAMW);
+    const int64_t local = kBatch / ws;
+    for (size_t step = 0; step < batches.size(); ++step) {
+      auto b = batches[step].slice(pg->rank() * local, local);
+      opt->zero_grad();
+      auto loss = loss_fn(model(b.idx), b.targets);
+      loss.backward();
+      if (step == 0 && pg->rank() == 0) {  // the first step's FSDP collectives, before any full_tensor
+        for (const auto& r : pg->flight_recorder().records()) {
+          if (r.op != "all_gather_into_tensor") continue;
+          ++out.all_gathers;
+          if (r.shapes.find("placed straight into") != std::string::npos) ++out.placed;
+        }
+      }
+      auto global = loss.detach().clone();
+      all_reduce(global, *pg, ReduceOp::AVG);
+      if (pg->rank() == 0) out.losses.push_back(global.item<double>());
+      for (const auto& p : net->named_parameters()) {
+        auto full = sharded_grad(p.value())->full_tensor();
+        if (pg->rank() == 0 && step + 1 == batches.size()) out.grads[p.key()] = full;
+      }
+      opt->step();
+    }
+    for (const auto& p : net->named_parameters()) {
+      auto full = sharded_param(p.value()).full_tensor();
+      if (pg->rank() == 0) out.params[p.key()] = full;
+    }
+  });
+  ::unsetenv("FSDP_SHM_TRANSPORT");
+  return out;
+}
+
+TEST(PlacedAllGather, EqualsTheCopyOutPathBitForBit) {
+  for (int ws : {2, 3}) {
+    for (bool bf16 : {false, true}) {
+      for (bool reshard : {true, false}) {
+        const std::string what = "world " + std::to_string(ws) + (bf16 ? ", bf16" : ", fp32") +
+                                 (reshard ? ", reshard_after_forward" : ", blocks kept");
+        auto placed = train_placed_or_not(ws, /*shm=*/true, bf16, reshard);
+        auto copied = train_placed_or_not(ws, /*shm=*/false, bf16, reshard);
+        EXPECT_GT(placed.placed, 0u) << what;
+        EXPECT_EQ(placed.placed, placed.all_gathers) << what << ": every all-gather of the first step placed";
+        EXPECT_EQ(copied.placed, 0u) << what;
+        EXPECT_EQ(placed.losses, copied.losses) << what;
+        for (const auto& [name, g] : copied.grads) {
+          EXPECT_TRUE(torch::equal(placed.grads.at(name), g)) << what << ": gradient of " << name;
+        }
+        for (const auto& [name, p] : copied.params) {
+          EXPECT_TRUE(torch::equal(placed.params.at(name), p)) << what << ": " << name;
+        }
+      }
+    }
+  }
+}
+
 // ---- One FSDP training step vs FSDP's theoretical minimum ------------------------------------------
 // Dims prime, so that no parameter divides by 2, 3 or 4 ranks (padding on every rank count).
 constexpr int64_t kIn = 37, kWide = 53, kOut = 7;

@@ -42,7 +42,8 @@ TEST(MemoryEstimate, UnevenPaddingOnThreeRanks) {
   MemoryEstimateOptions o;
   o.world_size = 3;
   o.activation_bytes = 1000;
-  const auto e = estimate_memory(two_group_params(), two_groups(), o);
+  o.cpu_shared_memory = false;  // Gloo's sockets: an all-gather output beside the parameters at the copy-out
+  auto e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.sharded_params, 96);
   EXPECT_EQ(e.padding, (2 * 1 + 2 * 4 + 2 * 1) * 4);  // root.w 6-5 rows x 2, a.w 12-10 rows x 4, a.b 12-10
   EXPECT_EQ(e.grads, 96);
@@ -60,13 +61,22 @@ TEST(MemoryEstimate, UnevenPaddingOnThreeRanks) {
   EXPECT_EQ(e.peak_backward, 96 + 192 + 528 + 40 + 1000);
   EXPECT_EQ(e.peak_optimizer_step, 96 + 96 + 192 + 2 * 16 * 4);  // + AdamW's two fp32 temporaries of a.w's shard
   EXPECT_EQ(e.total_peak, e.peak_backward);
+  // One host's shared memory (the default): a's all-gather writes straight into its parameters, so its
+  // copy-out holds no buffer (48 + 240); the peak moves to the end of a's backward, where a's full-size
+  // gradients (50 x 4 = 200) join the root's (40).
+  o.cpu_shared_memory = true;
+  e = estimate_memory(two_group_params(), two_groups(), o);
+  EXPECT_EQ(e.peak_moment, "end of the backward of 'a'");
+  EXPECT_EQ(e.unsharded_params, 48 + 240);
+  EXPECT_EQ(e.unsharded_grads, 40 + 200);
+  EXPECT_EQ(e.peak_backward, 96 + 192 + 288 + 240 + 1000);
 }
 
 TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   MemoryEstimateOptions o;
   o.world_size = 3;
   o.param_dtype = torch::kBFloat16;
-  o.reduce_scatter_held_inputs = 2;  // Gloo across hosts: its all-to-all's receive buffer beside the input
+  o.cpu_shared_memory = false;  // Gloo's sockets: its all-to-all's receive buffer beside each input
   auto e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.sharded_params, 96);  // shards stay fp32
   EXPECT_EQ(e.grads, 96);
@@ -88,8 +98,9 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   o.reduce_scatter_held_inputs = 1;  // a backend that keeps only the input (NCCL): no receive buffers
   e = estimate_memory(two_group_params(), two_groups(), o);
   EXPECT_EQ(e.peak_backward, 96 + 192 + 60 + 20 + 264 + 88);
-  // Unset is 1 on the CPU too: one host's Gloo group reduces straight out of shared memory, no receive buffer.
+  // Unset is 1 on one host too: its reduce-scatter reduces straight out of shared memory, no receive buffer.
   o.reduce_scatter_held_inputs.reset();
+  o.cpu_shared_memory = true;
   EXPECT_EQ(estimate_memory(two_group_params(), two_groups(), o).peak_backward, e.peak_backward);
 }
 
@@ -99,7 +110,7 @@ TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
   std::vector<ShardGroupInfo> groups = {{"", {"r"}, false}, {"a", {"a"}, std::nullopt}, {"b", {"b"}, std::nullopt}};
   MemoryEstimateOptions o;
   o.world_size = 3;
-  o.reduce_scatter_held_inputs = 2;  // Gloo across hosts: its all-to-all's receive buffer beside the input
+  o.cpu_shared_memory = false;  // Gloo's sockets: its all-to-all's receive buffer beside each input
   // States: 36 shard elements (144 bytes) + AdamW 288. Without activations both settings peak at a's
   // reduce-scatter, after a's and b's post-backwards resharded them: the root (48), its full-size
   // gradients (40; a's were released at the copy-in), a's input [3, 17] (204), Gloo's receive buffer (204)

@@ -15,7 +15,9 @@
 // - Unsharding a group allocates its all-gather buffer (world_size x the group's padded shards, in
 //   param_dtype) and then the unsharded parameters (the same size), copies out and frees the buffer: for
 //   a moment the group takes twice its unsharded size. The next group's all-gather (prefetch) is issued
-//   after the copy-out: its buffer is alive beside the current group's parameters.
+//   after the copy-out: its buffer is alive beside the current group's parameters. On one host's CPU
+//   ranks (cpu_shared_memory) the all-gather writes straight into the unsharded parameters, allocated at
+//   its issue: no buffer, only this rank's input (1 / world_size of them) while it runs.
 // - Groups with reshard_after_forward=false (the root by default) stay unsharded from their forward to
 //   their post-backward; with reshard_after_forward=true a group is unsharded around its own forward and
 //   backward (plus the one prefetched).
@@ -85,10 +87,15 @@ struct MemoryEstimateOptions {
   int64_t activation_bytes = 0;  ///< caller's peak activations (saved tensors + backward temporaries), bytes
   int64_t runtime_overhead_bytes = 0;  ///< caller's fixed overhead of the runtime (see the file comment), bytes
   bool grads_set_to_none = true;  ///< zero_grad() frees the gradients (LibTorch's default): none at the backward's start
-  /// Input-sized buffers a reduce-scatter keeps until it is finished (the input itself included). Unset: 1
-  /// (NCCL, and Gloo groups on one host, whose reduce-scatter reduces straight out of shared memory: the
-  /// input only); 0 at world size 1 (no backend: the input is copied to the output and freed). Set 2 for a
-  /// Gloo group across hosts (or FSDP_SHM_TRANSPORT=0): its all-to-all also holds an input-sized receive buffer.
+  /// With device_is_cpu: the ranks share one host and its shared-memory transport (make_gloo_group's default
+  /// there): each all-gather writes straight into the unsharded parameters (no output buffer beside them at
+  /// the copy-out, only this rank's input while it runs) and each reduce-scatter reduces straight out of
+  /// shared memory (no receive buffer). false: Gloo's sockets (several hosts, or FSDP_SHM_TRANSPORT=0).
+  bool cpu_shared_memory = true;
+  /// Input-sized buffers a reduce-scatter keeps until it is finished (the input itself included). Unset: 2
+  /// on the CPU without cpu_shared_memory (Gloo's all-to-all: the input and an input-sized receive buffer),
+  /// 1 otherwise (NCCL, one host's shared memory: the input); 0 at world size 1 (no backend: the input is
+  /// copied to the output and freed).
   std::optional<int> reduce_scatter_held_inputs;
 };
 
