@@ -156,6 +156,19 @@ ProcessGroupPtr init_mpi_process_group(const std::optional<std::string>& backend
   if (!chosen || *chosen != "mpi") return nullptr;
   TORCH_CHECK(device_type == torch::kCPU, "init_process_group: backend mpi runs CPU tensors only, got device type ",
               device_type, ". Fix: backend nccl for CUDA, or device_type kCPU");
+  // A process that no MPI launcher started (fsdprun's or torchrun's workers) would initialise MPI as a
+  // singleton, which forks a daemon of Open MPI's: several at once on one host can fail inside MPI_Init
+  // ("Unable to start a daemon on the local node") and abort the process with Open MPI's message instead of
+  // this one. With more than one rank and no launcher's variable (Open MPI's mpirun, a PMIx or PMI launcher:
+  // prterun, srun --mpi=pmix/pmi2, MPICH's and Intel MPI's hydra) the job is refused before MPI_Init.
+  const bool mpi_launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") ||
+                            std::getenv("PMI_SIZE") || std::getenv("PMI_RANK") || std::getenv("MV2_COMM_WORLD_SIZE");
+  TORCH_CHECK(mpi_launched || env.world_size <= 1, "init_process_group: backend mpi: no MPI launcher started this ",
+              "process (none of OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_SIZE is set), but the launcher's environment (",
+              env.source, ") says rank ", env.rank, " of ", env.world_size,
+              ": the processes were not started by one mpirun. Fix: launch with `mpirun -np ", env.world_size,
+              " PROGRAM` (as root add --allow-run-as-root; with more ranks than cores add --oversubscribe), or use "
+              "backend gloo under fsdprun/torchrun");
   auto& mt = MpiThread::get();
   const int rank = mt.world_rank(), size = mt.world_size();
   TORCH_CHECK(size == env.world_size && rank == env.rank, "init_process_group: backend mpi: MPI_COMM_WORLD has ", size,
