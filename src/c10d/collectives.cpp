@@ -274,7 +274,9 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
 // (launch() wraps it as before). On the shared-memory transport ([Note: shared-memory transport]) the
 // dtypes its all-reduce takes skip `gathered` too: each round of the all-to-all is reduced straight out of
 // the slots into `output` by the same gloo_ring_reduce (issue 37 item 1: the input's bytes are no longer
-// written to `gathered` and read back); other dtypes, and an output inside the input, keep the all-to-all.
+// written to `gathered` and read back); other dtypes keep the all-to-all. An output inside the input (in
+// place) takes the same path, whatever the other ranks do: the transport reads this rank's own rows from a
+// copy then, so that every rank of a collective runs the same kind of rounds.
 //
 // [Note: Gloo ring order]
 // Gloo's ring all-reduce (gloo/allreduce.cc) reduces ring chunk g (GlooRingLayout: segments
@@ -527,14 +529,16 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
   }
   std::function<void()> on_done;
   auto* shm = shm_for(group, input);
-  if (ours && shm && shm_can_carry(input) && shm_can_carry(output) && !overlap(output, input)) {
+  if (ours && shm && shm_can_carry(input) && shm_can_carry(output)) {
     // [Note: Gloo reduce-scatter] through the shared-memory transport: each round of the all-to-all is reduced
     // straight out of the slots into `output`, in Gloo's ring order as the completion step below would, with
     // no `gathered` scratch (N x output's bytes written and read again) and no completion step but AVG's.
     // The input stays alive until the wait, as Gloo's work keeps it (the transport drops its reference when it
-    // is done, at a moment that depends on the threads' timing): the memory estimator counts it until then.
-    on_done = [output, input, n, op] {
+    // is done, at a moment that depends on the threads' timing), and no longer: the memory estimator counts it
+    // until then. (Work::wait runs this once; the handle itself may live on, e.g. through a copy-out.)
+    on_done = [output, held = input, n, op]() mutable {
       if (op == ReduceOp::AVG) output.div_(n);
+      held = torch::Tensor();
     };
     return launch(
         group, "reduce_scatter_tensor", seq, input.nbytes(), desc, async_op, &input, &output,
@@ -542,7 +546,10 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
         [&] {
           auto out = output.view({-1});
           auto reduce = ring_reduce_round(out, static_cast<int64_t>(group.rank()) * out.numel(), n, op, input.nbytes());
-          return shm->reduce_scatter(out, input.view({-1}), shm_reduce_arg(op, input), std::move(reduce), seq,
+          // An output inside the input (in place): the rounds read the input while the output is written, so they
+          // read a copy (as large as the `gathered` scratch of the all-to-all path), not the input.
+          auto src = overlap(output, input) ? input.reshape({-1}).clone() : input.view({-1});
+          return shm->reduce_scatter(out, src, shm_reduce_arg(op, input), std::move(reduce), seq,
                                      header("reduce_scatter_tensor", group, seq));
         },
         std::move(on_done));

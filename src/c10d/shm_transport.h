@@ -16,7 +16,9 @@
 // 3.5-3.9x faster than Gloo on 64 MiB at 2 ranks and 2.0-2.2x at 4 (docs/BENCHMARKS.md, issue 37 item 2), so large
 // tensors are not sent back to Gloo. all_reduce and broadcast of dtypes other than float, double, half, bfloat16, int8,
 // uint8, int32 and int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier
-// and the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way.
+// and the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way. FSDP's all-gathers
+// on one host skip the output too: all_gather_placed hands each round of each rank's bytes to the caller, which
+// copies them straight into the unsharded parameters (c10d/all_gather_placed.h, [Note: placed all-gather]).
 //
 // When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
 // namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
@@ -110,9 +112,10 @@ class ShmTransport {
                                             std::string what);
   /// Queues a reduce-scatter of equal chunks: `input` (contiguous CPU) is `size` chunks of output's bytes;
   /// chunk j of every rank goes to rank j, round by round, and `reduce` combines each round straight out of
-  /// the slots into `output` (contiguous CPU, not overlapping `input`): `offset` and `length` are bytes of
-  /// this rank's chunk, `slots[r]` rank r's bytes of it (this rank's own straight from `input`). No scratch:
-  /// the all-to-all then reduction it replaces gathered N x output's bytes first. `arg` as for all_reduce.
+  /// the slots into `output` (contiguous CPU, not overlapping `input`: pass a copy for an in-place one):
+  /// `offset` and `length` are bytes of this rank's chunk, `slots[r]` rank r's bytes of it (this rank's own
+  /// straight from `input`). No scratch: the all-to-all then reduction it replaces gathered N x output's bytes
+  /// first. `arg` as for all_reduce.
   c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, at::Tensor input, uint32_t arg, ReduceRound reduce,
                                                 uint64_t seq, std::string what);
   /// Queues a broadcast: rank `src`'s `tensor` (contiguous CPU) is copied into every rank's `tensor`.

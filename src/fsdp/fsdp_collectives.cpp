@@ -358,8 +358,9 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
               output.sizes(), " ", output.scalar_type(), "; expected a contiguous tensor of exactly that size and dtype");
   Work work = custom ? (*custom)(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true)
                      : reduce_scatter_tensor(output, flat_in, pg, ReduceOp::SUM, /*async_op=*/true);
-  // The input is not kept: the backend's work holds it until the collective completes (Gloo's work owns
-  // its tensors, NCCL stashes them with its stream), and at world size 1 the copy is already queued on the
+  // The input is not kept here: the backend's work holds it until the collective completes (Gloo's work owns
+  // its tensors until the wait, the shared-memory reduce-scatter's completion step too, NCCL stashes them
+  // with its stream), and at world size 1 the copy is already queued on the
   // reduce-scatter stream, where the memory is allocated and reused in order. Dropping it here frees each
   // group's input during the backward instead of at its end (as FSDP2 does), lowering the peak.
   return ReduceScatterResult{torch::Tensor(), output, std::move(work), std::move(param_indices), m, std::move(missing),

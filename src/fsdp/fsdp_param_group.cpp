@@ -185,8 +185,15 @@ void FSDPParamGroup::unshard(bool async_op) {
   // SHARDED_POST_FORWARD gathers over the post-forward group: see [Note: reshard_after_forward=k].
   const bool post_forward = state_ == ShardedState::SHARDED_POST_FORWARD;
   ProcessGroup& pg = post_forward ? *post_forward_pg_ : *shard_pg_;
-  pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
-                                   /*non_blocking=*/opts_.offload, all_gather_comm(), [this] { alloc_unsharded(); });
+  try {
+    pending_ag_ = foreach_all_gather(params_, post_forward, pg, *comm_, opts_.mesh->device(),
+                                     /*non_blocking=*/opts_.offload, all_gather_comm(), [this] { alloc_unsharded(); });
+  } catch (...) {
+    // [Note: placed all-gather] allocates the unsharded parameters before issuing: a failed issue (a copy-in
+    // error, a refused collective) must not leave them allocated on a group that stays sharded.
+    free_unsharded();
+    throw;
+  }
   if (!async_op) wait_for_unshard();
 }
 

@@ -228,6 +228,10 @@ struct StepWalk {
   // output, or placed straight into them ([Note: placed all-gather] in fsdp_collectives.cpp) this rank's
   // input, 1 / world_size of them, kept until the wait. While it is in flight: its output, or placed its
   // unsharded parameters and that input.
+  // Every group is counted as placed with cpu_shared_memory: groups that take the copy-out path on one host
+  // (an all-gather extension, mixed dtypes, Shard(d > 0), a custom AllGather, debug mode) are undercounted by
+  // (1 - 1 / world_size) x their unsharded size at their copy-out, and a post-forward gather over k ranks
+  // keeps an input of 1 / k, not 1 / world_size.
   bool placed() const { return o.device_is_cpu && o.cpu_shared_memory && o.world_size > 1; }
   int64_t copy_out_extra(size_t j) const { return placed() ? gs[j].unsharded / o.world_size : gs[j].unsharded; }
   int64_t in_flight(size_t j) const { return gs[j].unsharded + (placed() ? gs[j].unsharded / o.world_size : 0); }

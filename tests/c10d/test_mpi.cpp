@@ -545,7 +545,7 @@ int special_mode(const std::string& mode) {
       // Refused before MPI_Init (no MPI launcher's variable): no singleton daemon is started, which several
       // ranks at once could fail to do inside MPI_Init, aborting with Open MPI's message instead of ours.
       bool ok = m.find("init_process_group: backend mpi: no MPI launcher started this process") != std::string::npos &&
-                m.find("rank ") != std::string::npos && m.find("not started by one mpirun") != std::string::npos &&
+                m.find("says rank ") != std::string::npos && m.find("not started by one mpirun") != std::string::npos &&
                 m.find("mpirun -np 2") != std::string::npos;
       return ok ? 0 : 1;
     }

@@ -56,17 +56,28 @@ TEST(Communication, WorldSizeOneIssuesNoCollectives) {
 // On one host FSDP's all-gather writes each rank's bytes straight into the unsharded parameters ([Note:
 // placed all-gather] in src/fsdp/fsdp_collectives.cpp); through Gloo's sockets (FSDP_SHM_TRANSPORT=0) it fills
 // an output that FSDP copies out. The same bytes either way: every step's loss, every full gradient and every
-// parameter after 3 AdamW steps equal bit for bit, on 2 and 3 ranks (the Net's rows do not divide by 3: padded
-// shards), in fp32 and with bf16 param_dtype, resharding the blocks after forward or keeping them. The flight
-// recorder shows which path each all-gather took.
+// parameter after 3 AdamW steps equal bit for bit, on 2, 3 and 4 ranks (the Net's rows do not divide by 3: padded
+// shards), in fp32 and with bf16 param_dtype, resharding the blocks after forward, keeping them, or keeping
+// post-forward slices (reshard_after_forward=2 on 4 ranks). The flight recorder shows which path each
+// all-gather took.
 struct PlacedRun {
   std::vector<double> losses;
   std::map<std::string, torch::Tensor> grads, params;  // full tensors, rank 0's
   size_t placed = 0, all_gathers = 0;                  // rank 0's all-gathers of the first step, those placed
 };
 
-PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, bool reshard) {
-  if (!shm) ::setenv("FSDP_SHM_TRANSPORT", "0", 1);  // read by each group at its creation
+PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, ReshardAfterForward reshard) {
+  // FSDP_SHM_TRANSPORT is read by each group at its creation, before the rank threads start; unset again even
+  // when a rank fails, so that later runs are not left on Gloo's sockets.
+  struct SocketsOnly {
+    explicit SocketsOnly(bool on) : on(on) {
+      if (on) ::setenv("FSDP_SHM_TRANSPORT", "0", 1);
+    }
+    ~SocketsOnly() {
+      if (on) ::unsetenv("FSDP_SHM_TRANSPORT");
+    }
+    bool on;
+  } sockets_only(!shm);
   PlacedRun out;
   auto batches = make_batches(3, kBatch, kSeq);
   run_ranks(ws, [&](ProcessGroupPtr pg) {
@@ -75,7 +86,7 @@ PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, bool reshard) {
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {ws}));
     if (bf16) opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32));
     auto bopts = opts;
-    bopts.reshard_after_forward(ReshardAfterForward(reshard));
+    bopts.reshard_after_forward(reshard);
     for (auto& b : net->blocks) fully_shard(b, bopts);
     fully_shard(net, opts);
     FSDPModule<Net> model(net);
@@ -107,16 +118,18 @@ PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, bool reshard) {
       if (pg->rank() == 0) out.params[p.key()] = full;
     }
   });
-  ::unsetenv("FSDP_SHM_TRANSPORT");
   return out;
 }
 
 TEST(PlacedAllGather, EqualsTheCopyOutPathBitForBit) {
-  for (int ws : {2, 3}) {
+  for (int ws : {2, 3, 4}) {
     for (bool bf16 : {false, true}) {
-      for (bool reshard : {true, false}) {
-        const std::string what = "world " + std::to_string(ws) + (bf16 ? ", bf16" : ", fp32") +
-                                 (reshard ? ", reshard_after_forward" : ", blocks kept");
+      std::vector<std::pair<ReshardAfterForward, std::string>> modes = {{ReshardAfterForward(true), "resharded"},
+                                                                        {ReshardAfterForward(false), "blocks kept"}};
+      // reshard_after_forward=2: the backward gathers the post-forward slices over 2 of the 4 ranks.
+      if (ws == 4) modes.push_back({ReshardAfterForward(2), "post-forward slices over 2 ranks"});
+      for (const auto& [reshard, mode] : modes) {
+        const std::string what = "world " + std::to_string(ws) + (bf16 ? ", bf16, " : ", fp32, ") + mode;
         auto placed = train_placed_or_not(ws, /*shm=*/true, bf16, reshard);
         auto copied = train_placed_or_not(ws, /*shm=*/false, bf16, reshard);
         EXPECT_GT(placed.placed, 0u) << what;

@@ -164,7 +164,8 @@ ProcessGroupPtr init_mpi_process_group(const std::optional<std::string>& backend
   const bool mpi_launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") ||
                             std::getenv("PMI_SIZE") || std::getenv("PMI_RANK") || std::getenv("MV2_COMM_WORLD_SIZE");
   TORCH_CHECK(mpi_launched || env.world_size <= 1, "init_process_group: backend mpi: no MPI launcher started this ",
-              "process (none of OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_SIZE is set), but the launcher's environment (",
+              "process (none of OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_SIZE, PMI_RANK, MV2_COMM_WORLD_SIZE is set), but the ",
+              "launcher's environment (",
               env.source, ") says rank ", env.rank, " of ", env.world_size,
               ": the processes were not started by one mpirun. Fix: launch with `mpirun -np ", env.world_size,
               " PROGRAM` (as root add --allow-run-as-root; with more ranks than cores add --oversubscribe), or use "
