@@ -47,3 +47,5 @@
 #include "fsdp/pipelining/stage.h"
 // torch.distributed.elastic
 #include "fsdp/elastic/errors.h"
+// torchft (after TorchFT; not part of torch.distributed): live recovery across replica groups
+#include "fsdp/ft/manager.h"

@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "c10d/gloo_group.h"
 #include "c10d/network_check.h"
 #include "c10d/process_group_access.h"
 #include "c10d/slurm_env.h"
@@ -297,9 +298,11 @@ std::string ProcessGroup::str() const {
   return os.str();
 }
 
-ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                std::chrono::milliseconds timeout, std::vector<int> global_ranks,
-                                std::string name, int threads) {
+namespace detail {
+
+ProcessGroupPtr make_gloo_group_on_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                          std::chrono::milliseconds timeout, std::vector<int> global_ranks,
+                                          const std::string& name, int threads) {
   // A name that is no interface here fails naming the variable (Gloo's own message is "Unable to find
   // address for: X"); init_process_group checks reachability too (src/c10d/network_check.cpp).
   detail::check_socket_ifname("GLOO_SOCKET_IFNAME");
@@ -346,8 +349,6 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
   }
   auto group = std::make_shared<ProcessGroup>(backend, torch::Device(torch::kCPU), store, std::move(global_ranks),
                                               timeout, name);
-  // One host: all-gathers and reduce-scatters through shared memory (src/c10d/shm_transport.h).
-  detail::ProcessGroupAccess::set_shm(*group, detail::ShmTransport::create(store, rank, size, timeout, name));
   if (debug_mode() && size > 1) {
     // A side group for fingerprints: its collectives never interleave with the checked ones.
     auto side_opts = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -356,6 +357,17 @@ ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, in
     detail::ProcessGroupAccess::set_debug_backend(*group, c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("fsdp_debug", store), rank, size, side_opts));
   }
+  return group;
+}
+
+}  // namespace detail
+
+ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                std::chrono::milliseconds timeout, std::vector<int> global_ranks,
+                                std::string name, int threads) {
+  auto group = detail::make_gloo_group_on_sockets(store, rank, size, timeout, std::move(global_ranks), name, threads);
+  // One host: the bytes of the plain collectives through shared memory (src/c10d/shm_transport.h).
+  detail::ProcessGroupAccess::set_shm(*group, detail::ShmTransport::create(store, rank, size, timeout, name));
   return group;
 }
 
