@@ -315,6 +315,25 @@ CLI::Option* add_flags(CLI::App& app, Options& o) {
                                         "still spans --steps; continue with --resume)")
       ->check(integer_at_least<int64_t>(0));
 
+  g = app.add_option_group("Fault tolerance across replica groups (fsdp::ft, after TorchFT)");
+  g->add_option("--ft-replica-id", o.ft_replica_id, "This job is replica group N of --ft-group-size: every step its "
+                "gradients are averaged with the other replica groups'; a replica group that fails does not stop the "
+                "others, and when it starts again it receives the current state from a live one (no checkpoint read)")
+      ->check(integer_at_least<int>(0));
+  g->add_option("--ft-group-size", o.ft_group_size, "Replica groups of the job (with --ft-replica-id)")
+      ->check(integer_at_least<int>(1));
+  g->add_option("--ft-min-replica-size", o.ft_min_replica_size, "A step runs with at least this many replica groups "
+                "(0: all of them; fewer: the others train on while one is lost, skipping its part of the batch)")
+      ->check(integer_at_least<int>(0));
+  g->add_option("--ft-lighthouse", o.ft_lighthouse, "HOST:PORT of the fsdp_lighthouse the replica groups share "
+                "(default: TORCHFT_LIGHTHOUSE)");
+  g->add_option("--ft-join-timeout", o.ft_join_timeout, "Seconds a step waits for the previous step's replica groups "
+                "before it goes on without the missing ones")->capture_default_str()->check(number_in(0, true));
+  g->add_option("--ft-timeout", o.ft_timeout, "Seconds the commit vote and the replica groups' collectives may take")
+      ->capture_default_str()->check(number_in(0, true));
+  g->add_option("--ft-quorum-timeout", o.ft_quorum_timeout, "Seconds to wait for --ft-min-replica-size replica groups "
+                "(e.g. while a lost one restarts), or to be admitted")->capture_default_str()->check(number_in(0, true));
+
   g = app.add_option_group("Comparison with PyTorch (bench/compare_fsdp2.py)");
   g->add_option("--save-init", o.save_init, "Write the initial weights (full, before sharding) to FILE as "
                                              "safetensors (rank 0)");

@@ -48,6 +48,7 @@
 #include "checkpointing.h"
 #include "data.h"
 #include "evaluate.h"
+#include "fault_tolerance.h"
 #include "fsdp/fsdp.h"
 #include "hf.h"
 #include "interop.h"
@@ -80,6 +81,7 @@ struct Training {
   bool foreach_optimizer;
   fsdp::ProcessGroupPtr replicate_group = nullptr;  // HSDP (--dp-replicate > 1): the replicas of this shard group
   fsdp::DeviceMeshPtr cp_mesh = nullptr;  // --cp > 1: the mesh's "cp" dim
+  fsdp::ft::Manager* ft = nullptr;        // --ft-replica-id: the replica groups' quorum (fault_tolerance.h)
 };
 
 /// --cp: the positions of GPT's wpe become a buffer that context_parallel shards (GPT::positions); the other
@@ -119,6 +121,7 @@ struct StepResult {
   double loss;       ///< mean loss of the global batch (identical on every rank)
   double grad_norm;  ///< norm of the full gradient, before clipping
   ModelStates states;  ///< after the optimizer step, before zero_grad (when asked for; else zeros)
+  bool committed = true;  ///< --ft-*: false when the replica groups did not commit the step (nothing changed)
 };
 
 /// One optimizer step at learning rate `lr` over --grad-accum-steps microbatches of this rank;
@@ -190,6 +193,9 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
   // With fp16 the gradients are unscaled first; a step with inf/nan gradients is skipped (the norm
   // logged is then inf) and the scale backs off.
   const double max_norm = o.clip_grad > 0 ? o.clip_grad : std::numeric_limits<double>::infinity();
+  // --ft-*: this replica group's gradient shards (and its ranks' losses) averaged over the replica groups of the
+  // step; from here on every replica group holds the same gradients (fault_tolerance.h).
+  if (t.ft) average_over_replica_groups(*t.ft, t.params, loss_sum);
   if (t.scaler) t.scaler->unscale_(t.optimizer);
   // Sharded: the loss of the global batch (the sum of the ranks' means) is all-reduced in the norm's
   // collective (one all-reduce per step instead of two; bit-identical, see fsdp::clip_grad_norm_).
@@ -199,6 +205,10 @@ StepResult train_step(Training<Model>& t, double lr, bool count_states) {
       (own_loss_all_reduce ? fsdp::clip_grad_norm_(t.params, max_norm)
                   : fsdp::clip_grad_norm_(t.params, max_norm, 2.0, false, nullptr, loss_sum))
           .template item<double>();
+  if (t.ft && !t.ft->should_commit()) {  // another replica group failed: the step changes nothing, it is retried
+    t.optimizer.zero_grad();
+    return {std::numeric_limits<double>::quiet_NaN(), norm, ModelStates{}, /*committed=*/false};
+  }
   if (t.scaler) {
     t.scaler->step(t.optimizer);
     t.scaler->update();
@@ -295,7 +305,10 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
   // skips the same steps (the inf/nan check is all-reduced). bf16 has fp32's range and needs none.
   std::optional<fsdp::ShardedGradScaler> scaler;
   if (s.parallel.param_dtype == torch::kHalf) scaler.emplace(fsdp::GradScalerOptions(), pg);
-  DistributedSampler sampler(s.train.size(), o.batch_size, data_rank, data_world, o.seed);
+  // --ft-*: the data ranks of every replica group together (fault_tolerance.h).
+  const bool ft_on = o.ft_replica_id >= 0;
+  DistributedSampler sampler(s.train.size(), o.batch_size, ft_on ? o.ft_replica_id * data_world + data_rank : data_rank,
+                             ft_on ? o.ft_group_size * data_world : data_world, o.seed);
   // fp16's scaler steps torch::optim::AdamW itself.
   Training<Model> t{s, *pg, model, optimizer, scaler, sampler, recorder, model->unique_parameters(),
              !scaler && (o.optimizer_impl == "foreach" || (o.optimizer_impl == "auto" && device.is_cuda())),
@@ -303,6 +316,29 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
              : s.parallel.cp > 1 && s.parallel.dp_shard > 1 ? mesh->get_group("dp_shard")  // (dp_shard, cp) HSDP mesh
                                                             : nullptr,
              s.parallel.cp > 1 ? (*mesh)["cp"] : nullptr};
+  // --ft-*: what a joining replica group receives: the model, the optimizer and the data position.
+  std::unique_ptr<fsdp::ft::Manager> ft;
+  if (ft_on) {
+    ft = make_ft_manager(
+        o, pg,
+        [&] {
+          fsdp::StateDict sd = fsdp::get_state_dict(*model, optimizer);
+          const auto st = sampler.state();
+          sd.insert_or_assign("train.sampler.epoch", fsdp::Value(st.epoch));
+          sd.insert_or_assign("train.sampler.cursor", fsdp::Value(st.cursor));
+          return sd;
+        },
+        [&](const fsdp::StateDict& sd) {
+          fsdp::StateDict states;
+          for (const auto& [k, v] : sd) {
+            if (k.rfind("train.sampler.", 0) != 0) states.insert_or_assign(k, v);
+          }
+          fsdp::set_state_dict(*model, optimizer, states);
+          auto value = [&](const char* k) { return std::get<fsdp::Value>(sd.at(k)).json.get<int64_t>(); };
+          sampler.set_state({value("train.sampler.epoch"), value("train.sampler.cursor")});
+        });
+    t.ft = ft.get();
+  }
   const auto kill_at = kill_after_checkpoint(plan.restart);
   report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
 
@@ -335,18 +371,35 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
     return loss;
   };
   // The evaluation before training (the "first" evaluation loss): ~ln(256) = 5.55 for a fresh model.
-  if (start_step == 0) report.initial_metrics(run_eval(0));
+  // (--ft-*: not before the replica groups agree on the state.)
+  if (start_step == 0 && !ft) report.initial_metrics(run_eval(0));
 
   const auto t_train = Clock::now();
   const nlohmann::json ckpt_run = checkpoint_run_info(o, s.cfg, s.train.size(), world);
+  bool first = true;
   for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
+    if (ft) {  // the replica groups agree on who takes part and on the step (a joiner is healed here)
+      ft->start_quorum();
+      step = ft->current_step() + 1;
+      if (!ft->last_quorum().joiners.empty()) report.say(describe_heal(ft->last_quorum()));
+      if (step > last_step) break;
+    }
     const double lr = lr_at(step, o);
     // The DTensor RNG's stream of each step starts at a fixed offset: a resumed run draws what it would have.
     if (s.parallel.dtensor_rng) fsdp::random::set_offset(mesh, static_cast<uint64_t>(step) << 40);
-    const StepResult r = train_step(t, lr, /*count_states=*/step == start_step + 1);
+    const auto data_position = sampler.state();
+    const StepResult r = train_step(t, lr, /*count_states=*/first);
+    if (!r.committed) {  // --ft-*: nothing changed; the same batch again at the next quorum
+      sampler.set_state(data_position);
+      report.say("ft: step " + std::to_string(step) + " not committed by every replica group (" +
+                 ft->last_quorum().failure + "); retrying it");
+      --step;
+      continue;
+    }
     report.step(step, lr, r.loss, r.grad_norm, seconds_since(t0), [&] { return run_eval(step); });
-    if (step == start_step + 1) {  // rank 0's (it holds ceil(dim0 / N) rows of every parameter: the most)
+    if (first) {
+      first = false;  // rank 0's (it holds ceil(dim0 / N) rows of every parameter: the most)
       const double mib = 1 << 20, ideal = 16.0 * static_cast<double>(model->num_params()) / world;
       report.say("model states on rank 0: params " + fmt("%.1f", r.states.params / mib) + " + grads " +
                  fmt("%.1f", r.states.grads / mib) + " + optimizer " + fmt("%.1f", r.states.optimizer / mib) +

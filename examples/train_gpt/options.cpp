@@ -359,6 +359,42 @@ static std::string tokenizer_of_run(const Options& o) {
 /// Throws UsageError.
 static void check_data_size(RunSetup& s, const fsdp::LaunchEnv& env);
 
+namespace {
+
+// --ft-*: one replica group of plain FSDP (fault_tolerance.h); the other parallelisms and fp16's scaler, whose
+// state and collectives span what a replica group's heal does not carry, are refused.
+void check_fault_tolerance(const Options& o, const ParallelOptions& p) {
+  const bool any = o.ft_replica_id >= 0 || o.ft_group_size > 0 || o.ft_min_replica_size > 0 || !o.ft_lighthouse.empty();
+  if (!any) return;
+  if (o.ft_replica_id < 0 || o.ft_group_size < 1) {
+    throw UsageError("--ft-* flags need both --ft-replica-id N and --ft-group-size G (this job is replica group N of G). "
+                     "Fix: add the missing one");
+  }
+  if (o.ft_replica_id >= o.ft_group_size) {
+    throw UsageError("--ft-replica-id " + std::to_string(o.ft_replica_id) + " is not below --ft-group-size " +
+                     std::to_string(o.ft_group_size) + ": replica groups are numbered 0.." +
+                     std::to_string(o.ft_group_size - 1));
+  }
+  if (o.ft_min_replica_size > o.ft_group_size) {
+    throw UsageError("--ft-min-replica-size " + std::to_string(o.ft_min_replica_size) + " exceeds --ft-group-size " +
+                     std::to_string(o.ft_group_size));
+  }
+  std::string other;
+  if (o.no_shard) other = "--no-shard";
+  else if (p.tp > 1) other = "--tp";
+  else if (p.cp > 1) other = "--cp";
+  else if (p.pp > 1) other = "--pp";
+  else if (p.dp_replicate > 1) other = "--dp-replicate (HSDP: the replica groups are the replicate dimension)";
+  else if (p.replicate) other = "--data-parallel replicate";
+  else if (p.param_dtype == torch::kHalf) other = "--mixed-precision fp16 (its loss scaler's state is not healed)";
+  if (!other.empty()) {
+    throw UsageError("--ft-replica-id trains replica groups of plain FSDP; it does not combine with " + other +
+                     ". Fix: drop one of them");
+  }
+}
+
+}  // namespace
+
 RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
   GPTConfig cfg = model_config(o);
   // The tokenizer sets the vocabulary (tokenizer.h); bytes keep every preset's as it is.
@@ -368,6 +404,7 @@ RunSetup prepare_run(const Options& o, const fsdp::LaunchEnv& env) {
     cfg.vocab_size = apply_tokenizer_vocab(cfg.vocab_size, o.vocab_size, *tokenizer);
   }
   const ParallelOptions parallel = parallel_options(o, cfg, env.world_size);
+  check_fault_tolerance(o, parallel);
   if (o.min_lr > o.lr) {
     throw UsageError("--min-lr " + fmt("%g", o.min_lr) + " exceeds --lr " + fmt("%g", o.lr) +
                      ": the cosine schedule decays from --lr to --min-lr. Fix: --min-lr <= --lr");

@@ -120,6 +120,14 @@ struct Options {
   std::string ckpt_format = "safetensors";  // safetensors (ours) | distcp (PyTorch's dcp.save default)
   std::string resume;       // "": new run (a restart resumes, as auto); "always": --resume; "auto": --resume auto
   int64_t stop_at = 0;      // stop after this step, as an interrupted run would; 0: run to --steps
+  // Fault tolerance across replica groups (fault_tolerance.h, fsdp::ft::Manager).
+  int ft_replica_id = -1;        // >= 0: this job is replica group N of --ft-group-size
+  int ft_group_size = 0;         // replica groups of the job
+  int ft_min_replica_size = 0;   // steps run with at least this many; 0: all of them
+  std::string ft_lighthouse;     // HOST:PORT of fsdp_lighthouse; empty: TORCHFT_LIGHTHOUSE
+  double ft_join_timeout = 10;   // seconds a step waits for the previous step's replica groups
+  double ft_timeout = 60;        // seconds: the commit vote and the replica groups' collectives
+  double ft_quorum_timeout = 900;  // seconds: waiting for --ft-min-replica-size replica groups, or to be admitted
 };
 
 /// Parses the command line into `o`. Returns the exit code when there is nothing to run (--help,

@@ -302,7 +302,7 @@ namespace detail {
 
 ProcessGroupPtr make_gloo_group_on_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                           std::chrono::milliseconds timeout, std::vector<int> global_ranks,
-                                          const std::string& name, int threads) {
+                                          const std::string& name, int threads, std::optional<bool> loopback) {
   // A name that is no interface here fails naming the variable (Gloo's own message is "Unable to find
   // address for: X"); init_process_group checks reachability too (src/c10d/network_check.cpp).
   detail::check_socket_ifname("GLOO_SOCKET_IFNAME");
@@ -317,7 +317,7 @@ ProcessGroupPtr make_gloo_group_on_sockets(const c10::intrusive_ptr<c10d::Store>
     }
   } else {
     // MASTER_ADDR, or under srun without it the first host of the step (src/c10d/slurm_env.h).
-    bool local = is_loopback(detail::rendezvous_host_from_env());
+    bool local = loopback ? *loopback : is_loopback(detail::rendezvous_host_from_env());
     opts->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                   : c10d::ProcessGroupGloo::createDefaultDevice());
   }
@@ -365,7 +365,8 @@ ProcessGroupPtr make_gloo_group_on_sockets(const c10::intrusive_ptr<c10d::Store>
 ProcessGroupPtr make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                 std::chrono::milliseconds timeout, std::vector<int> global_ranks,
                                 std::string name, int threads) {
-  auto group = detail::make_gloo_group_on_sockets(store, rank, size, timeout, std::move(global_ranks), name, threads);
+  auto group = detail::make_gloo_group_on_sockets(store, rank, size, timeout, std::move(global_ranks), name, threads,
+                                                 std::nullopt);
   // One host: the bytes of the plain collectives through shared memory (src/c10d/shm_transport.h).
   detail::ProcessGroupAccess::set_shm(*group, detail::ShmTransport::create(store, rank, size, timeout, name));
   return group;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,9 +14,11 @@
 
 namespace fsdp::detail {
 
-/// make_gloo_group without the shared-memory transport (same arguments, same errors).
+/// make_gloo_group without the shared-memory transport (same arguments, same errors). `loopback`: whether
+/// every rank runs on this host (Gloo then listens on 127.0.0.1); unset, as make_gloo_group decides it (from
+/// MASTER_ADDR, which for groups that span jobs says nothing). GLOO_SOCKET_IFNAME overrides both.
 ProcessGroupPtr make_gloo_group_on_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                           std::chrono::milliseconds timeout, std::vector<int> global_ranks,
-                                          const std::string& name, int threads);
+                                          const std::string& name, int threads, std::optional<bool> loopback);
 
 }  // namespace fsdp::detail

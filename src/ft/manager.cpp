@@ -11,7 +11,9 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "c10d/gloo_group.h"
 #include "fsdp/c10d/collectives.h"
@@ -44,8 +46,9 @@ namespace fsdp::ft {
 // (resume from a checkpoint). Round 0 is decided by joiners: the lowest ready replica group is its donor,
 // so that replica groups that initialised differently start from one state.
 // Group. A decision forms a new replicate group (Gloo over sockets: a peer that dies fails it at once,
-// src/c10d/gloo_group.h) when the participants changed or round n - 1 did not commit (its group may be
-// broken); rank s's group is prefixed "pg/<n>/<s>/", ranks in replica id order.
+// src/c10d/gloo_group.h) when the participants changed, when it has joiners (a restarted replica group keeps
+// the id of the one that died: the same ids are not the same processes), or when round n - 1 did not commit
+// (its group may be broken); rank s's group is prefixed "pg/<n>/<s>/", ranks in replica id order.
 // Heal. With joiners, the donor broadcasts its state over the replicate group: a JSON description first
 // (step, keys, kinds, dtypes, shapes, non-tensor values), then each tensor's local piece. Everyone
 // receives into fresh tensors; a joiner checks the description against its own state dict (a mismatch
@@ -194,6 +197,19 @@ struct Manager::Impl {
     return std::chrono::duration_cast<std::chrono::milliseconds>(d);
   }
 
+  // Whether the replica groups all run on this host: the replicate group spans jobs, so MASTER_ADDR (this
+  // replica group's own, often 127.0.0.1 under --standalone) cannot say; the lighthouse's address can. A
+  // HashStore is shared by threads of this process; another kind of store says nothing: every interface.
+  bool loopback() const {
+    c10d::Store* st = o.store.get();
+    while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(st)) st = prefixed->getUnderlyingStore().get();
+    if (dynamic_cast<c10d::HashStore*>(st)) return true;
+    const auto* tcp = dynamic_cast<const c10d::TCPStore*>(st);
+    if (!tcp) return false;
+    const auto& h = tcp->getHost();
+    return h == "127.0.0.1" || h == "localhost" || h == "::1";
+  }
+
   std::string key(const std::string& k) const { return "ft/" + k; }
   int64_t counter(const std::string& k) { return o.store->add(key(k), 0); }
   bool has(const std::string& k) { return o.store->check({key(k)}); }
@@ -302,7 +318,9 @@ struct Manager::Impl {
         } else if (!nd.joiners.empty()) {
           nd.donor = nd.members.front();
         }
-        nd.new_group = !prev_committed || nd.participants() != expected;
+        // A joiner is a process new to the group (or one left out): even when the ids are the previous
+        // round's, the group must be new (a restarted replica group has the id of the one that died).
+        nd.new_group = !prev_committed || nd.participants() != expected || !nd.joiners.empty();
         return Decision::parse(decide(dk, nd.dump()));
       }
       TORCH_CHECK(waited < o.quorum_timeout, "fsdp::ft::Manager (", where(), "): round ", n, " (step ", step, ") has ",
@@ -416,7 +434,7 @@ void Manager::start_quorum() {
       auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
           "ft/pg/" + std::to_string(d.round) + "/" + std::to_string(m.s), m.o.store);
       m.group = detail::make_gloo_group_on_sockets(prefixed, index, static_cast<int>(parts.size()), m.o.timeout, {},
-                                                  "ft/replicate/" + std::to_string(m.s), 1);
+                                                  "ft/replicate/" + std::to_string(m.s), 1, m.loopback());
     } catch (const std::exception& e) {
       report_error("forming the replicate group of round " + std::to_string(d.round) + ": " + detail::message_of(e));
     }
@@ -572,6 +590,10 @@ bool Manager::should_commit() {
   }
   participating_ = false;
   m.committed = verdict == "1";
+  if (!m.committed) {
+    quorum_.failure = m.has(r + "why") ? m.get(r + "why")
+                                       : "a rank did not vote within " + std::to_string(m.o.timeout.count()) + " ms";
+  }
   // Committed: a healed joiner now holds the state. Not committed: a joiner stays one in the next round
   // (it arrives as a participant; the deciders do not count it as a holder).
   if (m.committed) ++step_;

@@ -28,7 +28,7 @@ constexpr int kSteps = 6;
 constexpr int64_t kRows = 2;     // rows of the global batch per rank
 
 // Where a replica group's first incarnation stops (as if its host died).
-enum class Death { kNone, kBeforeAllreduce, kBeforeVote };
+enum class Death { kNone, kBeforeAllreduce, kBeforeVote, kAfterCommit };
 
 struct Trace {
   std::mutex mu;
@@ -119,6 +119,8 @@ void train_rank(const ProcessGroupPtr& group, const c10::intrusive_ptr<c10d::Sto
       trace.losses[{plan.replica, s, step}] = loss.item<float>();
     }
     opt.zero_grad();
+    // Between steps: no step of the others fails; they find it missing at their next quorum.
+    if (plan.death == Death::kAfterCommit && step == plan.die_at) return;
   }
   auto final_state = local_state(get_state_dict(net, opt));
   std::lock_guard<std::mutex> lock(trace.mu);
@@ -176,10 +178,12 @@ std::vector<Batch> global_batches() { return make_batches(kSteps, kR * kS * kRow
 
 class FtManagerDeath : public ::testing::TestWithParam<Death> {};
 
-// Replica group 1 dies at step 3 (before its gradients are averaged, or after, before its vote); replica
-// group 0 keeps its state and waits (min_replica_size 2); replica group 1 starts again with other initial
-// weights, is healed from replica group 0, and the run goes on: every loss and the final state of every
-// rank equal the uninterrupted run's bit for bit.
+// Replica group 1 dies at step 3: before its gradients are averaged (the survivor's average fails), after
+// it (the survivor's vote times out), or once step 3 committed (no step fails: the survivor finds it missing
+// at the next quorum, and the restarted one, with the same id, must not be taken for it). Replica group 0
+// keeps its state and waits (min_replica_size 2); replica group 1 starts again with other initial weights,
+// is healed from replica group 0, and the run goes on: every loss and the final state of every rank equal
+// the uninterrupted run's bit for bit.
 TEST_P(FtManagerDeath, LostReplicaGroupIsHealedFromALiveOneAndTrainsAsAnUninterruptedRun) {
   const auto batches = global_batches();
   Trace& ref = uninterrupted(batches);
@@ -206,10 +210,10 @@ TEST_P(FtManagerDeath, LostReplicaGroupIsHealedFromALiveOneAndTrainsAsAnUninterr
   expect_no_errors(e1b, "replica group 1 (restarted)");
 
   for (int s = 0; s < kS; ++s) {
-    // The restart's heal: at step 3, from replica group 0, with every byte of the state.
+    // The restart's heal: at the step it died in, from replica group 0, with every byte of the state.
     const auto& heals = trace.heals[{1, s}];
     ASSERT_EQ(heals.size(), 2u) << "rank " << s << ": round 0's heal and the restart's";
-    EXPECT_EQ(heals[1].step, 3);
+    EXPECT_EQ(heals[1].step, GetParam() == Death::kAfterCommit ? 4 : 3);
     EXPECT_EQ(heals[1].donor, 0);
     EXPECT_EQ(heals[1].joiners, std::vector<int>{1});
     EXPECT_TRUE(heals[1].new_group);
@@ -225,10 +229,14 @@ TEST_P(FtManagerDeath, LostReplicaGroupIsHealedFromALiveOneAndTrainsAsAnUninterr
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Deaths, FtManagerDeath, ::testing::Values(Death::kBeforeAllreduce, Death::kBeforeVote),
+INSTANTIATE_TEST_SUITE_P(Deaths, FtManagerDeath,
+                         ::testing::Values(Death::kBeforeAllreduce, Death::kBeforeVote, Death::kAfterCommit),
                          [](const auto& info) {
-                           return info.param == Death::kBeforeAllreduce ? std::string("BeforeAllreduce")
-                                                                        : std::string("BeforeVote");
+                           switch (info.param) {
+                             case Death::kBeforeAllreduce: return std::string("BeforeAllreduce");
+                             case Death::kBeforeVote: return std::string("BeforeVote");
+                             default: return std::string("AfterCommit");
+                           }
                          });
 
 // The donor dies after sending 3 tensors of the heal: the joiner never loads a part of the state (its

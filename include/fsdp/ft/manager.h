@@ -87,6 +87,9 @@ struct QuorumInfo {
   bool new_group = false;      ///< whether it formed a new replicate group
   double heal_seconds = 0;     ///< this rank's time sending or receiving the state (0 without a heal)
   int64_t heal_bytes = 0;      ///< the bytes of tensor state moved by the heal (per rank)
+  /// Set by should_commit() when the step did not commit: the first failure a rank reported (naming its
+  /// replica group and rank), or that a rank did not vote within `timeout`.
+  std::string failure;
 };
 
 /// One rank's participation in the replica quorum. Not thread-safe; one per rank.
