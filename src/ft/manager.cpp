@@ -368,6 +368,7 @@ Manager::Manager(ManagerOptions options) : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(o.min_replica_size >= 1 && o.min_replica_size <= o.num_replica_groups,
               "fsdp::ft::Manager: min_replica_size ", o.min_replica_size, " is outside [1, num_replica_groups = ",
               o.num_replica_groups, "]");
+  TORCH_CHECK(o.max_retries >= 1, "fsdp::ft::Manager: max_retries must be positive, got ", o.max_retries);
   TORCH_CHECK(o.state_dict && o.load_state_dict,
               "fsdp::ft::Manager: ManagerOptions::state_dict and load_state_dict are required (the state a joiner receives)");
   impl_->S = o.replica_group->size();
@@ -396,6 +397,8 @@ void Manager::report_error(const std::string& what) {
 void Manager::start_quorum() {
   auto& m = *impl_;
   TORCH_CHECK(!participating_, "fsdp::ft::Manager (", m.where(), "): start_quorum called twice without should_commit");
+  TORCH_CHECK(failed_in_a_row_ < m.o.max_retries, "fsdp::ft::Manager (", m.where(), "): ", failed_in_a_row_,
+              " steps in a row did not commit (max_retries); the last failure: ", quorum_.failure);
   error_.reset();
   Decision d;
   if (!m.joining) {
@@ -590,6 +593,7 @@ bool Manager::should_commit() {
   }
   participating_ = false;
   m.committed = verdict == "1";
+  failed_in_a_row_ = m.committed ? 0 : failed_in_a_row_ + 1;
   if (!m.committed) {
     quorum_.failure = m.has(r + "why") ? m.get(r + "why")
                                        : "a rank did not vote within " + std::to_string(m.o.timeout.count()) + " ms";

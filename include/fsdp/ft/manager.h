@@ -65,6 +65,10 @@ struct ManagerOptions {
   /// vote is noticed after this), forming the replicate group, and its collectives (a peer that stops
   /// without dying). Mirrors torchft.Manager(timeout=).
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// start_quorum throws once this many steps in a row did not commit (a failure that repeats, e.g. a joiner
+  /// that cannot be healed, must not retry forever), naming the last failure. Mirrors
+  /// torchft.Manager(max_retries=).
+  int max_retries = 10;
   /// The state a joiner receives: this rank's model and optimizer state (e.g. get_state_dict(model,
   /// optimizer)): sharded entries are sent as their local pieces, so the donor's and the joiner's
   /// replica groups must shard alike (same S, same fully_shard calls). Required.
@@ -110,7 +114,7 @@ class Manager {
   /// sends it if its replica group is the donor). Failures of the replicate group are recorded (errored())
   /// and fail the step at should_commit(), never thrown. Throws c10::Error only when no quorum is
   /// possible within `quorum_timeout` (fewer than min_replica_size replica groups, or this joiner not
-  /// admitted) or when no live replica group
+  /// admitted), after `max_retries` steps in a row that did not commit, or when no live replica group
   /// holds the state any more (every holder died: resume from a checkpoint), naming the replica groups.
   void start_quorum();
 
@@ -146,6 +150,7 @@ class Manager {
   std::optional<std::string> error_;
   int64_t step_ = 0;
   bool participating_ = false;
+  int failed_in_a_row_ = 0;
   QuorumInfo quorum_;
 };
 
