@@ -416,6 +416,7 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
       kill_if_due(kill_at, step, rank);
     }
   }
+  if (ft) ft->shutdown();  // a replica group that joins from now on is told the job finished
   // A resumed run that had nothing left to train still reports where the model stands.
   if (!report.evaluated() && start_step > 0 && start_step >= last_step) run_eval(start_step);
   report.end_of_training(last_step);
@@ -524,6 +525,9 @@ int main(int argc, char** argv) {
       std::_Exit(rc);
     }
     return rc;
+  } catch (const fsdp::ft::JobFinished& e) {  // --ft-*: a replica group restarted after the others finished
+    std::cout << "train_gpt: " << e.what() << std::endl;
+    return 0;
   } catch (const train_gpt::UsageError& e) {
     fsdp::elastic::record_exception(e);  // the launcher's summary shows it (TORCHELASTIC_ERROR_FILE)
     std::cerr << "train_gpt: error: " << e.what() << std::endl;

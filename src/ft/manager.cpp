@@ -50,8 +50,8 @@ namespace fsdp::ft {
 // the id of the one that died: the same ids are not the same processes), or when round n - 1 did not commit
 // (its group may be broken); rank s's group is prefixed "pg/<n>/<s>/", ranks in replica id order.
 // Heal. With joiners, the donor broadcasts its state over the replicate group: a JSON description first
-// (step, keys, kinds, dtypes, shapes, non-tensor values), then each tensor's local piece. Everyone
-// receives into fresh tensors; a joiner checks the description against its own state dict (a mismatch
+// (step, keys, kinds, dtypes, shapes, non-tensor values), then the local pieces: one flat buffer per dtype,
+// sent in 8 MiB chunks. Everyone receives into fresh buffers; a joiner checks the description against its own state dict (a mismatch
 // names the key) and calls load_state_dict only once every byte arrived, so a donor that dies mid-copy
 // leaves the joiner's state as it was (the step fails; the next round heals again from another holder,
 // or, with none left, reports the state lost).
@@ -64,6 +64,7 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(2);
+constexpr int64_t kHealChunkBytes = 8 << 20;  // one broadcast of a heal (bounds the donor's send buffer too)
 
 std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
@@ -346,6 +347,10 @@ struct Manager::Impl {
         ++n;
         continue;
       }
+      if (has("done")) {
+        throw JobFinished("fsdp::ft::Manager (" + where() + "): the job finished at step " + get("done") +
+                          " before this replica group was admitted: nothing is left to train");
+      }
       if (n == 0) return decide_first();
       TORCH_CHECK(Clock::now() - t0 < o.quorum_timeout, "fsdp::ft::Manager (", where(), "): not admitted to a quorum within ",
                   o.quorum_timeout.count(), " ms; the last round decided was ", n - 1,
@@ -388,6 +393,12 @@ int64_t Manager::participant_index() const {
   std::sort(p.begin(), p.end());
   auto it = std::find(p.begin(), p.end(), impl_->o.replica_id);
   return it == p.end() ? -1 : it - p.begin();
+}
+
+void Manager::shutdown() {
+  auto& m = *impl_;
+  m.o.store->compareSet(m.key("done"), {}, bytes_of(std::to_string(step_)));
+  m.group.reset();
 }
 
 void Manager::report_error(const std::string& what) {
@@ -467,26 +478,59 @@ void Manager::start_quorum() {
       if (donor) std::memcpy(buf.data_ptr(), text.data(), text.size());
       broadcast(buf, src, *m.group);
       if (!donor) meta = json::parse(std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel())));
-      // The tensors, in the description's order, each into a fresh tensor.
-      int64_t i = 0;
+      // The tensors: per dtype (in the order of first appearance), one flat buffer of the entries in the
+      // description's order, sent in chunks of kHealChunkBytes (one broadcast each instead of one per tensor:
+      // 157 tensors of the small preset took 0.06-0.36 s one by one on loopback, per-call latency).
+      std::vector<std::string> dtypes;
+      std::map<std::string, int64_t> numel;
       for (const auto& e : meta.at("entries")) {
         if (e.at("kind") == "Value") continue;
-        torch::Tensor t = donor ? locals[static_cast<size_t>(i)]
-                                : torch::empty(e.at("shape").get<std::vector<int64_t>>(),
-                                               torch::TensorOptions().dtype(dtype_named(e.at("dtype"), e.at("key"))));
-        broadcast(t, src, *m.group);
-        quorum_.heal_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-        if (!donor) received.push_back(t);
-        if (donor && m.o.after_heal_send) {
-          try {
-            m.o.after_heal_send(i);
-          } catch (...) {
-            died = true;
-            m.group.reset();  // a donor that dies: its sockets close under the receivers
-            throw;
-          }
+        const std::string dt = e.at("dtype");
+        if (!numel.count(dt)) dtypes.push_back(dt);
+        int64_t n = 1;
+        for (int64_t x : e.at("shape").get<std::vector<int64_t>>()) n *= x;
+        numel[dt] += n;
+      }
+      int64_t chunk = 0;
+      std::map<std::string, torch::Tensor> flats;
+      for (const auto& dt : dtypes) {
+        torch::Tensor flat;
+        if (donor) {
+          std::vector<torch::Tensor> parts;
+          for (const auto& t : locals)
+            if (dt == c10::toString(t.scalar_type())) parts.push_back(t.reshape({-1}));
+          flat = torch::cat(parts);
+        } else {
+          flat = torch::empty({numel[dt]}, torch::TensorOptions().dtype(dtype_named(dt, "a heal buffer")));
         }
-        ++i;
+        const int64_t per = std::max<int64_t>(1, kHealChunkBytes / static_cast<int64_t>(flat.element_size()));
+        for (int64_t off = 0; off < flat.numel(); off += per) {
+          broadcast(flat.narrow(0, off, std::min(per, flat.numel() - off)), src, *m.group);
+          if (donor && m.o.after_heal_send) {
+            try {
+              m.o.after_heal_send(chunk);
+            } catch (...) {
+              died = true;
+              m.group.reset();  // a donor that dies: its sockets close under the receivers
+              throw;
+            }
+          }
+          ++chunk;
+        }
+        quorum_.heal_bytes += flat.numel() * static_cast<int64_t>(flat.element_size());
+        flats[dt] = flat;
+      }
+      if (!donor) {  // each entry a view of its dtype's buffer
+        std::map<std::string, int64_t> off;
+        for (const auto& e : meta.at("entries")) {
+          if (e.at("kind") == "Value") continue;
+          const std::string dt = e.at("dtype");
+          const auto shape = e.at("shape").get<std::vector<int64_t>>();
+          int64_t n = 1;
+          for (int64_t x : shape) n *= x;
+          received.push_back(flats[dt].narrow(0, off[dt], n).view(shape));
+          off[dt] += n;
+        }
       }
     } catch (const std::exception& e) {
       if (died) throw;

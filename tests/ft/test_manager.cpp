@@ -4,6 +4,7 @@
 // one, compared bit for bit with a run that lost nothing.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -40,11 +41,13 @@ struct Trace {
 
 // A model with the initial weights of `seed`. Made under a lock: the global generator is shared by the rank
 // threads, and a model built on one while another seeds it would take some of its numbers.
-Net make_net(uint64_t seed, int blocks = 2) {
+// `big`: an extra 16 MiB parameter the forward does not use, so that a heal's state spans several 8 MiB chunks.
+Net make_net(uint64_t seed, int blocks = 2, bool big = false) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   torch::manual_seed(seed);
   Net net(blocks);
+  if (big) net->register_parameter("big", torch::randn({1024, 4096}));
   return net;
 }
 
@@ -66,13 +69,14 @@ struct RankPlan {
   int min_replica_size = kR;
   std::function<void(int64_t)> after_heal_send;  // on the donor
   int blocks = 2;
+  bool big = false;  // see make_net
 };
 
 // One rank of one replica group: fully_shard over `group`, AdamW, the Manager's step loop.
 // Returns normally at kSteps, or early where the plan says it dies.
 void train_rank(const ProcessGroupPtr& group, const c10::intrusive_ptr<c10d::Store>& lighthouse,
                 const std::vector<Batch>& batches, const RankPlan& plan, Trace& trace) {
-  Net net = make_net(plan.seed, plan.blocks);
+  Net net = make_net(plan.seed, plan.blocks, plan.big);
   auto mesh = init_device_mesh(torch::kCPU, {group->size()});
   auto opts = FullyShardOptions().mesh(mesh);
   for (auto& b : net->blocks) fully_shard(b, opts);
@@ -239,23 +243,25 @@ INSTANTIATE_TEST_SUITE_P(Deaths, FtManagerDeath,
                            }
                          });
 
-// The donor dies after sending 3 tensors of the heal: the joiner never loads a part of the state (its
-// parameters are still its own initial ones), and with no holder of the state left every rank of it
-// reports the state lost, naming the fix (a checkpoint).
+// The donor dies after sending 2 of the heal's 3 chunks (24 MiB per rank: the big parameter and its AdamW
+// state): the joiner never loads a part of the state (its parameters are still its own initial ones), and
+// with no holder of the state left every rank of it reports the state lost, naming the fix (a checkpoint).
 TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost) {
   const auto batches = global_batches();
   Trace trace;
   auto store = lighthouse();
   std::vector<std::string> e0, e1a, e1b;
-  RankPlan donor{.replica = 0, .seed = 7};
-  donor.after_heal_send = [](int64_t i) {
-    if (i == 3) throw std::runtime_error("donor killed mid-copy");
+  RankPlan donor{.replica = 0, .seed = 7, .big = true};
+  std::atomic<int> chunks{0};
+  donor.after_heal_send = [&](int64_t i) {
+    chunks = std::max<int>(chunks, static_cast<int>(i) + 1);
+    if (i == 1) throw std::runtime_error("donor killed mid-copy");
   };
   auto t0 = start_replica(store, batches, donor, trace, e0);
   // Replica group 1 is the round-0 joiner: the donor dies while healing it.
   auto t1 = std::thread([&] {
     e1a = run_ranks_collect(kS, [&](ProcessGroupPtr g) {
-      Net net = make_net(8);
+      Net net = make_net(8, 2, /*big=*/true);
       auto mesh = init_device_mesh(torch::kCPU, {g->size()});
       for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
       fully_shard(net, FullyShardOptions().mesh(mesh));
@@ -284,6 +290,7 @@ TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost)
   });
   t0.join();
   t1.join();
+  EXPECT_EQ(chunks, 2);  // the death came mid-copy, after the 2nd chunk
   for (int s = 0; s < kS; ++s) {
     EXPECT_NE(e0[s].find("donor killed mid-copy"), std::string::npos) << e0[s];
     EXPECT_NE(e1a[s].find("the state is lost: no replica group that holds the state of step 0 reached round 1"),
@@ -364,8 +371,9 @@ TEST(FtManager, BadOptionsAreRefused) {
   });
 }
 
-// One replica group alone (min_replica_size 1): no heal, no collective, steps commit.
-TEST(FtManager, OneReplicaGroupTrainsAlone) {
+// One replica group alone (min_replica_size 1): no heal, no collective, steps commit. Once it shut down, a
+// replica group that joins is told the job finished (JobFinished) instead of waiting for a quorum.
+TEST(FtManager, OneReplicaGroupTrainsAloneAndALateJoinerIsToldTheJobFinished) {
   const auto batches = global_batches();
   auto store = lighthouse();
   run_ranks(kS, [&](ProcessGroupPtr g) {
@@ -388,6 +396,26 @@ TEST(FtManager, OneReplicaGroupTrainsAlone) {
       EXPECT_TRUE(manager.should_commit());
     }
     EXPECT_EQ(manager.current_step(), 2);
+    manager.shutdown();
+  });
+  run_ranks(kS, [&](ProcessGroupPtr g) {
+    Net net = make_net(8);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    ft::ManagerOptions o;
+    o.store = store;
+    o.replica_group = g;
+    o.replica_id = 1;
+    o.num_replica_groups = kR;
+    o.state_dict = [&] { return get_state_dict(net, opt); };
+    o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
+    ft::Manager manager(o);
+    try {
+      manager.start_quorum();
+      ADD_FAILURE() << "a joiner of a finished job was admitted";
+    } catch (const ft::JobFinished& e) {
+      EXPECT_NE(std::string(e.what()).find("the job finished at step 2 before this replica group was admitted"),
+                std::string::npos) << e.what();
+    }
   });
 }
 

@@ -7,7 +7,9 @@ What is tested:
   memory (its processes never restart), its step fails and waits (--ft-min-replica-size 2); replica group 1 started
   again receives the model, the optimizer and the data position from replica group 0 (no checkpoint read) and the
   run goes on from the step it was at: every loss of both and the final checkpoints of both equal, bit for bit, a
-  run that lost nothing. The time from the kill to the first step trained after the heal is printed;
+  run that lost nothing. The time from the kill to the first step trained after the heal is printed. On one host,
+  and with each replica group on a test host of its own (network namespaces, tests/python/netns_hosts.py); a
+  replica group that starts after the job finished exits 0 saying so;
 - bad --ft-* flags fail at once naming what is expected.
 Every process runs under a timeout; a failed test kills what it started.
 """
@@ -24,6 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_testing import BUILD, FSDPRUN, TRAIN_GPT, clean_env, metrics, run, train_losses  # noqa: E402
+from netns_hosts import netns_hosts  # noqa: E402,F401
 from test_elastic import assert_same_checkpoint  # noqa: E402
 
 LIGHTHOUSE = BUILD / "bin" / "fsdp_lighthouse"
@@ -35,14 +38,19 @@ FT = ["--ft-group-size", "2", "--ft-join-timeout", "2", "--ft-timeout", "30", "-
 
 
 class Procs:
-    """Processes started in sessions of their own (killed as a whole at the end)."""
+    """Processes started in sessions of their own (killed as a whole at the end), on this host or in a test host's
+    network namespace (`host`: tests/python/netns_hosts.py; Gloo then on its data network)."""
 
     def __init__(self):
         self.ps = []
 
-    def start(self, cmd, log):
-        p = subprocess.Popen([str(c) for c in cmd], env=clean_env(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60"),
-                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    def start(self, cmd, log, host=None):
+        cmd = [str(c) for c in cmd]
+        env = clean_env(OMP_NUM_THREADS="1", FSDP_TIMEOUT_S="60")
+        if host is not None:
+            cmd = host.cmd(cmd)
+            env["GLOO_SOCKET_IFNAME"] = host.data_if
+        p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         p.log = Path(log)
         self.ps.append(p)
         return p
@@ -61,8 +69,8 @@ def procs():
     ps.kill_all()
 
 
-def start_lighthouse(procs, tmp_path, name):
-    p = procs.start([LIGHTHOUSE, "--port", "0"], tmp_path / f"{name}.log")
+def start_lighthouse(procs, tmp_path, name, host=None):
+    p = procs.start([LIGHTHOUSE, "--port", "0"], tmp_path / f"{name}.log", host)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = re.search(r"listening on port (\d+)", p.log.read_text())
@@ -73,12 +81,14 @@ def start_lighthouse(procs, tmp_path, name):
     raise AssertionError("fsdp_lighthouse did not start: " + p.log.read_text())
 
 
-def start_replica(procs, port, r, out, text_files):
+def start_replica(procs, port, r, out, text_files, hosts=None):
+    """Replica group r: on this host, or on test host r with the lighthouse on test host 0."""
     out.mkdir(parents=True, exist_ok=True)
+    lighthouse = f"{hosts.hosts[0].data_ip}:{port}" if hosts else f"127.0.0.1:{port}"
     cmd = [FSDPRUN, "--standalone", "--nproc-per-node", "2", "--", TRAIN_GPT, *RUN, "--data", *text_files,
            "--metrics", out / "m.jsonl", "--ckpt-dir", out / "ckpt", "--ft-replica-id", str(r), *FT,
-           "--ft-lighthouse", f"127.0.0.1:{port}"]
-    return procs.start(cmd, out / "log.txt")
+           "--ft-lighthouse", lighthouse]
+    return procs.start(cmd, out / "log.txt", hosts.hosts[r] if hosts else None)
 
 
 def finish(p, timeout=300):
@@ -97,10 +107,11 @@ def steps_done(path):
         return 0
 
 
-def test_a_lost_replica_group_is_healed_from_a_live_one(text_files, tmp_path, procs):
+def lost_replica_group_is_healed(text_files, tmp_path, procs, hosts=None):
+    lighthouse_host = hosts.hosts[0] if hosts else None
     # The run that loses nothing (replica group 1 is healed once, at round 0: the replica groups start alike).
-    port = start_lighthouse(procs, tmp_path, "lighthouse_ref")
-    ref = [start_replica(procs, port, r, tmp_path / f"ref{r}", text_files) for r in (0, 1)]
+    port = start_lighthouse(procs, tmp_path, "lighthouse_ref", lighthouse_host)
+    ref = [start_replica(procs, port, r, tmp_path / f"ref{r}", text_files, hosts) for r in (0, 1)]
     for p in ref:
         finish(p)
     ref_losses = [train_losses(metrics(tmp_path / f"ref{r}" / "m.jsonl")) for r in (0, 1)]
@@ -108,9 +119,9 @@ def test_a_lost_replica_group_is_healed_from_a_live_one(text_files, tmp_path, pr
     assert ref_losses[0] == ref_losses[1]  # every replica group logs the loss of the whole global batch
 
     # Replica group 1 killed (agent and workers, SIGKILL) after step 3, then started again.
-    port = start_lighthouse(procs, tmp_path, "lighthouse")
-    r0 = start_replica(procs, port, 0, tmp_path / "r0", text_files)
-    r1 = start_replica(procs, port, 1, tmp_path / "r1", text_files)
+    port = start_lighthouse(procs, tmp_path, "lighthouse", lighthouse_host)
+    r0 = start_replica(procs, port, 0, tmp_path / "r0", text_files, hosts)
+    r1 = start_replica(procs, port, 1, tmp_path / "r1", text_files, hosts)
     deadline = time.monotonic() + 240
     while steps_done(tmp_path / "r1" / "m.jsonl") < 3:
         assert r0.poll() is None and r1.poll() is None and time.monotonic() < deadline, \
@@ -120,7 +131,7 @@ def test_a_lost_replica_group_is_healed_from_a_live_one(text_files, tmp_path, pr
     t_kill = time.monotonic()
     killed_after = steps_done(tmp_path / "r0" / "m.jsonl")
     r1.wait()
-    r1b = start_replica(procs, port, 1, tmp_path / "r1b", text_files)
+    r1b = start_replica(procs, port, 1, tmp_path / "r1b", text_files, hosts)
     # The time from the loss to the first step the survivor trains after the heal (it cannot train one without
     # replica group 1: --ft-min-replica-size is 2 by default).
     heal_line = re.compile(r"\[default0\]:ft: round (\d+) healed replica group\(s\) 1 from replica group 0 at step "
@@ -152,9 +163,24 @@ def test_a_lost_replica_group_is_healed_from_a_live_one(text_files, tmp_path, pr
     last = f"step-{STEPS}"
     assert_same_checkpoint(tmp_path / "r0" / "ckpt" / last, tmp_path / "ref0" / "ckpt" / last)
     assert_same_checkpoint(tmp_path / "r1b" / "ckpt" / last, tmp_path / "r0" / "ckpt" / last)
-    print(f"[ft] replica group 1 killed after step {killed_after}: healed at step {healed_at} "
+    # A replica group that starts after the job finished is told so and exits 0 (no wait for a quorum).
+    late = start_replica(procs, port, 1, tmp_path / "late", text_files, hosts)
+    finish(late, 120)
+    assert f"the job finished at step {STEPS} before this replica group was admitted" in late.log.read_text()
+    where = "on two test hosts" if hosts else "on one host"
+    print(f"[ft] {where}: replica group 1 killed after step {killed_after}: healed at step {healed_at} "
           f"({heal.group(3)} MiB in {heal.group(4)} s per rank); the survivor trained its next step {recovery:.1f} s "
           f"after the kill (restart of replica group 1's job included); losses and step-{STEPS} bit-identical")
+
+
+def test_a_lost_replica_group_is_healed_from_a_live_one(text_files, tmp_path, procs):
+    lost_replica_group_is_healed(text_files, tmp_path, procs)
+
+
+def test_a_lost_host_is_healed_from_the_other(netns_hosts, text_files, tmp_path, procs):
+    """The same with each replica group on a test host of its own (network namespaces; the lighthouse on host 0):
+    the replicate group crosses hosts on the data network."""
+    lost_replica_group_is_healed(text_files, tmp_path, procs, netns_hosts)
 
 
 @pytest.mark.parametrize("flags, expect", [

@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -76,9 +77,16 @@ struct ManagerOptions {
   /// Loads what state_dict() of the donor returned into this rank (e.g. set_state_dict). Called on a
   /// joiner only, after every byte arrived (never with a part of the state). Required.
   std::function<void(const StateDict&)> load_state_dict;
-  /// Fault injection for tests: called on the donor after it sent each tensor of a heal (the index of
-  /// the tensor); a throw from it is that donor dying mid-copy (its replicate group is closed at once).
+  /// Fault injection for tests: called on the donor after it sent each chunk of a heal (its index; a heal
+  /// sends one flat buffer per dtype in 8 MiB chunks); a throw from it is that donor dying mid-copy (its
+  /// replicate group is closed at once, and the throw leaves start_quorum).
   std::function<void(int64_t)> after_heal_send;
+};
+
+/// Thrown by start_quorum on a joiner when the job already finished (a replica group called shutdown()):
+/// nothing is left to train; a launcher's restart that arrives late exits cleanly on it.
+struct JobFinished : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 /// What the last quorum decided (for logs and tests).
@@ -132,6 +140,12 @@ class Manager {
   /// `timeout` (the caller zeroes its gradients and retries the same batch: current_step() is unchanged).
   /// The same answer on every rank.
   bool should_commit();
+
+  /// This replica group finished training (call it on every rank after the last step): marks the job
+  /// finished at current_step() in the store, so that a replica group joining later is told so
+  /// (JobFinished) instead of waiting for a quorum that will not come, and closes the replicate group.
+  /// One lighthouse serves one job. Mirrors torchft.Manager.shutdown().
+  void shutdown();
 
   /// Committed steps (a joiner takes the donor's count).
   int64_t current_step() const { return step_; }
