@@ -578,13 +578,14 @@ void Manager::allreduce(const std::vector<torch::Tensor>& tensors) {
     return;
   }
   const double n = static_cast<double>(num_participants());
+  // One flat buffer per dtype, in the order of first appearance (the same on every rank).
+  std::vector<c10::ScalarType> order;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.is_floating_point(), "fsdp::ft::Manager (", m.where(), "): allreduce averages floating tensors, got ",
+                c10::toString(t.scalar_type()), " ", t.sizes());
+    if (std::find(order.begin(), order.end(), t.scalar_type()) == order.end()) order.push_back(t.scalar_type());
+  }
   try {
-    // One flat buffer per dtype, in the order of first appearance (the same on every rank).
-    std::vector<c10::ScalarType> order;
-    for (const auto& t : tensors) {
-      TORCH_CHECK(t.is_floating_point(), "allreduce averages floating tensors, got ", c10::toString(t.scalar_type()));
-      if (std::find(order.begin(), order.end(), t.scalar_type()) == order.end()) order.push_back(t.scalar_type());
-    }
     for (auto st : order) {
       std::vector<torch::Tensor> part;
       for (const auto& t : tensors)

@@ -37,7 +37,9 @@
 namespace fsdp::ft {
 
 /// Options of Manager. Mirrors the arguments of torchft.Manager (lighthouse -> store, replica_id,
-/// min_replica_size, timeout, quorum_timeout, state_dict/load_state_dict) and the lighthouse's join timeout.
+/// min_replica_size, timeout, quorum_timeout, max_retries, state_dict/load_state_dict) and the
+/// lighthouse's join timeout.
+/// Example: `opts.store = tcp_store; opts.replica_group = pg; opts.replica_id = 1; opts.num_replica_groups = 2;`
 struct ManagerOptions {
   /// The store every rank of every replica group shares (TorchFT's lighthouse): a c10d::TCPStore whose
   /// server outlives any replica group (e.g. one that a separate process or the launcher of a replica
@@ -53,7 +55,7 @@ struct ManagerOptions {
   /// The most replica groups the job has (the ids are 0..num_replica_groups-1). Required (> 0).
   int num_replica_groups = 0;
   /// A step runs only with at least this many replica groups; with fewer, start_quorum waits (up to
-  /// `timeout`) for replica groups to join. Mirrors torchft.Manager(min_replica_size=).
+  /// `quorum_timeout`) for replica groups to join. Mirrors torchft.Manager(min_replica_size=).
   int min_replica_size = 1;
   /// How long a quorum waits for the replica groups of the previous step before it goes on without the
   /// missing ones (they rejoin later and are healed). Mirrors TorchFT's join/quorum timeouts.
@@ -84,12 +86,16 @@ struct ManagerOptions {
 };
 
 /// Thrown by start_quorum on a joiner when the job already finished (a replica group called shutdown()):
-/// nothing is left to train; a launcher's restart that arrives late exits cleanly on it.
+/// nothing is left to train; a launcher's restart that arrives late exits cleanly on it. (TorchFT has
+/// no equivalent: its late joiners wait for a quorum.)
+/// Example: `try { manager.start_quorum(); } catch (const fsdp::ft::JobFinished&) { return 0; }`
 struct JobFinished : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// What the last quorum decided (for logs and tests).
+/// What the last quorum decided (for logs and tests). Like the fields of TorchFT's quorum result
+/// (replica ids, max step, heal), plus this rank's heal figures.
+/// Example: `if (!m.last_quorum().joiners.empty()) log(m.last_quorum().heal_seconds);`
 struct QuorumInfo {
   int64_t round = -1;          ///< the quorum's number (one per start_quorum, the same on every rank)
   int64_t step = 0;            ///< the step it runs (committed steps so far)
@@ -128,7 +134,8 @@ class Manager {
 
   /// Averages `tensors` (e.g. the local gradient shards, in place) over the participating replica
   /// groups: summed in the group's ring order, divided by num_participants(); one collective per dtype.
-  /// Does nothing after an error in this step; a failure is recorded, not thrown.
+  /// Does nothing after an error in this step; a failure of the group is recorded, not thrown. Throws
+  /// c10::Error outside a step (before start_quorum) or for a tensor that is not floating point.
   void allreduce(const std::vector<torch::Tensor>& tensors);
   /// Records a failure of this step (e.g. an exception the caller caught): should_commit() returns false.
   void report_error(const std::string& what);
@@ -138,7 +145,7 @@ class Manager {
   /// Ends a step: every rank of every participating replica group votes; true when all voted that their
   /// step succeeded (the caller then steps its optimizer), false when any failed or did not vote within
   /// `timeout` (the caller zeroes its gradients and retries the same batch: current_step() is unchanged).
-  /// The same answer on every rank.
+  /// The same answer on every rank. Throws c10::Error when called without start_quorum.
   bool should_commit();
 
   /// This replica group finished training (call it on every rank after the last step): marks the job
