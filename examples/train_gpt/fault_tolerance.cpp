@@ -9,7 +9,7 @@
 
 namespace train_gpt {
 
-std::unique_ptr<fsdp::ft::Manager> make_ft_manager(const Options& o, const fsdp::ProcessGroupPtr& pg,
+std::unique_ptr<fsdp::ft::Manager> make_ft_manager(const Options& o, const fsdp::ProcessGroupPtr& pg, int64_t initial_step,
                                                    std::function<fsdp::StateDict()> state_dict,
                                                    std::function<void(const fsdp::StateDict&)> load_state_dict) {
   std::string where = o.ft_lighthouse;
@@ -37,6 +37,7 @@ std::unique_ptr<fsdp::ft::Manager> make_ft_manager(const Options& o, const fsdp:
   mo.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.ft_join_timeout * 1000));
   mo.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.ft_timeout * 1000));
   mo.quorum_timeout = so.timeout;
+  mo.initial_step = initial_step;
   mo.state_dict = std::move(state_dict);
   mo.load_state_dict = std::move(load_state_dict);
   return std::make_unique<fsdp::ft::Manager>(std::move(mo));

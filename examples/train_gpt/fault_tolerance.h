@@ -22,9 +22,10 @@
 namespace train_gpt {
 
 /// The Manager of this rank: connects to the lighthouse (--ft-lighthouse, else TORCHFT_LIGHTHOUSE: HOST:PORT)
-/// and registers this replica group. Throws UsageError when no lighthouse is given, c10::Error when it
-/// cannot be reached within --ft-quorum-timeout.
-std::unique_ptr<fsdp::ft::Manager> make_ft_manager(const Options& o, const fsdp::ProcessGroupPtr& pg,
+/// and registers this replica group, whose state is that of step `initial_step` (a resumed checkpoint's,
+/// else 0). Throws UsageError when no lighthouse is given, c10::Error when it cannot be reached within
+/// --ft-quorum-timeout.
+std::unique_ptr<fsdp::ft::Manager> make_ft_manager(const Options& o, const fsdp::ProcessGroupPtr& pg, int64_t initial_step,
                                                    std::function<fsdp::StateDict()> state_dict,
                                                    std::function<void(const fsdp::StateDict&)> load_state_dict);
 

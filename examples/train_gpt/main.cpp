@@ -316,11 +316,24 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
              : s.parallel.cp > 1 && s.parallel.dp_shard > 1 ? mesh->get_group("dp_shard")  // (dp_shard, cp) HSDP mesh
                                                             : nullptr,
              s.parallel.cp > 1 ? (*mesh)["cp"] : nullptr};
-  // --ft-*: what a joining replica group receives: the model, the optimizer and the data position.
+  const auto kill_at = kill_after_checkpoint(plan.restart);
+  report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
+
+  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  int64_t start_step = 0;
+  if (plan.resume) {  // [checkpoints] before the first evaluation; the loop then starts at step N + 1
+    const Resumed r = resume(o, plan, s.train.size(), last_step, *model, optimizer, sampler, scaler, pg);
+    start_step = r.step;
+    report.restore_first_eval(r.first_eval);
+    report.say(r.message);
+  }
+  // --ft-*: what a joining replica group receives: the model, the optimizer and the data position (after the
+  // resume: the state of a resumed replica group is that of its checkpoint's step).
   std::unique_ptr<fsdp::ft::Manager> ft;
   if (ft_on) {
     ft = make_ft_manager(
-        o, pg,
+        o, pg, start_step,
         [&] {
           fsdp::StateDict sd = fsdp::get_state_dict(*model, optimizer);
           const auto st = sampler.state();
@@ -338,18 +351,6 @@ int train(const RunSetup& s, const ResumePlan& plan, const fsdp::ProcessGroupPtr
           sampler.set_state({value("train.sampler.epoch"), value("train.sampler.cursor")});
         });
     t.ft = ft.get();
-  }
-  const auto kill_at = kill_after_checkpoint(plan.restart);
-  report.banner(sampler.batches_per_epoch() / o.grad_accum_steps, t.foreach_optimizer);
-
-  // --stop-at: this run's last step (the learning-rate schedule still spans --steps).
-  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
-  int64_t start_step = 0;
-  if (plan.resume) {  // [checkpoints] before the first evaluation; the loop then starts at step N + 1
-    const Resumed r = resume(o, plan, s.train.size(), last_step, *model, optimizer, sampler, scaler, pg);
-    start_step = r.step;
-    report.restore_first_eval(r.first_eval);
-    report.say(r.message);
   }
   // --logits-tokens: the logits before the first step of this run (after --init-from or the resume).
   torch::Tensor logit_tokens, logits_init;

@@ -387,6 +387,7 @@ void check_fault_tolerance(const Options& o, const ParallelOptions& p) {
   else if (p.dp_replicate > 1) other = "--dp-replicate (HSDP: the replica groups are the replicate dimension)";
   else if (p.replicate) other = "--data-parallel replicate";
   else if (p.param_dtype == torch::kHalf) other = "--mixed-precision fp16 (its loss scaler's state is not healed)";
+  else if (!o.sft.empty()) other = "--sft (its loss would be normalised by one replica group's tokens, not the job's)";
   if (!other.empty()) {
     throw UsageError("--ft-replica-id trains replica groups of plain FSDP; it does not combine with " + other +
                      ". Fix: drop one of them");

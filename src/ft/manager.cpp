@@ -26,13 +26,17 @@ namespace fsdp::ft {
 // each; rank s of every replica group talks to rank s of the others (the replicate group of rank s).
 //
 // Rounds. Every step attempt is one round n (0, 1, 2, ...: the same numbers on every rank). The ranks of
-// round n's participants (members and joiners) arrive at round n + 1 by add("r<n+1>/arr/<r>", 1); a
-// replica group has arrived when all S of its ranks have.
+// round n's participants (members and joiners) arrive at round n + 1 by add("r<n+1>/arr/<r>/<reg>", 1), under
+// the registration round n admitted (below), so that a process of an older incarnation with the same id never
+// counts; a replica group has arrived when all S of its ranks have. Every replica group has the same S
+// ("group_size", checked when a Manager is made).
 // Joining. A replica group that starts (or was left out of a round) registers "<inc>.<since>": its
 // incarnation id (drawn by its rank 0, so a restarted group is never mistaken for its dead predecessor)
 // and the round it was left out of (-1 for a fresh start). Each rank adds to "join/<r>/<reg>/n" and sets
-// "joining/<r>" = reg; the registration is ready when n == S. Joiners never decide a round (except round
-// 0): they scan the decisions from "latest" on until one admits their registration.
+// "joining/<r>" = reg, and "start/<r>/<reg>" = its initial step; the registration is ready when n == S.
+// Joiners never decide a round (except round 0): they scan the decisions, from the one decided before they
+// registered, until one admits their registration (a decision admits a replica group's registration, not
+// its id: the restarted process is never taken for the one that died).
 // Deciding round n. Any arrived rank of round n - 1's participants may decide: it waits until every
 // participant of round n - 1 arrived, or `join_timeout` passed since it began waiting (the missing ones are
 // left out: dead, or too slow, they rejoin and are healed), with at least min_replica_size replica groups
@@ -42,9 +46,11 @@ namespace fsdp::ft {
 // n - 1 committed (a joiner whose heal or step failed holds nothing). Round n's members are the holders
 // that arrived; its joiners are the other arrived participants and the ready registrations. All members
 // hold the same state and step (they committed the same steps together); the donor is the lowest member.
-// If no holder arrived, the state is lost: the decision says so and every rank throws the same error
-// (resume from a checkpoint). Round 0 is decided by joiners: the lowest ready replica group is its donor,
-// so that replica groups that initialised differently start from one state.
+// If no holder arrived within `quorum_timeout` (a slow holder must not be taken for a dead one: that would
+// end the job), the state is lost: the decision says so and every rank throws the same error (resume from
+// a checkpoint). Round 0 is decided by joiners: the lowest ready replica group is its donor, and its initial
+// step the step (a resumed checkpoint's), so that replica groups that initialised differently start from
+// one state.
 // Group. A decision forms a new replicate group (Gloo over sockets: a peer that dies fails it at once,
 // src/c10d/gloo_group.h) when the participants changed, when it has joiners (a restarted replica group keeps
 // the id of the one that died: the same ids are not the same processes), or when round n - 1 did not commit
@@ -57,7 +63,9 @@ namespace fsdp::ft {
 // or, with none left, reports the state lost).
 // Commit. should_commit: every rank of every participant adds to "r<n>/ok" or "r<n>/bad"; the decision
 // (compareSet "r<n>/commit") is 1 when all R * S voted ok, 0 as soon as one voted bad or when `timeout`
-// passed. A step that did not commit changes no state: the caller retries the same batch.
+// passed. A step that did not commit changes no state: the caller retries the same batch. A rank that
+// records an error closes its replicate group at once, so that the others' collectives fail now, not after
+// `timeout`. Keys are never deleted: the store grows by a few hundred bytes per round (one lighthouse per job).
 
 namespace {
 
@@ -144,7 +152,8 @@ json describe_state(const StateDict& sd, int64_t step, std::vector<torch::Tensor
       e["value"] = value->json;
     } else {
       const auto* dt = std::get_if<DTensor>(&v);
-      locals.push_back((dt ? dt->to_local() : std::get<torch::Tensor>(v)).detach().contiguous());
+      // On the host: the replicate group is Gloo over sockets.
+      locals.push_back((dt ? dt->to_local() : std::get<torch::Tensor>(v)).detach().to(torch::kCPU).contiguous());
       e["dtype"] = std::string(c10::toString(locals.back().scalar_type()));
       e["shape"] = locals.back().sizes().vec();
     }
@@ -193,6 +202,8 @@ struct Manager::Impl {
   bool joining = true;        // waiting to be admitted (no state held yet)
   std::optional<Decision> d;  // the round this rank last took part in
   bool committed = false;     // whether that round committed
+  int64_t scan_from = 0;      // a joiner: the round decided before it registered
+  int64_t initial_step = 0;   // ManagerOptions::initial_step
   ProcessGroupPtr group;      // the replicate group (null: none, or broken)
   std::chrono::milliseconds ms(Clock::duration d) const {
     return std::chrono::duration_cast<std::chrono::milliseconds>(d);
@@ -229,11 +240,22 @@ struct Manager::Impl {
       std::random_device rd;
       t.fill_((static_cast<int64_t>(rd() >> 1) << 20) ^ static_cast<int64_t>(rd()));
     }
+    t = t.to(o.replica_group->device());  // (NCCL takes device tensors only)
     broadcast(t, 0, *o.replica_group);
     reg = std::to_string(t.item<int64_t>()) + "." + std::to_string(since);
+    // Decisions from here on may admit it: a joiner scans from the round decided before it registered.
+    scan_from = has("latest") ? std::stoll(get("latest")) : 0;
+    o.store->set(key("start/" + std::to_string(o.replica_id) + "/" + reg), bytes_of(std::to_string(initial_step)));
     o.store->add(key("join/" + std::to_string(o.replica_id) + "/" + reg + "/n"), 1);
     o.store->set(key("joining/" + std::to_string(o.replica_id)), bytes_of(reg));
     joining = true;
+  }
+
+  // Whether decision `nd` admits this replica group's current registration (a process of an older
+  // incarnation with the same id is not admitted by it).
+  bool admits(const Decision& nd) const {
+    auto it = nd.reg.find(o.replica_id);
+    return contains(nd.participants(), o.replica_id) && it != nd.reg.end() && it->second == reg;
   }
 
   // The ready registration of replica group r that round `prev` has not admitted, if any.
@@ -265,6 +287,8 @@ struct Manager::Impl {
           (static_cast<int>(ready.size()) == o.num_replica_groups || waited >= o.join_timeout)) {
         Decision nd;
         nd.round = 0;
+        // The donor's state is the truth, and its step with it (a replica group resumed from a checkpoint).
+        nd.step = std::stoll(get("start/" + std::to_string(ready.front()) + "/" + regs.at(ready.front())));
         nd.members = {ready.front()};
         nd.joiners.assign(ready.begin() + 1, ready.end());
         nd.donor = ready.front();
@@ -293,7 +317,8 @@ struct Manager::Impl {
       std::vector<int> arrived, missing, ready;
       std::map<int, std::string> regs = prev.reg;
       for (int r : expected) {
-        (counter("r" + std::to_string(n) + "/arr/" + std::to_string(r)) == S ? arrived : missing).push_back(r);
+        const std::string ak = "r" + std::to_string(n) + "/arr/" + std::to_string(r) + "/" + prev.reg.at(r);
+        (counter(ak) == S ? arrived : missing).push_back(r);
       }
       for (int r = 0; r < o.num_replica_groups; ++r) {
         if (contains(arrived, r)) continue;
@@ -304,7 +329,12 @@ struct Manager::Impl {
       }
       const auto waited = Clock::now() - t0;
       const int count = static_cast<int>(arrived.size() + ready.size());
-      if (count >= o.min_replica_size && (missing.empty() || waited >= o.join_timeout)) {
+      bool holder_arrived = false;
+      for (int r : arrived) holder_arrived = holder_arrived || contains(holders, r);
+      // Without a holder of the state the round would have to say it is lost, which ends the job: a holder
+      // that is only slow (a long checkpoint save, a peer's timeout) gets up to quorum_timeout to arrive.
+      const bool may_decide = holder_arrived || waited >= o.quorum_timeout;
+      if (count >= o.min_replica_size && (missing.empty() || waited >= o.join_timeout) && may_decide) {
         Decision nd;
         nd.round = n;
         nd.step = step;
@@ -315,7 +345,7 @@ struct Manager::Impl {
         if (nd.members.empty()) {
           nd.lost = "no replica group that holds the state of step " + std::to_string(step) +
                     " reached round " + std::to_string(n) + " (holders " + list_of(holders) + ", missing " +
-                    list_of(missing) + " after " + std::to_string(o.join_timeout.count()) + " ms)";
+                    list_of(missing) + " after " + std::to_string(o.quorum_timeout.count()) + " ms)";
         } else if (!nd.joiners.empty()) {
           nd.donor = nd.members.front();
         }
@@ -335,14 +365,13 @@ struct Manager::Impl {
   // A joiner: the first decision from "latest" on that admits this registration.
   Decision await_admission() {
     const auto t0 = Clock::now();
-    int64_t n = has("latest") ? std::stoll(get("latest")) : 0;
+    int64_t n = scan_from;
     std::optional<Decision> last;
     for (;;) {
       const std::string dk = "r" + std::to_string(n) + "/decision";
       if (has(dk)) {
         Decision nd = Decision::parse(get(dk));
-        auto it = nd.reg.find(o.replica_id);
-        if (contains(nd.participants(), o.replica_id) && it != nd.reg.end() && it->second == reg) return nd;
+        if (admits(nd)) return nd;
         last = nd;
         ++n;
         continue;
@@ -351,7 +380,13 @@ struct Manager::Impl {
         throw JobFinished("fsdp::ft::Manager (" + where() + "): the job finished at step " + get("done") +
                           " before this replica group was admitted: nothing is left to train");
       }
-      if (n == 0) return decide_first();
+      if (n == 0) {  // the first round, decided by joiners: it may have left this one out (too late)
+        Decision nd = decide_first();
+        if (admits(nd)) return nd;
+        last = nd;
+        n = 1;
+        continue;
+      }
       TORCH_CHECK(Clock::now() - t0 < o.quorum_timeout, "fsdp::ft::Manager (", where(), "): not admitted to a quorum within ",
                   o.quorum_timeout.count(), " ms; the last round decided was ", n - 1,
                   last ? " (members " + list_of(last->members) + ", joiners " + list_of(last->joiners) + ")" : "",
@@ -376,8 +411,16 @@ Manager::Manager(ManagerOptions options) : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(o.max_retries >= 1, "fsdp::ft::Manager: max_retries must be positive, got ", o.max_retries);
   TORCH_CHECK(o.state_dict && o.load_state_dict,
               "fsdp::ft::Manager: ManagerOptions::state_dict and load_state_dict are required (the state a joiner receives)");
+  TORCH_CHECK(o.initial_step >= 0, "fsdp::ft::Manager: initial_step must be >= 0, got ", o.initial_step);
   impl_->S = o.replica_group->size();
   impl_->s = o.replica_group->rank();
+  impl_->initial_step = o.initial_step;
+  step_ = o.initial_step;
+  // Every replica group must have as many ranks (rank s talks to rank s; the votes count R x S).
+  const std::string size = str_of(o.store->compareSet("ft/group_size", {}, bytes_of(std::to_string(impl_->S))));
+  TORCH_CHECK(size == std::to_string(impl_->S), "fsdp::ft::Manager (replica group ", o.replica_id, "): its group has ",
+              impl_->S, " ranks, the job's replica groups have ", size, ". Fix: the same number of ranks in every "
+              "replica group");
   impl_->register_join(-1);
 }
 
@@ -403,6 +446,9 @@ void Manager::shutdown() {
 
 void Manager::report_error(const std::string& what) {
   if (!error_) error_ = what;
+  // The step fails: the replicate group is closed at once, so that the peers' pending collectives fail now
+  // instead of after `timeout` (the next round forms a new group).
+  impl_->group.reset();
 }
 
 void Manager::start_quorum() {
@@ -414,9 +460,9 @@ void Manager::start_quorum() {
   Decision d;
   if (!m.joining) {
     const int64_t n = m.d->round + 1;
-    m.o.store->add(m.key("r" + std::to_string(n) + "/arr/" + std::to_string(m.o.replica_id)), 1);
+    m.o.store->add(m.key("r" + std::to_string(n) + "/arr/" + std::to_string(m.o.replica_id) + "/" + m.reg), 1);
     d = m.decide_next(*m.d, m.committed);
-    if (!contains(d.participants(), m.o.replica_id)) {
+    if (!m.admits(d)) {
       // Left out (arrived too late): this replica group's state is no longer trusted; it joins again.
       m.group.reset();
       m.register_join(n);
@@ -549,7 +595,7 @@ void Manager::start_quorum() {
         why = detail::message_of(e);
       }
     }
-    auto ok = torch::tensor({why.empty() ? 1 : 0}, torch::kInt);
+    auto ok = torch::tensor({why.empty() ? 1 : 0}, torch::kInt).to(m.o.replica_group->device());
     all_reduce(ok, *m.o.replica_group, ReduceOp::MIN);
     if (ok.item<int>() == 1) {
       try {
@@ -590,7 +636,7 @@ void Manager::allreduce(const std::vector<torch::Tensor>& tensors) {
       std::vector<torch::Tensor> part;
       for (const auto& t : tensors)
         if (t.scalar_type() == st) part.push_back(t.reshape({-1}));
-      auto flat = torch::cat(part);
+      auto flat = torch::cat(part).to(torch::kCPU);  // (the replicate group is Gloo: device tensors via the host)
       if (m.group->size() > 1) all_reduce(flat, *m.group);
       flat.div_(n);
       int64_t off = 0;

@@ -243,6 +243,46 @@ INSTANTIATE_TEST_SUITE_P(Deaths, FtManagerDeath,
                            }
                          });
 
+// min_replica_size 1: replica group 0 trains on alone once replica group 1 is lost (after join_timeout), and
+// replica group 1, started again later, joins mid-run, is healed, and ends with the same state bit for bit.
+TEST(FtManager, SurvivorTrainsAloneAndTheLostReplicaGroupRejoinsMidRun) {
+  const auto batches = global_batches();
+  Trace trace;
+  auto store = lighthouse();
+  std::vector<std::string> e0, e1a, e1b;
+  auto t0 = start_replica(store, batches, RankPlan{.replica = 0, .seed = 7, .min_replica_size = 1}, trace, e0);
+  auto t1 = start_replica(store, batches,
+                          RankPlan{.replica = 1, .seed = 8, .death = Death::kBeforeAllreduce, .die_at = 1,
+                                   .min_replica_size = 1},
+                          trace, e1a);
+  t1.join();
+  // Replica group 0 alone commits steps 1-3 before replica group 1 comes back.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(trace.mu);
+      if (trace.losses.count(std::make_tuple(0, 0, int64_t{3}))) break;
+    }
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "replica group 0 did not train on alone";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto t1b = start_replica(store, batches, RankPlan{.replica = 1, .seed = 9, .min_replica_size = 1}, trace, e1b);
+  t0.join();
+  t1b.join();
+  expect_no_errors(e0, "replica group 0");
+  expect_no_errors(e1a, "replica group 1 before its death");
+  expect_no_errors(e1b, "replica group 1 (restarted)");
+  for (int s = 0; s < kS; ++s) {
+    const auto& heals = trace.heals[std::make_pair(1, s)];
+    ASSERT_EQ(heals.size(), 2u) << "rank " << s << ": round 0's heal and the rejoin's";
+    EXPECT_GE(heals[1].step, 4);
+    EXPECT_LT(heals[1].step, kSteps);
+    expect_same_state(trace.finals[std::make_pair(1, s)], trace.finals[std::make_pair(0, s)],
+                      "replica groups 1 (rejoined) and 0, rank " + std::to_string(s));
+    for (int64_t t = 0; t < kSteps; ++t) EXPECT_TRUE(trace.losses.count(std::make_tuple(0, s, t))) << "step " << t;
+  }
+}
+
 // The donor dies after sending 2 of the heal's 3 chunks (24 MiB per rank: the big parameter and its AdamW
 // state): the joiner never loads a part of the state (its parameters are still its own initial ones), and
 // with no holder of the state left every rank of it reports the state lost, naming the fix (a checkpoint).
@@ -266,7 +306,7 @@ TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost)
       for (auto& b : net->blocks) fully_shard(b, FullyShardOptions().mesh(mesh));
       fully_shard(net, FullyShardOptions().mesh(mesh));
       torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-      const auto before = local_state(get_model_state_dict(net));
+      const auto before = local_state(get_state_dict(net, opt));
       ft::ManagerOptions o;
       o.store = store;
       o.replica_group = g;
@@ -275,7 +315,7 @@ TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost)
       o.min_replica_size = 1;
       o.join_timeout = std::chrono::milliseconds(1500);
       o.timeout = std::chrono::seconds(8);
-      o.quorum_timeout = std::chrono::seconds(40);
+      o.quorum_timeout = std::chrono::seconds(4);  // how long the lost state is waited for
       o.state_dict = [&] { return get_state_dict(net, opt); };
       o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
       ft::Manager manager(o);
@@ -284,7 +324,7 @@ TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost)
       EXPECT_NE(manager.errored().value_or("").find("healing in round 0 (donor replica group 0)"), std::string::npos)
           << manager.errored().value_or("");
       EXPECT_FALSE(manager.should_commit());
-      expect_same_state(local_state(get_model_state_dict(net)), before, "the joiner after a failed heal");
+      expect_same_state(local_state(get_state_dict(net, opt)), before, "the joiner after a failed heal (model and optimizer)");
       manager.start_quorum();  // throws: the state is lost
     });
   });

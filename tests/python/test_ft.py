@@ -10,6 +10,7 @@ What is tested:
   run that lost nothing. The time from the kill to the first step trained after the heal is printed. On one host,
   and with each replica group on a test host of its own (network namespaces, tests/python/netns_hosts.py); a
   replica group that starts after the job finished exits 0 saying so;
+- replica groups stopped and resumed from their checkpoints continue at the checkpoint's step, bit for bit;
 - bad --ft-* flags fail at once naming what is expected.
 Every process runs under a timeout; a failed test kills what it started.
 """
@@ -81,13 +82,13 @@ def start_lighthouse(procs, tmp_path, name, host=None):
     raise AssertionError("fsdp_lighthouse did not start: " + p.log.read_text())
 
 
-def start_replica(procs, port, r, out, text_files, hosts=None):
+def start_replica(procs, port, r, out, text_files, hosts=None, extra=()):
     """Replica group r: on this host, or on test host r with the lighthouse on test host 0."""
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = f"{hosts.hosts[0].data_ip}:{port}" if hosts else f"127.0.0.1:{port}"
     cmd = [FSDPRUN, "--standalone", "--nproc-per-node", "2", "--", TRAIN_GPT, *RUN, "--data", *text_files,
            "--metrics", out / "m.jsonl", "--ckpt-dir", out / "ckpt", "--ft-replica-id", str(r), *FT,
-           "--ft-lighthouse", lighthouse]
+           "--ft-lighthouse", lighthouse, *extra]
     return procs.start(cmd, out / "log.txt", hosts.hosts[r] if hosts else None)
 
 
@@ -183,6 +184,27 @@ def test_a_lost_host_is_healed_from_the_other(netns_hosts, text_files, tmp_path,
     lost_replica_group_is_healed(text_files, tmp_path, procs, netns_hosts)
 
 
+def test_replica_groups_resume_from_their_checkpoints(text_files, tmp_path, procs):
+    """The recovery the "state is lost" error asks for: every replica group stopped after step 4 (--stop-at, a
+    checkpoint each) and resumed with a fresh lighthouse continues at step 5 (the first quorum takes the donor's
+    step), and ends bit for bit as a run that never stopped."""
+    port = start_lighthouse(procs, tmp_path, "lighthouse_ref")
+    for p in [start_replica(procs, port, r, tmp_path / f"ref{r}", text_files) for r in (0, 1)]:
+        finish(p)
+    port = start_lighthouse(procs, tmp_path, "lighthouse_a")
+    for p in [start_replica(procs, port, r, tmp_path / f"r{r}", text_files, extra=["--stop-at", "4"]) for r in (0, 1)]:
+        finish(p)
+    port = start_lighthouse(procs, tmp_path, "lighthouse_b")
+    resumed = [start_replica(procs, port, r, tmp_path / f"r{r}", text_files, extra=["--resume"]) for r in (0, 1)]
+    for p in resumed:
+        finish(p)
+    assert "continuing at step 5/8" in resumed[0].log.read_text(), resumed[0].log.read_text()[-3000:]
+    last = f"step-{STEPS}"
+    for r in (0, 1):
+        assert_same_checkpoint(tmp_path / f"r{r}" / "ckpt" / last, tmp_path / f"ref{r}" / "ckpt" / last)
+    assert train_losses(metrics(tmp_path / "r0" / "m.jsonl")) == train_losses(metrics(tmp_path / "ref0" / "m.jsonl"))
+
+
 @pytest.mark.parametrize("flags, expect", [
     (["--ft-replica-id", "0"], "--ft-* flags need both --ft-replica-id N and --ft-group-size G"),
     (["--ft-replica-id", "2", "--ft-group-size", "2"], "--ft-replica-id 2 is not below --ft-group-size 2"),
@@ -190,6 +212,7 @@ def test_a_lost_host_is_healed_from_the_other(netns_hosts, text_files, tmp_path,
      "--ft-min-replica-size 3 exceeds --ft-group-size 2"),
     (["--ft-replica-id", "0", "--ft-group-size", "2", "--mixed-precision", "fp16"],
      "does not combine with --mixed-precision fp16"),
+    (["--ft-replica-id", "0", "--ft-group-size", "2", "--sft", "/nonexistent.jsonl"], "does not combine with --sft"),
     (["--ft-replica-id", "0", "--ft-group-size", "2"], "--ft-replica-id needs the lighthouse's address"),
 ])
 def test_bad_ft_flags(text_files, flags, expect):

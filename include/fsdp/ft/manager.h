@@ -68,6 +68,9 @@ struct ManagerOptions {
   /// vote is noticed after this), forming the replicate group, and its collectives (a peer that stops
   /// without dying). Mirrors torchft.Manager(timeout=).
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// The committed steps of the state this replica group starts from (e.g. the step of the checkpoint it
+  /// resumed from; 0 for a new run). The first quorum takes the donor's (the lowest replica group's).
+  int64_t initial_step = 0;
   /// start_quorum throws once this many steps in a row did not commit (a failure that repeats, e.g. a joiner
   /// that cannot be healed, must not retry forever), naming the last failure. Mirrors
   /// torchft.Manager(max_retries=).
@@ -117,7 +120,8 @@ struct QuorumInfo {
 class Manager {
  public:
   /// Registers this rank as a joiner (its replica group's rank 0 draws an incarnation id and broadcasts
-  /// it over replica_group). Throws c10::Error naming the option when an option is missing or out of range.
+  /// it over replica_group). Throws c10::Error naming the option when an option is missing or out of range,
+  /// and when replica_group's size differs from the job's other replica groups'.
   explicit Manager(ManagerOptions options);
   ~Manager();
   Manager(const Manager&) = delete;
@@ -137,7 +141,9 @@ class Manager {
   /// Does nothing after an error in this step; a failure of the group is recorded, not thrown. Throws
   /// c10::Error outside a step (before start_quorum) or for a tensor that is not floating point.
   void allreduce(const std::vector<torch::Tensor>& tensors);
-  /// Records a failure of this step (e.g. an exception the caller caught): should_commit() returns false.
+  /// Records a failure of this step (e.g. an exception the caller caught): should_commit() returns false,
+  /// and the replicate group is closed at once (the other replica groups' collectives of the step fail now
+  /// rather than after `timeout`; the next step forms a new group).
   void report_error(const std::string& what);
   /// The first error recorded in this step, if any.
   const std::optional<std::string>& errored() const { return error_; }
