@@ -70,6 +70,10 @@ struct RankPlan {
   std::function<void(int64_t)> after_heal_send;  // on the donor
   int blocks = 2;
   bool big = false;  // see make_net
+  std::function<void(int64_t)> before_step;  // called before each start_quorum with current_step()
+  // With min_replica_size < kR a live replica group that arrives this much later than the other is left out
+  // (and healed again): long enough for a loaded machine.
+  std::chrono::milliseconds join_timeout{1500};
 };
 
 // One rank of one replica group: fully_shard over `group`, AdamW, the Manager's step loop.
@@ -88,7 +92,7 @@ void train_rank(const ProcessGroupPtr& group, const c10::intrusive_ptr<c10d::Sto
   o.replica_id = plan.replica;
   o.num_replica_groups = kR;
   o.min_replica_size = plan.min_replica_size;
-  o.join_timeout = std::chrono::milliseconds(1500);
+  o.join_timeout = plan.join_timeout;
   // Also how long a vote waits for a rank that died after its last collective (Death::kBeforeVote).
   o.timeout = std::chrono::seconds(8);
   o.quorum_timeout = std::chrono::seconds(40);
@@ -98,6 +102,7 @@ void train_rank(const ProcessGroupPtr& group, const c10::intrusive_ptr<c10d::Sto
   ft::Manager manager(o);
   const int s = group->rank();
   while (manager.current_step() < kSteps) {
+    if (plan.before_step) plan.before_step(manager.current_step());
     manager.start_quorum();
     const int64_t step = manager.current_step();
     if (!manager.last_quorum().joiners.empty()) {
@@ -243,6 +248,21 @@ INSTANTIATE_TEST_SUITE_P(Deaths, FtManagerDeath,
                            }
                          });
 
+// The registration of replica group 1's first incarnation (set by the test below once it is gone; read by
+// the survivor's threads).
+struct FirstRegistration {
+  std::mutex mu;
+  std::string reg;
+  void set(std::string r) {
+    std::lock_guard<std::mutex> lock(mu);
+    reg = std::move(r);
+  }
+  std::string get() {
+    std::lock_guard<std::mutex> lock(mu);
+    return reg;
+  }
+};
+
 // min_replica_size 1: replica group 0 trains on alone once replica group 1 is lost (after join_timeout), and
 // replica group 1, started again later, joins mid-run, is healed, and ends with the same state bit for bit.
 TEST(FtManager, SurvivorTrainsAloneAndTheLostReplicaGroupRejoinsMidRun) {
@@ -250,12 +270,34 @@ TEST(FtManager, SurvivorTrainsAloneAndTheLostReplicaGroupRejoinsMidRun) {
   Trace trace;
   auto store = lighthouse();
   std::vector<std::string> e0, e1a, e1b;
-  auto t0 = start_replica(store, batches, RankPlan{.replica = 0, .seed = 7, .min_replica_size = 1}, trace, e0);
+  // Replica group 0 holds before step 4 until the restarted replica group 1 has registered (on a loaded
+  // machine it could otherwise finish first), so that it is admitted at step 4 or 5.
+  FirstRegistration first;
+  RankPlan survivor{.replica = 0, .seed = 7, .min_replica_size = 1, .join_timeout = std::chrono::seconds(4)};
+  survivor.before_step = [&](int64_t step) {
+    if (step != 4) return;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (;;) {
+      if (store->check({"ft/joining/1"})) {
+        const auto v = store->get("ft/joining/1");
+        const std::string reg(v.begin(), v.end());
+        const std::string old = first.get();
+        if (!old.empty() && reg != old && store->add("ft/join/1/" + reg + "/n", 0) == kS) return;
+      }
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "the restarted replica group 1 never registered");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  auto t0 = start_replica(store, batches, survivor, trace, e0);
   auto t1 = start_replica(store, batches,
                           RankPlan{.replica = 1, .seed = 8, .death = Death::kBeforeAllreduce, .die_at = 1,
-                                   .min_replica_size = 1},
+                                   .min_replica_size = 1, .join_timeout = std::chrono::seconds(4)},
                           trace, e1a);
   t1.join();
+  {
+    const auto v = store->get("ft/joining/1");  // the first incarnation's registration (it took part in round 0)
+    first.set(std::string(v.begin(), v.end()));
+  }
   // Replica group 0 alone commits steps 1-3 before replica group 1 comes back.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   for (;;) {
@@ -266,7 +308,9 @@ TEST(FtManager, SurvivorTrainsAloneAndTheLostReplicaGroupRejoinsMidRun) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "replica group 0 did not train on alone";
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  auto t1b = start_replica(store, batches, RankPlan{.replica = 1, .seed = 9, .min_replica_size = 1}, trace, e1b);
+  auto t1b = start_replica(store, batches,
+                           RankPlan{.replica = 1, .seed = 9, .min_replica_size = 1, .join_timeout = std::chrono::seconds(4)},
+                           trace, e1b);
   t0.join();
   t1b.join();
   expect_no_errors(e0, "replica group 0");
