@@ -16,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "c10d/gloo_group.h"
+#include "ft/decision.h"
+#include "ft/heal_state.h"
 #include "fsdp/c10d/collectives.h"
 #include "util.h"
 
@@ -70,6 +72,10 @@ namespace fsdp::ft {
 namespace {
 
 using json = nlohmann::json;
+using internal::Decision;
+using internal::describe_state;
+using internal::dtype_named;
+using internal::received_state;
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(2);
 constexpr int64_t kHealChunkBytes = 8 << 20;  // one broadcast of a heal (bounds the donor's send buffer too)
@@ -87,111 +93,6 @@ std::string list_of(const std::vector<int>& v) {
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
-struct Decision {
-  int64_t round = -1;
-  int64_t step = 0;
-  std::vector<int> members, joiners;
-  int donor = -1;
-  bool new_group = false;
-  std::map<int, std::string> reg;  // replica group -> the registration it was admitted with
-  std::string lost;                // non-empty: no holder of the state arrived
-
-  std::vector<int> participants() const {
-    std::vector<int> p = members;
-    p.insert(p.end(), joiners.begin(), joiners.end());
-    std::sort(p.begin(), p.end());
-    return p;
-  }
-  std::string dump() const {
-    json j;
-    j["round"] = round;
-    j["step"] = step;
-    j["members"] = members;
-    j["joiners"] = joiners;
-    j["donor"] = donor;
-    j["new_group"] = new_group;
-    json r = json::object();
-    for (const auto& [k, v] : reg) r[std::to_string(k)] = v;
-    j["reg"] = r;
-    j["lost"] = lost;
-    return j.dump();
-  }
-  static Decision parse(const std::string& s) {
-    auto j = json::parse(s);
-    Decision d;
-    d.round = j.at("round");
-    d.step = j.at("step");
-    d.members = j.at("members").get<std::vector<int>>();
-    d.joiners = j.at("joiners").get<std::vector<int>>();
-    d.donor = j.at("donor");
-    d.new_group = j.at("new_group");
-    for (const auto& [k, v] : j.at("reg").items()) d.reg[std::stoi(k)] = v.get<std::string>();
-    d.lost = j.at("lost");
-    return d;
-  }
-};
-
-c10::ScalarType dtype_named(const std::string& name, const std::string& key) {
-  for (auto st : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16, torch::kLong, torch::kInt,
-                  torch::kShort, torch::kChar, torch::kByte, torch::kBool}) {
-    if (name == c10::toString(st)) return st;
-  }
-  TORCH_CHECK(false, "the donor sent '", key, "' as ", name, ", a dtype a heal does not carry");
-}
-
-// The donor's description of its state (see the note) and, in `locals`, its tensors in that order.
-json describe_state(const StateDict& sd, int64_t step, std::vector<torch::Tensor>& locals) {
-  json meta;
-  meta["step"] = step;
-  json entries = json::array();
-  for (const auto& [k, v] : sd) {
-    json e;
-    e["key"] = k;
-    e["kind"] = kind_name(v);
-    if (const auto* value = std::get_if<Value>(&v)) {
-      e["value"] = value->json;
-    } else {
-      const auto* dt = std::get_if<DTensor>(&v);
-      // On the host: the replicate group is Gloo over sockets.
-      locals.push_back((dt ? dt->to_local() : std::get<torch::Tensor>(v)).detach().to(torch::kCPU).contiguous());
-      e["dtype"] = std::string(c10::toString(locals.back().scalar_type()));
-      e["shape"] = locals.back().sizes().vec();
-    }
-    entries.push_back(e);
-  }
-  meta["entries"] = entries;
-  return meta;
-}
-
-// The joiner's state dict made of what it received, shaped as its own `own` (checked entry by entry).
-StateDict received_state(const StateDict& own, const json& meta, const std::vector<torch::Tensor>& received, int donor) {
-  const auto& entries = meta.at("entries");
-  const std::string from = " on the donor (replica group " + std::to_string(donor) + ")";
-  TORCH_CHECK(entries.size() == own.size(), "the state dict has ", entries.size(), " entries", from, " and ", own.size(),
-              " here: every replica group must build the same model and optimizer");
-  StateDict in;
-  size_t ei = 0, ti = 0;
-  for (const auto& [k, v] : own) {
-    const auto& e = entries[ei++];
-    const std::string dk = e.at("key"), kind = e.at("kind");
-    TORCH_CHECK(dk == k && kind == kind_name(v), "entry ", ei - 1, " is '", dk, "' (", kind, ")", from, " and '", k,
-                "' (", kind_name(v), ") here: every replica group must build the same model and optimizer");
-    if (const auto* value = std::get_if<Value>(&v)) {
-      in.insert_or_assign(k, Value(e.at("value"), value->per_rank));
-      continue;
-    }
-    const auto& t = received.at(ti++);
-    const auto* dt = std::get_if<DTensor>(&v);
-    const torch::Tensor& mine = dt ? dt->to_local() : std::get<torch::Tensor>(v);
-    TORCH_CHECK(t.sizes() == mine.sizes() && t.scalar_type() == mine.scalar_type(), "'", k, "' is ",
-                c10::toString(t.scalar_type()), " ", t.sizes(), from, " and ", c10::toString(mine.scalar_type()), " ",
-                mine.sizes(), " here: every replica group must shard the model alike (same size, same fully_shard calls)");
-    auto local = t.to(mine.device());
-    if (dt) in.insert_or_assign(k, DTensor(local, dt->device_mesh(), dt->placements(), dt->sizes()));
-    else in.insert_or_assign(k, local);
-  }
-  return in;
-}
 
 }  // namespace
 

@@ -61,6 +61,20 @@ std::map<std::string, torch::Tensor> local_state(const StateDict& sd) {
   return out;
 }
 
+// The options every test gives: the shared store, this replica group's group and id, kR replica groups, and
+// the model's and optimizer's state as what a heal moves.
+ft::ManagerOptions base_options(const c10::intrusive_ptr<c10d::Store>& store, const ProcessGroupPtr& group,
+                                int replica, Net& net, torch::optim::AdamW& opt) {
+  ft::ManagerOptions o;
+  o.store = store;
+  o.replica_group = group;
+  o.replica_id = replica;
+  o.num_replica_groups = kR;
+  o.state_dict = [&net, &opt] { return get_state_dict(net, opt); };
+  o.load_state_dict = [&net, &opt](const StateDict& sd) { set_state_dict(net, opt, sd); };
+  return o;
+}
+
 struct RankPlan {
   int replica = 0;
   uint64_t seed = 7;                 // initial weights (a healed replica group's own are overwritten)
@@ -86,18 +100,12 @@ void train_rank(const ProcessGroupPtr& group, const c10::intrusive_ptr<c10d::Sto
   for (auto& b : net->blocks) fully_shard(b, opts);
   fully_shard(net, opts);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-  ft::ManagerOptions o;
-  o.store = lighthouse;
-  o.replica_group = group;
-  o.replica_id = plan.replica;
-  o.num_replica_groups = kR;
+  ft::ManagerOptions o = base_options(lighthouse, group, plan.replica, net, opt);
   o.min_replica_size = plan.min_replica_size;
   o.join_timeout = plan.join_timeout;
   // Also how long a vote waits for a rank that died after its last collective (Death::kBeforeVote).
   o.timeout = std::chrono::seconds(8);
   o.quorum_timeout = std::chrono::seconds(40);
-  o.state_dict = [&] { return get_state_dict(net, opt); };
-  o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
   o.after_heal_send = plan.after_heal_send;
   ft::Manager manager(o);
   const int s = group->rank();
@@ -354,17 +362,11 @@ TEST(FtManager, DonorDyingMidCopyLeavesTheJoinerUntouchedAndReportsTheStateLost)
       fully_shard(net, FullyShardOptions().mesh(mesh));
       torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
       const auto before = local_state(get_state_dict(net, opt));
-      ft::ManagerOptions o;
-      o.store = store;
-      o.replica_group = g;
-      o.replica_id = 1;
-      o.num_replica_groups = kR;
+      ft::ManagerOptions o = base_options(store, g, 1, net, opt);
       o.min_replica_size = 1;
       o.join_timeout = std::chrono::milliseconds(1500);
       o.timeout = std::chrono::seconds(8);
       o.quorum_timeout = std::chrono::seconds(4);  // how long the lost state is waited for
-      o.state_dict = [&] { return get_state_dict(net, opt); };
-      o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
       ft::Manager manager(o);
       manager.start_quorum();
       EXPECT_TRUE(manager.errored().has_value());
@@ -401,15 +403,9 @@ TEST(FtManager, JoinerWithAnotherModelIsRefusedNamingTheEntryAndRetriesStop) {
         auto mesh = init_device_mesh(torch::kCPU, {g->size()});
         fully_shard(net, FullyShardOptions().mesh(mesh));
         torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-        ft::ManagerOptions o;
-        o.store = store;
-        o.replica_group = g;
-        o.replica_id = replica;
-        o.num_replica_groups = kR;
+        ft::ManagerOptions o = base_options(store, g, replica, net, opt);
         o.min_replica_size = 2;
         o.max_retries = 3;
-        o.state_dict = [&] { return get_state_dict(net, opt); };
-        o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
         ft::Manager manager(o);
         for (;;) {
           manager.start_quorum();  // throws after 3 failed steps
@@ -468,13 +464,8 @@ TEST(FtManager, OneReplicaGroupTrainsAloneAndALateJoinerIsToldTheJobFinished) {
     auto mesh = init_device_mesh(torch::kCPU, {g->size()});
     fully_shard(net, FullyShardOptions().mesh(mesh));
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    ft::ManagerOptions o;
-    o.store = store;
-    o.replica_group = g;
-    o.num_replica_groups = kR;
+    ft::ManagerOptions o = base_options(store, g, 0, net, opt);
     o.join_timeout = std::chrono::milliseconds(200);
-    o.state_dict = [&] { return get_state_dict(net, opt); };
-    o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
     ft::Manager manager(o);
     for (int i = 0; i < 2; ++i) {
       manager.start_quorum();
@@ -488,13 +479,7 @@ TEST(FtManager, OneReplicaGroupTrainsAloneAndALateJoinerIsToldTheJobFinished) {
   run_ranks(kS, [&](ProcessGroupPtr g) {
     Net net = make_net(8);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-    ft::ManagerOptions o;
-    o.store = store;
-    o.replica_group = g;
-    o.replica_id = 1;
-    o.num_replica_groups = kR;
-    o.state_dict = [&] { return get_state_dict(net, opt); };
-    o.load_state_dict = [&](const StateDict& sd) { set_state_dict(net, opt, sd); };
+    ft::ManagerOptions o = base_options(store, g, 1, net, opt);
     ft::Manager manager(o);
     try {
       manager.start_quorum();
