@@ -16,6 +16,7 @@
 #include "error_message.h"
 #include "fsdp/fsdp.h"
 #include "fsdp_test_model.h"
+#include "fully_shard_test_util.h"
 #include "multi_rank.h"
 
 namespace {
@@ -192,6 +193,23 @@ Trace& uninterrupted(const std::vector<Batch>& batches) {
 }
 
 std::vector<Batch> global_batches() { return make_batches(kSteps, kR * kS * kRows, 4, 99); }
+
+// Parity with one process: the uninterrupted run (2 replica groups x 2 ranks, each rank 2 of the global batch's 8
+// rows; wte [11, 6] sharded 6/5 and scale [1] 1/0 over a replica group's 2 ranks) ends with the parameters one
+// process gets training on the whole batches (run_reference: same initial weights, same AdamW), within 1e-5.
+TEST(FtManager, ReplicaGroupsTrainAsOneProcess) {
+  const auto batches = global_batches();
+  Trace& trace = uninterrupted(batches);
+  const Reference ref = run_reference(batches);
+  for (int r = 0; r < kR; ++r) {
+    for (const auto& [name, full] : ref.final_params) {
+      const std::string key = "model." + name;
+      ASSERT_TRUE(trace.finals[std::make_pair(r, 0)].count(key)) << key;
+      auto mine = torch::cat({trace.finals[std::make_pair(r, 0)].at(key), trace.finals[std::make_pair(r, 1)].at(key)});
+      EXPECT_LT(max_abs_diff(mine, full), 1e-5) << "replica group " << r << ": " << name;
+    }
+  }
+}
 
 class FtManagerDeath : public ::testing::TestWithParam<Death> {};
 
