@@ -2,6 +2,7 @@
 // heal that copies the state from a live replica group to a joining one, and the commit vote.
 #include "fsdp/ft/manager.h"
 
+#include <signal.h>
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -72,7 +73,9 @@ namespace fsdp::ft {
 namespace {
 
 using json = nlohmann::json;
+using internal::contains;
 using internal::Decision;
+using internal::list_of;
 using internal::describe_state;
 using internal::dtype_named;
 using internal::received_state;
@@ -83,15 +86,6 @@ constexpr int64_t kHealChunkBytes = 8 << 20;  // one broadcast of a heal (bounds
 std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
-std::string list_of(const std::vector<int>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
-}
-
-bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 
 }  // namespace
@@ -313,6 +307,10 @@ Manager::Manager(ManagerOptions options) : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(o.state_dict && o.load_state_dict,
               "fsdp::ft::Manager: ManagerOptions::state_dict and load_state_dict are required (the state a joiner receives)");
   TORCH_CHECK(o.initial_step >= 0, "fsdp::ft::Manager: initial_step must be >= 0, got ", o.initial_step);
+  // Gloo's write to a dead peer's socket raises SIGPIPE, whose default action kills the survivor (status 141,
+  // found under load); Python ignores SIGPIPE from the start. Ignored here unless the program handles it.
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
   impl_->S = o.replica_group->size();
   impl_->s = o.replica_group->rank();
   impl_->initial_step = o.initial_step;
