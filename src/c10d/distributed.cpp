@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -262,8 +263,9 @@ bool file_backed(c10d::Store* s) {
 void ProcessGroup::note_progress(uint64_t seq) {
   if (!store_ || size_ == 1) return;
   if (!progress_ && file_backed(store_.get())) return;  // [Note: no progress marks on a FileStore]
-  // Written by a background thread: an inline store round trip per collective was most of the
-  // collectives layer's own cost on tiny models (see progress_publisher.h, docs/BENCHMARKS.md).
+  // Written by a background thread at most once per interval: an inline store round trip per collective,
+  // and then a wake-up of that thread per collective, were most of the collectives layer's own cost on tiny
+  // models ([Note: progress marks] in progress_publisher.h, docs/BENCHMARKS.md).
   if (!progress_) {
     progress_ = std::make_shared<detail::ProgressPublisher>(store_, "fsdp_progress/" + name_ + "/" + std::to_string(rank_));
   }
@@ -273,8 +275,10 @@ void ProcessGroup::note_progress(uint64_t seq) {
 std::vector<int> ProcessGroup::lagging_ranks(uint64_t seq) const {
   std::vector<int> lagging;
   if (!store_ || file_backed(store_.get())) return lagging;  // [Note: no progress marks on a FileStore]
-  // This rank's own mark may still be on its way to the store.
+  // This rank's own mark may still be on its way to the store, and a live peer's may be up to an interval
+  // behind it ([Note: progress marks]).
   if (progress_) progress_->flush(std::chrono::seconds(5));
+  std::this_thread::sleep_for(detail::ProgressPublisher::kSettle);
   try {
     for (int r = 0; r < size_; ++r) {
       std::string key = "fsdp_progress/" + name_ + "/" + std::to_string(r);

@@ -1,4 +1,4 @@
-// Progress marks written by a background thread (see progress_publisher.h).
+// Progress marks written by a background thread, at most once per interval ([Note: progress marks]).
 #include "c10d/progress_publisher.h"
 
 #include <utility>
@@ -18,26 +18,44 @@ ProgressPublisher::~ProgressPublisher() {
 }
 
 void ProgressPublisher::publish(uint64_t value) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (value <= latest_) return;
-    latest_ = value;
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  // Monotonic: a late caller with an older number never moves the mark back.
+  uint64_t seen = latest_.load();
+  while (value > seen && !latest_.compare_exchange_weak(seen, value)) {
   }
-  wake_.notify_one();
+  if (value <= seen) return;
+  std::call_once(started_, [this] { thread_ = std::thread([this] { run(); }); });
+  // Sequentially consistent with the thread's `idle_ = true; read latest_`: either it sees the new value
+  // or this sees it idle and wakes it.
+  if (idle_.load()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake_.notify_one();
+  }
 }
 
 bool ProgressPublisher::flush(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  return written_.wait_for(lock, timeout, [&] { return broken_ || published_ >= latest_; }) && !broken_;
+  flushing_ = true;
+  wake_.notify_one();
+  const bool ok = written_.wait_for(lock, timeout, [&] { return broken_ || published_ >= latest_.load(); });
+  flushing_ = false;
+  return ok && !broken_;
 }
 
 void ProgressPublisher::run() {
   std::unique_lock<std::mutex> lock(mu_);
+  auto behind = [&] { return published_ < latest_.load(); };
+  bool just_wrote = false;
   while (true) {
-    wake_.wait(lock, [&] { return stop_ || published_ < latest_; });
-    if (published_ >= latest_ || broken_) break;  // stopping with nothing left to write
-    const uint64_t value = latest_;
+    if (just_wrote) {
+      // The interval between writes: collectives meanwhile only move latest_ (no wake-up), unless a flush or
+      // the destructor asks for the latest mark now.
+      wake_.wait_for(lock, kInterval, [&] { return stop_ || (flushing_ && behind()); });
+    }
+    idle_.store(true);
+    wake_.wait(lock, [&] { return stop_ || behind(); });
+    idle_.store(false);
+    if (!behind()) break;  // stopping with nothing left to write
+    const uint64_t value = latest_.load();
     lock.unlock();
     bool ok = true;
     try {
@@ -46,10 +64,14 @@ void ProgressPublisher::run() {
       ok = false;  // the store is gone (e.g. its host exited): the marks only serve diagnostics
     }
     lock.lock();
-    if (!ok) broken_ = true;
-    published_ = ok ? value : published_;
+    if (ok) {
+      published_ = value;
+    } else {
+      broken_ = true;
+    }
     written_.notify_all();
     if (broken_) break;
+    just_wrote = true;
   }
 }
 

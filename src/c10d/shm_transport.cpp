@@ -43,7 +43,8 @@ static_assert(sizeof(RankControl) == 64);
 struct ShmTransport::Segment {
   std::atomic<uint32_t> bell;  // incremented at every state change; the futex waiters sleep on
   uint32_t size;
-  char pad[56];
+  std::atomic<uint32_t> sleepers;  // threads in futex_wait on `bell`: ring_bell skips the syscall when none
+  char pad[52];
   RankControl ranks[1];  // `size` of them (the segment is sized for it)
 };
 
@@ -314,7 +315,7 @@ char* ShmTransport::slot(int r, uint64_t round) const {
 
 void ShmTransport::ring_bell() {
   seg_->bell.fetch_add(1);
-  futex_wake_all(&seg_->bell);
+  if (seg_->sleepers.load() != 0) futex_wake_all(&seg_->bell);
 }
 
 void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono::steady_clock::time_point deadline,
@@ -349,7 +350,9 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
       TORCH_CHECK(false, "timed out after ", timeout_.count(), " ms in the shared-memory transport waiting for ranks [",
                   c10::Join(", ", missing), "], not done ", stage, " ", what);
     }
-    futex_wait(&seg_->bell, seen, std::chrono::milliseconds(50));
+    seg_->sleepers.fetch_add(1);
+    if (seg_->bell.load() == seen) futex_wait(&seg_->bell, seen, std::chrono::milliseconds(50));
+    seg_->sleepers.fetch_sub(1);
   }
 }
 

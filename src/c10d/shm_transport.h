@@ -37,7 +37,8 @@
 // bytes and argument (an all-reduce's op and dtype, a broadcast's source) with its own, so a rank that
 // skipped, reordered or changed a collective fails every rank at once, naming both sides. A broadcast's
 // source takes part in every round like the others (only it writes): it fails on a mismatch too.
-// Waiting is a futex on one shared counter that every state change increments.
+// Waiting is a futex on one shared counter that every state change increments (the wake-up syscall only when a
+// waiter sleeps on it).
 //
 // Failures never hang: a wait gives up after the group timeout ("timed out"), at once when a peer's
 // process is gone (its pid no longer runs, or is a zombie) or a peer's transport has failed. After a
