@@ -8,12 +8,17 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "c10d/all_gather_placed.h"
+#include "c10d/placed_collectives.h"
+#include "c10d/gloo_ring_order.h"
 #include "c10d/process_group_access.h"
 #include "c10d/shm_transport.h"
 
 namespace fsdp {
 namespace {
+
+using detail::gloo_reduce_rows;
+using detail::GlooRingLayout;
+using detail::ring_reduce_round;
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -129,29 +134,6 @@ void add_bytes(CommBytes& c, uint64_t sent, uint64_t received) {
   c.received += received;
   ++c.count;
 }
-
-// Gloo's segmentation of a ring all-reduce of `total` bytes of `elem`-byte elements over `n` ranks
-// (gloo/allreduce.cc, ring(); ProcessGroupGloo leaves maxSegmentSize at gloo's default of 1 MiB): the
-// buffer is cut into num_segments segments of segment_bytes (the last ones short or empty), and rank k
-// reduces segments [k * per_rank, (k + 1) * per_rank). Used to count the all-reduce's bytes exactly and to
-// reproduce its summation order in gloo_reduce_rows.
-struct GlooRingLayout {
-  uint64_t num_segments = 0, per_rank = 0, segment_bytes = 0;
-  GlooRingLayout(uint64_t total, uint64_t elem, uint64_t n) {
-    constexpr uint64_t kGlooMaxSegmentBytes = 1024 * 1024;
-    const uint64_t max_segment = elem * std::max<uint64_t>(1, kGlooMaxSegmentBytes / elem);
-    const uint64_t want = std::max<uint64_t>((total + max_segment - 1) / max_segment, 2 * n);
-    num_segments = (want + n - 1) / n * n;
-    per_rank = num_segments / n;
-    const uint64_t seg = (total + num_segments - 1) / num_segments;
-    segment_bytes = (seg + elem - 1) / elem * elem;
-  }
-  // Bytes of segment `s` (taken modulo num_segments, as gloo does) inside a buffer of `total` bytes.
-  uint64_t length(uint64_t s, uint64_t total) const {
-    const uint64_t off = (s % num_segments) * segment_bytes;
-    return off >= total ? 0 : std::min(segment_bytes, total - off);
-  }
-};
 
 // Gloo's ring all-reduce on rank `r`: in its reduce-scatter phase the rank sends segments
 // (r+1)*per_rank + i and receives (r+2)*per_rank + i, in its all-gather phase it sends r*per_rank + i and
@@ -277,100 +259,6 @@ void check_pair(const std::string& desc, const torch::Tensor& big, const char* b
 // written to `gathered` and read back); other dtypes keep the all-to-all. An output inside the input (in
 // place) takes the same path, whatever the other ranks do: the transport reads this rank's own rows from a
 // copy then, so that every rank of a collective runs the same kind of rounds.
-//
-// [Note: Gloo ring order]
-// Gloo's ring all-reduce (gloo/allreduce.cc) reduces ring chunk g (GlooRingLayout: segments
-// [g*per_rank, (g+1)*per_rank)) along the ring: it starts at rank g-1 and each rank g-2, g-3, ..., g (mod N)
-// combines its own value `a` with the partial result `b` it received, c = f(a, b). For SUM and PRODUCT
-// that is ((x[g-1] + x[g-2]) + x[g-3]) + ... + x[g]: floating-point addition is commutative but not
-// associative, so this order, not only the set of terms, gives Gloo's bits (fp32, bf16, fp16, fp64; any N).
-// MAX and MIN are std::max(a, b) and std::min(a, b) (gloo/math.h): (a < b ? b : a) and (b < a ? b : a),
-// which do not propagate NaN as at::maximum does (the result is NaN exactly where the last rank of the
-// chunk's path, rank g, holds NaN) and keep the rank's own zero on a -0.0/+0.0 tie; at::where with the same
-// comparison selects the same operand, bit for bit. gloo_ring_reduce reproduces it for any range of the buffer: reduce-scatter reduces
-// its own chunk, the shared-memory all-reduce every round of the whole buffer ([Note: shared-memory
-// transport]), so both reduce in exactly Gloo's order through this one function.
-//
-// `out` and rows[r] (rank r's values) hold elements [begin, begin + out.numel()) of a ring all-reduce of
-// `total_bytes` over `n` ranks; no rows[r] may overlap `out`.
-void gloo_ring_reduce(const torch::Tensor& out, const std::vector<torch::Tensor>& rows, int64_t begin, int n,
-                      ReduceOp op, uint64_t total_bytes) {
-  torch::NoGradGuard no_grad;
-  const int64_t m = out.numel();
-  const uint64_t elem = out.element_size();
-  GlooRingLayout l(total_bytes, elem, n);
-  const int64_t ring_chunk = static_cast<int64_t>(l.segment_bytes / elem * l.per_rank);
-  const int64_t end = begin + m;
-  for (int64_t a = begin; a < end;) {
-    const int64_t g = a / ring_chunk;
-    const int64_t b = std::min(end, (g + 1) * ring_chunk);
-    auto dst = out.narrow(0, a - begin, b - a);
-    // The k-th rank of chunk g's path: rank g - k (k = 1 starts it, k = n ends it).
-    auto row = [&](int64_t k) { return rows[((g - k) % n + n) % n].narrow(0, a - begin, b - a); };
-    switch (op) {
-      case ReduceOp::SUM:
-      case ReduceOp::AVG:
-        at::add_out(dst, row(1), row(2));
-        for (int k = 3; k <= n; ++k) dst.add_(row(k));
-        break;
-      case ReduceOp::PRODUCT:
-        at::mul_out(dst, row(1), row(2));
-        for (int k = 3; k <= n; ++k) dst.mul_(row(k));
-        break;
-      case ReduceOp::MAX:
-      case ReduceOp::MIN: {
-        // Rank g - k combines a = its value, b = the partial: max keeps b where a < b, min where b < a.
-        const bool max = op == ReduceOp::MAX;
-        auto first = row(2), second = row(1);
-        at::where_out(dst, max ? at::lt(first, second) : at::lt(second, first), second, first);
-        for (int k = 3; k <= n; ++k) {
-          auto x = row(k);
-          at::where_out(dst, max ? at::lt(x, dst) : at::lt(dst, x), dst, x);
-        }
-        break;
-      }
-    }
-    a = b;
-  }
-}
-
-// The reduce-scatter's completion: `gathered` row j is rank j's copy of this rank's chunk of the input.
-void gloo_reduce_rows(const torch::Tensor& output, const torch::Tensor& gathered, int n, int rank, ReduceOp op,
-                      uint64_t total_bytes) {
-  const int64_t m = output.numel();
-  auto rows = gathered.view({n, m}).unbind(0);
-  gloo_ring_reduce(output.view({-1}), rows, static_cast<int64_t>(rank) * m, n, op, total_bytes);
-}
-
-// One round of a reduction through the shared-memory transport (ShmTransport::ReduceRound): slots[r] holds
-// rank r's bytes [off, off + len) of the piece of a ring all-reduce of `total` bytes over `n` ranks that
-// starts at element `begin` (an all-reduce's whole tensor: 0; a reduce-scatter's chunk: rank x its numel),
-// reduced in Gloo's ring order into `out` at the same bytes.
-detail::ShmTransport::ReduceRound ring_reduce_round(const torch::Tensor& out, int64_t begin, int n, ReduceOp op,
-                                                    uint64_t total) {
-  const int64_t elem = out.element_size();
-  const auto dtype = out.scalar_type();
-  char* data = static_cast<char*>(out.data_ptr());
-  return [n, op, total, elem, dtype, data, begin](uint64_t off, uint64_t len, const char* const* slots) {
-    // Plain tensors over the raw bytes: no autograd or inference-mode state of the caller's tensor reaches
-    // the worker thread.
-    const auto opts = torch::TensorOptions().dtype(dtype);
-    const int64_t first = begin + static_cast<int64_t>(off) / elem, numel = static_cast<int64_t>(len) / elem;
-    // In pieces of at most ATen's grain size (TensorIterator runs smaller ops serially), so that each op runs
-    // on this thread alone: one core per group, as Gloo's reduction on its worker, rather than a second
-    // OpenMP team of the worker's competing with the training threads' (OpenMP gives each calling thread a
-    // team of its own).
-    for (int64_t a = 0; a < numel; a += at::internal::GRAIN_SIZE) {
-      const int64_t len_a = std::min<int64_t>(at::internal::GRAIN_SIZE, numel - a);
-      std::vector<torch::Tensor> rows;
-      rows.reserve(n);
-      for (int r = 0; r < n; ++r) {
-        rows.push_back(torch::from_blob(const_cast<char*>(slots[r]) + a * elem, {len_a}, opts));
-      }
-      gloo_ring_reduce(torch::from_blob(data + off + a * elem, {len_a}, opts), rows, first + a, n, op, total);
-    }
-  };
-}
 
 // Whether two tensors' bytes overlap (contiguous tensors: their data_ptr() and nbytes() span them).
 bool overlap(const torch::Tensor& a, const torch::Tensor& b) {
@@ -490,18 +378,68 @@ bool can_all_gather_placed(ProcessGroup& group) {
 
 Work all_gather_placed(const torch::Tensor& input, ShmTransport::PlaceRound place, ProcessGroup& group,
                        bool async_op) {
-  TORCH_INTERNAL_ASSERT(can_all_gather_placed(group) && input.is_cpu() && input.is_contiguous());
+  TORCH_INTERNAL_ASSERT(input.is_cpu() && input.is_contiguous());
+  auto source = [input](int, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
+    piece(static_cast<const char*>(input.data_ptr()) + off, len);
+  };
+  return all_gather_placed(input.numel(), input.scalar_type(), std::move(source), {}, std::move(place), group,
+                           async_op);
+}
+
+Work all_gather_placed(int64_t numel, torch::ScalarType dtype, ShmTransport::RowPieces source,
+                       std::vector<torch::Tensor> held, ShmTransport::PlaceRound place, ProcessGroup& group,
+                       bool async_op) {
+  TORCH_INTERNAL_ASSERT(can_all_gather_placed(group));
   uint64_t seq = ProcessGroupAccess::next_seq(group);
   const int n = group.size();
-  const std::string desc = header("all_gather_into_tensor", group, seq) + ": input " + describe(input) +
-                           ", placed straight into its destinations (no output buffer)";
-  const uint64_t ag_bytes = input.nbytes() * static_cast<uint64_t>(n - 1);
+  const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+  const std::string desc = header("all_gather_into_tensor", group, seq) + ": input [" + std::to_string(numel) + "] " +
+                           c10::toString(dtype) + ", placed straight into its destinations (no output buffer)";
+  const uint64_t ag_bytes = bytes * static_cast<uint64_t>(n - 1);
   add_bytes(ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
-  return launch(group, "all_gather_into_tensor", seq, input.nbytes() * static_cast<uint64_t>(n), desc, async_op,
-                &input, nullptr, 0, [&] {
+  // The sources stay alive until the wait (the transport drops its own references when it is done).
+  std::function<void()> on_done;
+  if (!held.empty()) on_done = [held = std::move(held)]() mutable { held.clear(); };
+  return launch(group, "all_gather_into_tensor", seq, bytes * static_cast<uint64_t>(n), desc, async_op, nullptr,
+                nullptr, 0,
+                [&] {
                   return ProcessGroupAccess::shm(group)->all_gather_placed(
-                      input.view({-1}), std::move(place), seq, header("all_gather_into_tensor", group, seq));
-                });
+                      bytes, std::move(source), std::move(place), seq, header("all_gather_into_tensor", group, seq));
+                },
+                std::move(on_done));
+}
+
+bool can_reduce_scatter_placed(ProcessGroup& group, const torch::Tensor& output) {
+  return group.size() > 1 && !group.debug_backend() && ProcessGroupAccess::shm(group) != nullptr && is_gloo(group) &&
+         !gloo_reduce_scatter_via_all_reduce() && output.is_cpu() && output.numel() > 0 && shm_can_carry(output);
+}
+
+Work reduce_scatter_placed(const torch::Tensor& output, ShmTransport::RowPieces rows, std::vector<torch::Tensor> held,
+                           ProcessGroup& group, ReduceOp op, bool async_op) {
+  TORCH_INTERNAL_ASSERT(can_reduce_scatter_placed(group, output) && output.is_contiguous());
+  uint64_t seq = ProcessGroupAccess::next_seq(group);
+  const int n = group.size();
+  const std::string desc = header("reduce_scatter_tensor", group, seq) + ": input [" +
+                           std::to_string(output.numel() * n) + "] " + c10::toString(output.scalar_type()) +
+                           " read straight from its sources (no input buffer), output " + describe(output);
+  const uint64_t rs_bytes = output.nbytes() * static_cast<uint64_t>(n - 1);
+  add_bytes(ProcessGroupAccess::comm_stats(group).reduce_scatter_tensor, rs_bytes, rs_bytes);
+  // The sources stay alive until the wait, as reduce_scatter_tensor's input does ([Note: Gloo reduce-scatter]).
+  auto on_done = [output, held = std::move(held), n, op]() mutable {
+    if (op == ReduceOp::AVG) output.div_(n);
+    held.clear();
+  };
+  const uint64_t total = output.nbytes() * static_cast<uint64_t>(n);
+  return launch(
+      group, "reduce_scatter_tensor", seq, total, desc, async_op, nullptr, &output, static_cast<int64_t>(op),
+      [&] {
+        auto out = output.view({-1});
+        auto reduce = ring_reduce_round(out, static_cast<int64_t>(group.rank()) * out.numel(), n, op, total);
+        return ProcessGroupAccess::shm(group)->reduce_scatter(out, out.nbytes(), std::move(rows),
+                                                              shm_reduce_arg(op, output), std::move(reduce), seq,
+                                                              header("reduce_scatter_tensor", group, seq));
+      },
+      std::move(on_done));
 }
 
 }  // namespace detail
@@ -549,7 +487,11 @@ Work reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
           // An output inside the input (in place): the rounds read the input while the output is written, so they
           // read a copy (as large as the `gathered` scratch of the all-to-all path), not the input.
           auto src = overlap(output, input) ? input.reshape({-1}).clone() : input.view({-1});
-          return shm->reduce_scatter(out, src, shm_reduce_arg(op, input), std::move(reduce), seq,
+          const uint64_t m = out.nbytes();
+          auto rows = [src, m](int j, uint64_t off, uint64_t len, const detail::ShmTransport::Piece& piece) {
+            piece(static_cast<const char*>(src.data_ptr()) + j * m + off, len);
+          };
+          return shm->reduce_scatter(out, m, std::move(rows), shm_reduce_arg(op, input), std::move(reduce), seq,
                                      header("reduce_scatter_tensor", group, seq));
         },
         std::move(on_done));

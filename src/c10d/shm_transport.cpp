@@ -167,9 +167,6 @@ void remove_stale_segments() {
   }
 }
 
-// A round splits a slot into `size` regions of whole cache lines (all_to_all): bounded group size.
-constexpr int kMaxRanks = 256;
-
 class ShmWork : public c10d::Work {
  public:
   void done(std::exception_ptr e) { finish(std::move(e)); }
@@ -184,7 +181,7 @@ void create_segment_on_rank0(const std::function<std::string(const std::string&)
                              uint64_t bytes, const std::string& name, std::string& seg_name, void*& base,
                              std::string& error) {
   const std::string mine = get("host/0");
-  bool one_host = mine != "off" && size <= kMaxRanks;
+  bool one_host = mine != "off" && size <= ShmTransport::kMaxRanks;
   std::string refused;
   for (int r = 1; r < size; ++r) {
     const std::string theirs = get("host/" + std::to_string(r));
@@ -357,20 +354,19 @@ void ShmTransport::wait_all(const std::function<bool(int r)>& ready, std::chrono
 }
 
 namespace {
-// The kinds of rounds (compared across ranks) and their names in errors.
-constexpr uint64_t kAllGather = 1, kAllToAll = 2, kAllReduce = 3, kBroadcast = 4, kReduceScatter = 5;
+// The names of the kinds of rounds in errors.
 std::string kind_name(uint64_t kind, uint32_t arg) {
   switch (kind) {
-    case kAllGather: return "an all-gather";
-    case kAllToAll: return "an all-to-all";
-    case kAllReduce:
-    case kReduceScatter: {
+    case ShmTransport::kAllGather: return "an all-gather";
+    case ShmTransport::kAllToAll: return "an all-to-all";
+    case ShmTransport::kAllReduce:
+    case ShmTransport::kReduceScatter: {
       static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};  // fsdp::ReduceOp's order
       const uint32_t op = arg >> 8;
-      return std::string(kind == kAllReduce ? "an all-reduce (" : "a reduce-scatter (") + (op < 5 ? ops[op] : "?") +
+      return std::string(kind == ShmTransport::kAllReduce ? "an all-reduce (" : "a reduce-scatter (") + (op < 5 ? ops[op] : "?") +
              ", " + c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
     }
-    case kBroadcast: return "a broadcast from rank " + std::to_string(arg);
+    case ShmTransport::kBroadcast: return "a broadcast from rank " + std::to_string(arg);
   }
   return "?";
 }
@@ -459,158 +455,6 @@ void ShmTransport::worker_loop() {
     }
     task();  // still run when stopping (draining, as Gloo's worker): each within its own deadline
   }
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::Tensor input, uint64_t seq,
-                                                        std::string what) {
-  return enqueue([this, output = std::move(output), input = std::move(input), seq, what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t n = input.nbytes();
-    const char* src = static_cast<const char*>(input.data_ptr());
-    char* dst = static_cast<char*>(output.data_ptr());
-    uint64_t off = 0;
-    do {  // at least one round, so that ranks compare even an empty collective
-      const uint64_t len = std::min(kSlotBytes, n - off);
-      round(kAllGather, seq, n, 0, [&](char* mine) { std::memcpy(mine, src + off, len); },
-            [&](const char* const* slots) {
-              for (int r = 0; r < size_; ++r) {
-                char* to = dst + static_cast<uint64_t>(r) * n + off;
-                // In place (`input` is this rank's part of `output`) the bytes are already there. This rank's
-                // own part otherwise comes from its slot, not from `input`: an `input` inside another rank's
-                // part has been overwritten by then.
-                if (!(r == rank_ && to == src + off)) std::memcpy(to, slots[r], len);
-              }
-            },
-            deadline, what);
-      off += len;
-    } while (off < n);
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_placed(at::Tensor input, PlaceRound place, uint64_t seq,
-                                                               std::string what) {
-  return enqueue([this, input = std::move(input), place = std::move(place), seq, what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t n = input.nbytes();
-    const char* src = static_cast<const char*>(input.data_ptr());
-    uint64_t off = 0;
-    do {  // at least one round, so that ranks compare even an empty collective
-      const uint64_t len = std::min(kSlotBytes, n - off);
-      round(kAllGather, seq, n, 0, [&](char* mine) { std::memcpy(mine, src + off, len); },
-            [&](const char* const* slots) {
-              if (len == 0) return;
-              for (int r = 0; r < size_; ++r) place(r, off, len, r == rank_ ? src + off : slots[r]);
-            },
-            deadline, what);
-      off += len;
-    } while (off < n);
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(at::Tensor output, at::Tensor input, uint64_t seq,
-                                                        std::string what) {
-  return enqueue([this, output = std::move(output), input = std::move(input), seq, what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t m = input.nbytes() / static_cast<uint64_t>(size_);  // bytes per destination
-    const uint64_t region = kSlotBytes / static_cast<uint64_t>(size_) / 64 * 64;  // per destination per round
-    const char* src = static_cast<const char*>(input.data_ptr());
-    char* dst = static_cast<char*>(output.data_ptr());
-    uint64_t off = 0;
-    do {
-      const uint64_t len = std::min(region, m - off);
-      round(
-          kAllToAll, seq, m, 0,
-          [&](char* mine) {
-            for (int j = 0; j < size_; ++j) {
-              if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
-            }
-          },
-          [&](const char* const* slots) {
-            for (int r = 0; r < size_; ++r) {
-              char* to = dst + r * m + off;
-              const char* from = r == rank_ ? src + rank_ * m + off : slots[r] + rank_ * region;
-              if (to != from) std::memcpy(to, from, len);
-            }
-          },
-          deadline, what);
-      off += len;
-    } while (off < m);
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(at::Tensor output, at::Tensor input, uint32_t arg,
-                                                            ReduceRound reduce, uint64_t seq, std::string what) {
-  return enqueue([this, output = std::move(output), input = std::move(input), arg, reduce = std::move(reduce), seq,
-                  what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t m = output.nbytes();  // bytes per destination
-    // Per destination per round: whole cache lines, so a whole number of elements of any dtype.
-    const uint64_t region = kSlotBytes / static_cast<uint64_t>(size_) / 64 * 64;
-    const char* src = static_cast<const char*>(input.data_ptr());
-    const char* rows[kMaxRanks];
-    uint64_t off = 0;
-    do {  // at least one round, so that ranks compare even an empty collective
-      const uint64_t len = std::min(region, m - off);
-      round(
-          kReduceScatter, seq, m, arg,
-          [&](char* mine) {
-            for (int j = 0; j < size_; ++j) {
-              if (j != rank_) std::memcpy(mine + j * region, src + j * m + off, len);
-            }
-          },
-          [&](const char* const* slots) {
-            for (int r = 0; r < size_; ++r) rows[r] = r == rank_ ? src + rank_ * m + off : slots[r] + rank_ * region;
-            if (len > 0) reduce(off, len, rows);
-          },
-          deadline, what);
-      off += len;
-    } while (off < m);
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce,
-                                                        uint64_t seq, std::string what) {
-  return enqueue([this, tensor = std::move(tensor), arg, reduce = std::move(reduce), seq, what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t n = tensor.nbytes();
-    const char* src = static_cast<const char*>(tensor.data_ptr());
-    uint64_t off = 0;
-    do {  // at least one round, so that ranks compare even an empty collective
-      // kSlotBytes is a multiple of every element size: a round holds whole elements.
-      const uint64_t len = std::min(kSlotBytes, n - off);
-      round(kAllReduce, seq, n, arg, [&](char* mine) { std::memcpy(mine, src + off, len); },
-            [&](const char* const* slots) {
-              if (len > 0) reduce(off, len, slots);
-            },
-            deadline, what);
-      off += len;
-    } while (off < n);
-  });
-}
-
-c10::intrusive_ptr<c10d::Work> ShmTransport::broadcast(at::Tensor tensor, int src_rank, uint64_t seq,
-                                                       std::string what) {
-  TORCH_INTERNAL_ASSERT(src_rank >= 0 && src_rank < size_);
-  return enqueue([this, tensor = std::move(tensor), src_rank, seq, what = std::move(what)] {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    const uint64_t n = tensor.nbytes();
-    char* data = static_cast<char*>(tensor.data_ptr());
-    uint64_t off = 0;
-    do {
-      const uint64_t len = std::min(kSlotBytes, n - off);
-      // Every rank takes part in every round (the ranks compare the collective, and the source may reuse its
-      // buffer only once every rank has read it); only the source writes, only the others read.
-      round(kBroadcast, seq, n, static_cast<uint32_t>(src_rank),
-            [&](char* mine) {
-              if (rank_ == src_rank) std::memcpy(mine, data + off, len);
-            },
-            [&](const char* const* slots) {
-              if (rank_ != src_rank) std::memcpy(data + off, slots[src_rank], len);
-            },
-            deadline, what);
-      off += len;
-    } while (off < n);
-  });
 }
 
 }  // namespace fsdp::detail

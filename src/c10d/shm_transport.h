@@ -18,7 +18,7 @@
 // uint8, int32 and int64, and of non-contiguous tensors, stay on Gloo (they fail or succeed as before); so do barrier
 // and the debug fingerprints. CommStats counts the bytes of Gloo's algorithms either way. FSDP's all-gathers
 // on one host skip the output too: all_gather_placed hands each round of each rank's bytes to the caller, which
-// copies them straight into the unsharded parameters (c10d/all_gather_placed.h, [Note: placed all-gather]).
+// copies them straight into the unsharded parameters (c10d/placed_collectives.h, [Note: placed all-gather]).
 //
 // When: make_gloo_group() sets it up for groups of 2+ ranks that all run on one host in one set of
 // namespaces (same boot id, hostname, and ipc/mnt/net/pid namespaces: network-namespace "hosts" in the
@@ -70,6 +70,11 @@ class ShmTransport {
  public:
   /// Bytes per rank per round (each rank has two such buffers in the segment).
   static constexpr uint64_t kSlotBytes = 2ull << 20;
+  /// The largest group (a round splits a slot into `size` regions of whole cache lines: all_to_all and
+  /// reduce_scatter).
+  static constexpr int kMaxRanks = 256;
+  /// The kinds of rounds, compared across ranks (and named in errors).
+  static constexpr uint64_t kAllGather = 1, kAllToAll = 2, kAllReduce = 3, kBroadcast = 4, kReduceScatter = 5;
 
   /// Collective over `store` (all ranks of the group call it, after the group's Gloo rendezvous): returns
   /// the transport, or null on every rank when the ranks are not on one host, FSDP_SHM_TRANSPORT=0, or a
@@ -92,11 +97,22 @@ class ShmTransport {
   /// Places one round of an all-gather: `slot` holds rank `r`'s bytes [offset, offset + length) of its input;
   /// the function copies them wherever they belong (FSDP: straight into the unsharded parameters).
   using PlaceRound = std::function<void(int r, uint64_t offset, uint64_t length, const char* slot)>;
+  /// Visits bytes [offset, offset + length) of row `j` of this rank's data (a reduce-scatter's input: the chunk
+  /// for rank j; an all-gather's: this rank's only row, j = its rank) in order, as contiguous pieces:
+  /// `piece(src, len)` for each, src null for len bytes of zeros. Called on the transport's worker, possibly
+  /// more than once per round; a reduce-scatter's pieces must hold whole elements.
+  using Piece = std::function<void(const char* src, uint64_t len)>;
+  using RowPieces = std::function<void(int j, uint64_t offset, uint64_t length, const Piece& piece)>;
   /// Queues an all-gather with no output buffer: every rank's `input` (contiguous CPU, the same bytes on every
   /// rank) goes through the slots round by round and `place` puts each round of each rank, this rank's own
-  /// included (from `input`), where it belongs. Compared across ranks as all_gather (the same kind), so a rank
-  /// on this path and one on all_gather agree. `seq` and `what` as for all_gather.
+  /// included (from its slot, the same bytes), where it belongs. Compared across ranks as all_gather (the same
+  /// kind), so a rank on this path and one on all_gather agree (all_gather is this with a copy into `output`).
+  /// `seq` and `what` as for all_gather.
   c10::intrusive_ptr<c10d::Work> all_gather_placed(at::Tensor input, PlaceRound place, uint64_t seq, std::string what);
+  /// all_gather_placed with no input tensor either: this rank's `bytes` come from `source` (j = this rank), copied
+  /// piece by piece into its slot (FSDP: straight from the sharded parameters, no copy-in).
+  c10::intrusive_ptr<c10d::Work> all_gather_placed(uint64_t bytes, RowPieces source, PlaceRound place, uint64_t seq,
+                                                   std::string what);
   /// Queues an all-to-all of equal splits: `input` (contiguous CPU) is `size` chunks; chunk j goes to rank j;
   /// `output` (same bytes as input) gets rank r's chunk for this rank at chunk r. As Gloo's alltoall_base.
   /// `seq` and `what` as for all_gather.
@@ -111,14 +127,16 @@ class ShmTransport {
   /// that ranks that disagree on the op or dtype fail instead of combining unlike bytes.
   c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, uint32_t arg, ReduceRound reduce, uint64_t seq,
                                             std::string what);
-  /// Queues a reduce-scatter of equal chunks: `input` (contiguous CPU) is `size` chunks of output's bytes;
-  /// chunk j of every rank goes to rank j, round by round, and `reduce` combines each round straight out of
-  /// the slots into `output` (contiguous CPU, not overlapping `input`: pass a copy for an in-place one):
-  /// `offset` and `length` are bytes of this rank's chunk, `slots[r]` rank r's bytes of it (this rank's own
-  /// straight from `input`). No scratch: the all-to-all then reduction it replaces gathered N x output's bytes
+  /// Queues a reduce-scatter of equal chunks of `row_bytes` (output's bytes): row j of every rank goes to rank j,
+  /// round by round, and `reduce` combines each round straight out of the slots into `output` (contiguous CPU):
+  /// `offset` and `length` are bytes of this rank's chunk, `slots[r]` rank r's bytes of it. The rows come from
+  /// `rows`: other ranks' rows are copied piece by piece into this rank's slot, and this rank's own row is reduced
+  /// straight from its pieces when they are large (at least 64 KiB on average), else gathered into a scratch of
+  /// one round first. So the input need not exist as one tensor (FSDP: the rows are read straight from the
+  /// gradients). No scratch of N x output: the all-to-all then reduction it replaces gathered N x output's bytes
   /// first. `arg` as for all_reduce.
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, at::Tensor input, uint32_t arg, ReduceRound reduce,
-                                                uint64_t seq, std::string what);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, uint64_t row_bytes, RowPieces rows, uint32_t arg,
+                                                ReduceRound reduce, uint64_t seq, std::string what);
   /// Queues a broadcast: rank `src`'s `tensor` (contiguous CPU) is copied into every rank's `tensor`.
   c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor tensor, int src, uint64_t seq, std::string what);
 
@@ -147,6 +165,8 @@ class ShmTransport {
   int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_;
   uint64_t rounds_ = 0;       // rounds this rank has completed (worker thread only)
+  std::unique_ptr<char[]> scratch_;  // one round of this rank's own reduce-scatter row (worker thread only)
+  std::unique_ptr<char[]> zeros_;    // one round of zeros (worker thread only)
   std::string broken_;   // the first failure's cause (worker thread only)
 
   // The worker and its queue, on the heap so that a forked child can leave them alone (their destructors

@@ -1,11 +1,13 @@
 // The packing of an FSDP group's all-gather and reduce-scatter (see fsdp_collectives.h).
 #include "fsdp/fsdp_collectives.h"
 
-#include "c10d/all_gather_placed.h"
+#include "c10d/placed_collectives.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <optional>
 
 namespace fsdp::detail {
 
@@ -42,7 +44,7 @@ char* bytes_of(const torch::Tensor& t) { return static_cast<char*>(t.data_ptr())
 // [Note: placed all-gather]
 // On a one-host CPU group (the shared-memory transport, issue 37 item 1) the all-gather needs no output: the
 // unsharded parameters are allocated before it is issued (instead of at its wait) and the transport's worker
-// copies each rank's bytes out of its slot straight into them (c10d/all_gather_placed.h). That removes the
+// copies each rank's bytes out of its slot straight into them (c10d/placed_collectives.h). That removes the
 // copy-out (every gathered byte copied once instead of twice) and the [world x N] output, which the copy-out
 // held beside the unsharded parameters; the input is this rank's N elements alone. The wait then only marks
 // the unsharded data as changed (its version counter, as the copy-out's copy_ would). Taken when every piece is
@@ -60,6 +62,11 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
   result.pieces.resize(params.size());
   result.extended.assign(params.size(), 0);
   torch::Tensor output, input;
+  bool from_shards = false;
+  std::vector<torch::Tensor> shards;  // from_shards: each parameter's (post-forward) shard, in order
+  std::vector<std::vector<torch::Tensor>> srcs(params.size());
+  torch::ScalarType wire = torch::kFloat32;
+  int64_t n = 0;
   {
     // CUDA: copy-in on its own stream, after the compute queued so far (see fsdp_streams.h).
     StreamScope copy_in(&comm, CommStream::kAllGatherCopyIn, /*wait_previous=*/comm.copy_in_waits_current());
@@ -67,7 +74,6 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
     // Each parameter's pieces: its (post-forward) shard, cast to param_dtype by the copy below, or its
     // extension's inputs ([Note: all-gather extension]; not for the post-forward gather, which moves the
     // already rebuilt values).
-    std::vector<std::vector<torch::Tensor>> srcs(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
       if (!post_forward && p.all_gather_extension) {
@@ -90,11 +96,10 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
     auto size = [&](torch::ScalarType dt, int64_t numel) {
       return result.as_bytes ? aligned(numel * static_cast<int64_t>(c10::elementSize(dt))) : numel;
     };
-    int64_t n = 0;
     for (const auto& ps : result.pieces) {
       for (const auto& [dt, numel] : ps) n += size(dt, numel);
     }
-    const auto wire = result.as_bytes ? torch::kByte : dtype.value_or(torch::kFloat32);
+    wire = result.as_bytes ? torch::kByte : dtype.value_or(torch::kFloat32);
     // [Note: placed all-gather]: the unsharded parameters are the destination, allocated now.
     bool placed = alloc_unsharded && !custom && world > 1 && device.is_cpu() && !result.as_bytes &&
                   detail::can_all_gather_placed(pg);
@@ -109,40 +114,52 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
       }
     }
     result.placed = placed;
-    // CPU: a pool block (see fsdp_buffer_pool.h), unless the user's AllGather allocates.
-    if (placed) {
-      output = comm.empty({n}, wire, device);  // this rank's input alone
-    } else {
-      output = custom ? custom->allocate({world * n}, wire, device) : comm.empty({world * n}, wire, device);
+    // Placed, with every shard already in the wire dtype (no cast), the transport reads the shards themselves:
+    // no input, no copy-in ([Note: placed all-gather]).
+    from_shards = placed;
+    for (size_t i = 0; from_shards && i < params.size(); ++i) {
+      from_shards = plain_cpu(srcs[i][0]) && srcs[i][0].scalar_type() == wire;
     }
-    TORCH_CHECK(placed || (output.numel() == world * n && output.scalar_type() == wire && output.is_contiguous()),
-                "fully_shard: the custom AllGather's allocate({", world * n, "}, ", wire, ") returned ",
-                output.sizes(), " ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)",
-                "; expected a contiguous tensor of exactly that size and dtype");
-    TORCH_CHECK(!result.as_bytes || reinterpret_cast<uintptr_t>(output.data_ptr()) % kAlign == 0,
-                "fully_shard: the custom AllGather's allocate returned a buffer at an address not aligned to ", kAlign,
-                " bytes; the group gathers several dtypes as bytes and views each piece in its dtype in place. Fix: ",
-                "allocate with torch::empty (or align the buffer to ", kAlign, " bytes)");
-    // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
-    input = placed ? output : output.narrow(0, pg.rank() * n, n);
-    const int64_t wire_size = static_cast<int64_t>(c10::elementSize(wire));
-    const bool cpu_out = plain_cpu(output);
-    int64_t off = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-      for (size_t j = 0; j < srcs[i].size(); ++j) {
-        const auto [dt, numel] = result.pieces[i][j];
-        const auto& src = srcs[i][j];
-        const int64_t piece_bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
-        if (cpu_out && piece_bytes <= kSmallCopyBytes && src.scalar_type() == dt && plain_cpu(src)) {
-          // [Note: small copies by memcpy] (an empty piece has nothing to copy, and maybe no pointer)
-          if (piece_bytes > 0) {
-            std::memcpy(bytes_of(input) + off * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+    if (from_shards) {
+      shards.reserve(params.size());
+      for (auto& v : srcs) shards.push_back(std::move(v[0]));
+    } else {
+      // CPU: a pool block (see fsdp_buffer_pool.h), unless the user's AllGather allocates.
+      if (result.placed) {
+        output = comm.empty({n}, wire, device);  // this rank's input alone
+      } else {
+        output = custom ? custom->allocate({world * n}, wire, device) : comm.empty({world * n}, wire, device);
+      }
+      TORCH_CHECK(result.placed ||
+                      (output.numel() == world * n && output.scalar_type() == wire && output.is_contiguous()),
+                  "fully_shard: the custom AllGather's allocate({", world * n, "}, ", wire, ") returned ",
+                  output.sizes(), " ", output.scalar_type(), output.is_contiguous() ? "" : " (not contiguous)",
+                  "; expected a contiguous tensor of exactly that size and dtype");
+      TORCH_CHECK(!result.as_bytes || reinterpret_cast<uintptr_t>(output.data_ptr()) % kAlign == 0,
+                  "fully_shard: the custom AllGather's allocate returned a buffer at an address not aligned to ", kAlign,
+                  " bytes; the group gathers several dtypes as bytes and views each piece in its dtype in place. Fix: ",
+                  "allocate with torch::empty (or align the buffer to ", kAlign, " bytes)");
+      // All-gather input: this rank's slice of the output (in-place all-gather); copy_ casts to param_dtype.
+      input = result.placed ? output : output.narrow(0, pg.rank() * n, n);
+      const int64_t wire_size = static_cast<int64_t>(c10::elementSize(wire));
+      const bool cpu_out = plain_cpu(output);
+      int64_t off = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        for (size_t j = 0; j < srcs[i].size(); ++j) {
+          const auto [dt, numel] = result.pieces[i][j];
+          const auto& src = srcs[i][j];
+          const int64_t piece_bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
+          if (cpu_out && piece_bytes <= kSmallCopyBytes && src.scalar_type() == dt && plain_cpu(src)) {
+            // [Note: small copies by memcpy] (an empty piece has nothing to copy, and maybe no pointer)
+            if (piece_bytes > 0) {
+              std::memcpy(bytes_of(input) + off * wire_size, bytes_of(src), static_cast<size_t>(piece_bytes));
+            }
+          } else {
+            auto dst = result.as_bytes ? input.narrow(0, off, piece_bytes).view(dt) : input.narrow(0, off, numel);
+            dst.copy_(src.reshape({-1}), non_blocking);
           }
-        } else {
-          auto dst = result.as_bytes ? input.narrow(0, off, piece_bytes).view(dt) : input.narrow(0, off, numel);
-          dst.copy_(src.reshape({-1}), non_blocking);
+          off += size(dt, numel);
         }
-        off += size(dt, numel);
       }
     }
   }
@@ -159,13 +176,15 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
     };
     std::vector<Dest> dests;
     dests.reserve(params.size());
-    const uint64_t wire_size = output.element_size();
+    const uint64_t wire_size = c10::elementSize(wire);
     uint64_t begin = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       const uint64_t bytes = static_cast<uint64_t>(result.pieces[i][0].second) * wire_size;
       dests.push_back({begin, bytes, bytes_of(params[i].unsharded_padded), params[i].unsharded_padded});
       begin += bytes;
     }
+    std::vector<std::pair<const char*, uint64_t>> pieces;  // from_shards: this rank's bytes, shard by shard
+    for (size_t i = 0; i < shards.size(); ++i) pieces.emplace_back(bytes_of(shards[i]), dests[i].bytes);
     auto place = [dests = std::move(dests)](int r, uint64_t off, uint64_t len, const char* src) {
       const uint64_t end = off + len;
       // First piece that ends after `off` (the pieces are sorted and contiguous).
@@ -178,6 +197,26 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
         }
       }
     };
+    if (from_shards) {
+      // This rank's bytes, piece by piece from its shards. They are read while the all-gather runs, not at its
+      // issue: FSDP changes no shard while its all-gather is in flight (the optimizer steps after the waits).
+      auto source = [pieces = std::move(pieces)](int, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
+        uint64_t at = 0;  // where the current piece starts
+        for (const auto& [src, bytes] : pieces) {
+          if (len == 0) break;
+          if (off < at + bytes) {
+            const uint64_t skip = off - at, take = std::min(len, bytes - skip);
+            piece(src + skip, take);
+            off += take;
+            len -= take;
+          }
+          at += bytes;
+        }
+      };
+      result.work = detail::all_gather_placed(n, wire, std::move(source), std::move(shards), std::move(place), pg,
+                                              /*async_op=*/true);
+      return result;
+    }
     result.work = detail::all_gather_placed(input, std::move(place), pg, /*async_op=*/true);
     // Kept until the wait (the transport drops its reference when it is done, at a moment that depends on the
     // threads' timing), so that the memory a step holds does not: the estimator counts it until then.
@@ -269,6 +308,86 @@ std::pair<double, double> gradient_divide_factors(torch::ScalarType reduce_dtype
   return {pre, factor / pre};
 }
 
+namespace {
+// [Note: placed reduce-scatter]
+// On one host's CPU ranks the reduce-scatter needs no input ([ws, M + P], as large as the unsharded group) and
+// no copy-in: detail::reduce_scatter_placed (c10d/placed_collectives.h) takes row r as its pieces, which the
+// transport copies straight from the gradients into its slot (the other ranks' rows) or reduces where they are
+// (this rank's own row): each gradient's chunk r, its zero padding, then the presence flags. The same bytes as
+// the input would hold, reduced in the same order, so the same bits (tests/fsdp/test_comm.cpp compares it with
+// the copy-in path over Gloo's sockets). The gradients stay alive until the wait instead of the input (the memory
+// estimator counts them there). Gradients that need a cast (bf16 into an fp32 reduction), a division before the
+// sum (fp16), Shard(d > 0) or a custom ReduceScatter take the copy-in.
+std::optional<ReduceScatterResult> reduce_scatter_placed(const std::vector<FSDPParam>& params,
+                                                         std::vector<torch::Tensor>& grads,
+                                                         std::vector<size_t>& param_indices, int64_t m,
+                                                         std::vector<char>& missing, ProcessGroup& pg,
+                                                         CommContext& comm, torch::ScalarType reduce_dtype,
+                                                         torch::Device device, ReduceScatter* custom,
+                                                         double predivide_factor) {
+  const int ws = pg.size();
+  if (custom || ws == 1 || predivide_factor != 1.0 || !device.is_cpu()) return std::nullopt;
+  for (size_t i : param_indices) {
+    const auto& p = params[i];
+    const auto& g = grads[i];
+    if (p.shard_dim != 0) return std::nullopt;
+    if (g.defined() && !(plain_cpu(g) && g.scalar_type() == reduce_dtype)) return std::nullopt;
+  }
+  const int64_t np = static_cast<int64_t>(param_indices.size());
+  auto output = comm.empty({m + np}, reduce_dtype, device);
+  if (!can_reduce_scatter_placed(pg, output)) return std::nullopt;
+  TORCH_INTERNAL_ASSERT(ws <= 256);
+  // Row r's pieces, in order: (source or null for zeros, bytes). The presence flags are one tensor that every
+  // row ends with.
+  struct Piece {
+    const char* src;
+    uint64_t bytes;
+  };
+  const int64_t es = output.element_size();
+  std::vector<float> present(static_cast<size_t>(np), 0.0f);
+  std::vector<torch::Tensor> held;
+  auto rows = std::make_shared<std::vector<std::vector<Piece>>>(ws);
+  for (size_t k = 0; k < param_indices.size(); ++k) {
+    const auto& p = params[param_indices[k]];
+    auto& g = grads[param_indices[k]];
+    if (g.defined()) {
+      TORCH_INTERNAL_ASSERT(g.numel() == p.orig_size[0] * p.row_numel, "fully_shard: the gradient of ", p.fqn, " has ",
+                            g.numel(), " elements, its parameter ", p.orig_size[0] * p.row_numel);
+      present[k] = 1.0f;
+    }
+    for (int r = 0; r < ws; ++r) {
+      auto range = chunk_range(p.orig_size[0], ws, r);
+      const int64_t filled = g.defined() ? range.length * p.row_numel : 0;
+      auto& row = (*rows)[r];
+      if (filled > 0) row.push_back({bytes_of(g) + range.offset * p.row_numel * es, static_cast<uint64_t>(filled * es)});
+      if (filled < p.padded_numel()) row.push_back({nullptr, static_cast<uint64_t>((p.padded_numel() - filled) * es)});
+    }
+    if (g.defined()) held.push_back(std::move(g));
+    g = torch::Tensor();
+  }
+  auto flags = torch::from_blob(present.data(), {np}).to(reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+  for (auto& row : *rows) row.push_back({bytes_of(flags), static_cast<uint64_t>(np * es)});
+  held.push_back(flags);
+  auto pieces = [rows](int j, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
+    uint64_t at = 0;  // where the current piece starts in the row
+    for (const auto& pc : (*rows)[j]) {
+      if (len == 0) break;
+      if (off < at + pc.bytes) {
+        const uint64_t skip = off - at, take = std::min(len, pc.bytes - skip);
+        piece(pc.src ? pc.src + skip : nullptr, take);
+        off += take;
+        len -= take;
+      }
+      at += pc.bytes;
+    }
+  };
+  Work work = detail::reduce_scatter_placed(output, std::move(pieces), std::move(held), pg, ReduceOp::SUM,
+                                            /*async_op=*/true);
+  return ReduceScatterResult{torch::Tensor(), output, std::move(work), std::move(param_indices), m, std::move(missing),
+                             predivide_factor};
+}
+}  // namespace
+
 ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::vector<torch::Tensor> grads,
                                    std::vector<size_t> param_indices, int64_t data_numel, std::vector<char> missing,
                                    ProcessGroup& pg, CommContext& comm, torch::ScalarType reduce_dtype,
@@ -279,6 +398,10 @@ ReduceScatterResult foreach_reduce(const std::vector<FSDPParam>& params, std::ve
   // CUDA: copy-in and reduce-scatter on the reduce-scatter stream, after the backward queued so far.
   StreamScope rs_stream(&comm, CommStream::kReduceScatter);
   const int64_t np = static_cast<int64_t>(param_indices.size());
+  if (auto placed = reduce_scatter_placed(params, grads, param_indices, m, missing, pg, comm, reduce_dtype, device,
+                                          custom, predivide_factor)) {
+    return std::move(*placed);
+  }
   // Reduce-scatter input [ws, M + P]: row r = every gradient's chunk r (zero-padded), in group order,
   // then the P presence flags.
   // Uninitialised (CPU: a pool block): every element is written below, the gradients' rows by the copy,

@@ -142,6 +142,12 @@ struct GroupBytes {
   std::string name;
   int64_t unsharded = 0, grad = 0, rs_in = 0, rs_out = 0, shard_grad = 0;
   bool reshard = true, trainable = false;
+  // The reduce-scatter reads the gradients where they are (no input, no copy-in; [Note: placed reduce-scatter]
+  // in fsdp_collectives.cpp): one host's CPU ranks, gradients already in the reduce dtype, fp32 or bf16.
+  bool rs_placed = false;
+  // A placed all-gather reads the shards where they are (no input, no copy-in): parameters gathered in their
+  // own dtype (no param_dtype cast).
+  bool ag_from_shards = true;
 };
 
 std::vector<GroupBytes> group_bytes(const std::vector<ShardGroupInfo>& groups,
@@ -162,6 +168,7 @@ std::vector<GroupBytes> group_bytes(const std::vector<ShardGroupInfo>& groups,
     for (const auto& f : g.fqns) {
       const auto& p = *by_fqn.at(f);
       const int64_t padded_shard = (dim0(p) + N - 1) / N * row_numel(p);
+      if (compute_dtype(p) != p.dtype) x.ag_from_shards = false;
       x.unsharded += N * padded_shard * elem(compute_dtype(p));
       if (p.requires_grad) {
         x.grad += numel_of(p.shape) * elem(compute_dtype(p));
@@ -175,6 +182,12 @@ std::vector<GroupBytes> group_bytes(const std::vector<ShardGroupInfo>& groups,
     if (x.trainable) {
       x.rs_out = (m + np) * elem(reduce);
       x.rs_in = N * x.rs_out;
+      x.rs_placed = o.device_is_cpu && o.cpu_shared_memory && N > 1 &&
+                    (reduce == torch::kFloat32 || reduce == torch::kBFloat16);
+      for (const auto& f : g.fqns) {
+        const auto& p = *by_fqn.at(f);
+        if (p.requires_grad && compute_dtype(p) != reduce) x.rs_placed = false;
+      }
     }
     if (x.unsharded > largest) {
       largest = x.unsharded;
@@ -223,18 +236,22 @@ struct StepWalk {
   std::string named(const char* what, size_t k) const {
     return std::string(what) + (gs[k].name.empty() ? std::string(" the root") : " '" + gs[k].name + "'");
   }
-  int64_t pending_bytes(size_t j) const { return gs[j].rs_out + rs_held * gs[j].rs_in; }
+  // A reduce-scatter in flight: its output and rs_held input-sized buffers, or placed the gradients it reads
+  // (counted with the full-size gradients).
+  int64_t pending_bytes(size_t j) const { return gs[j].rs_out + (gs[j].rs_placed ? 0 : rs_held * gs[j].rs_in); }
+  int64_t pending_grads(size_t j) const { return gs[j].rs_placed ? gs[j].grad : 0; }
   // Group j's unsharding: at its copy-out, what is alive beside its unsharded parameters: the all-gather
   // output, or placed straight into them ([Note: placed all-gather] in fsdp_collectives.cpp) this rank's
-  // input, 1 / world_size of them, kept until the wait. While it is in flight: its output, or placed its
-  // unsharded parameters and that input.
+  // input, 1 / world_size of them, kept until the wait (none when the shards are read where they are: no
+  // param_dtype cast). While it is in flight: its output, or placed its unsharded parameters and that input.
   // Every group is counted as placed with cpu_shared_memory: groups that take the copy-out path on one host
   // (an all-gather extension, mixed dtypes, Shard(d > 0), a custom AllGather, debug mode) are undercounted by
   // (1 - 1 / world_size) x their unsharded size at their copy-out, and a post-forward gather over k ranks
   // keeps an input of 1 / k, not 1 / world_size.
   bool placed() const { return o.device_is_cpu && o.cpu_shared_memory && o.world_size > 1; }
-  int64_t copy_out_extra(size_t j) const { return placed() ? gs[j].unsharded / o.world_size : gs[j].unsharded; }
-  int64_t in_flight(size_t j) const { return gs[j].unsharded + (placed() ? gs[j].unsharded / o.world_size : 0); }
+  int64_t placed_input(size_t j) const { return gs[j].ag_from_shards ? 0 : gs[j].unsharded / o.world_size; }
+  int64_t copy_out_extra(size_t j) const { return placed() ? placed_input(j) : gs[j].unsharded; }
+  int64_t in_flight(size_t j) const { return gs[j].unsharded + (placed() ? placed_input(j) : 0); }
 
   // Forward: a group's copy-out holds its all-gather buffer and its unsharded parameters; then the next
   // group's all-gather (prefetch) runs beside them. Groups that do not reshard after forward stay.
@@ -265,8 +282,9 @@ struct StepWalk {
     int64_t done = grads_at_start;  // sharded gradients copied out so far
     for (size_t k = gs.size(); k-- > 0;) {
       const int64_t prev = pending ? pending_bytes(*pending) : 0;
+      const int64_t prev_grads = pending ? pending_grads(*pending) : 0;
       const int64_t next_ag = (k > 0 && gs[k - 1].reshard) ? in_flight(k - 1) : 0;  // backward prefetch
-      const int64_t root_grads = k > 0 ? gs[0].grad : 0;
+      const int64_t root_grads = (k > 0 ? gs[0].grad : 0) + prev_grads;
       int64_t cur = 0;
       if (gs[k].reshard) {
         consider(kept + gs[k].unsharded + copy_out_extra(k), root_grads, prev, done, acts_of(k + 1),
@@ -276,21 +294,28 @@ struct StepWalk {
       consider(kept + cur + next_ag, root_grads + gs[k].grad, prev, done, acts_of(k + 1), named("end of the backward of", k));
       if (!gs[k].reshard) kept -= gs[k].unsharded;  // the post-backward reshards before it reduces
       if (!gs[k].trainable) continue;
-      // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
-      // the output and the backend's buffers.
-      consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
-               named("reduce-scatter copy-in of", k));
-      consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
-               acts_of(k), named("reduce-scatter of", k));
+      if (gs[k].rs_placed) {
+        // No input: the output beside the gradients, which the reduce-scatter holds until its wait.
+        consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_out + prev, done, acts_of(k),
+                 named("reduce-scatter of", k));
+      } else {
+        // Copy-in: the zero-filled input beside the full-size gradients, which are released once copied; then
+        // the output and the backend's buffers.
+        consider(kept + next_ag, root_grads + gs[k].grad, gs[k].rs_in + prev, done, acts_of(k),
+                 named("reduce-scatter copy-in of", k));
+        consider(kept + next_ag, root_grads, gs[k].rs_out + std::max<int64_t>(rs_held, 1) * gs[k].rs_in + prev, done,
+                 acts_of(k), named("reduce-scatter of", k));
+      }
       if (pending) {  // its wait released the backend's buffers; its output is copied out to the shards
-        consider(kept + next_ag, root_grads, pending_bytes(k) + gs[*pending].rs_out, done + gs[*pending].shard_grad,
-                 acts_of(k), named("copy-out of the reduce-scatter before", k));
+        consider(kept + next_ag, root_grads - prev_grads + pending_grads(k), pending_bytes(k) + gs[*pending].rs_out,
+                 done + gs[*pending].shard_grad, acts_of(k), named("copy-out of the reduce-scatter before", k));
         if (o.grads_set_to_none && !host_states) done += gs[*pending].shard_grad;
       }
       pending = k;
     }
     if (pending) {
-      consider(kept, 0, pending_bytes(*pending), done + gs[*pending].shard_grad, 0, "end of the backward");
+      consider(kept, pending_grads(*pending), pending_bytes(*pending), done + gs[*pending].shard_grad, 0,
+               "end of the backward");
     }
   }
 };

@@ -31,7 +31,7 @@
 
 #include "fsdp/c10d/collectives.h"
 #include "multi_rank.h"
-#include "c10d/all_gather_placed.h"
+#include "c10d/placed_collectives.h"
 #include "c10d/process_group_access.h"
 
 namespace fsdp::testing {
@@ -144,7 +144,7 @@ TEST_P(ShmTransport, ReduceScatterEqualsGlooBitForBit) {
   });
 }
 
-// all_gather_placed (c10d/all_gather_placed.h, FSDP's all-gather straight into the unsharded parameters): each
+// all_gather_placed (c10d/placed_collectives.h, FSDP's all-gather straight into the unsharded parameters): each
 // rank's bytes reach their destinations, pieces of no element and one crossing the 2 MiB round boundary
 // included, equal to all_gather_into_tensor's output bit for bit; and a rank on the placed path meets ranks on
 // all_gather_into_tensor in the same collective (the transport compares both as an all-gather).

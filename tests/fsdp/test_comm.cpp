@@ -52,21 +52,27 @@ TEST(Communication, WorldSizeOneIssuesNoCollectives) {
   });
 }
 
-// ---- The placed all-gather (issue 37 item 1) ------------------------------------------------------
+// ---- The placed all-gather and reduce-scatter (issue 37 item 1) -----------------------------------------
 // On one host FSDP's all-gather writes each rank's bytes straight into the unsharded parameters ([Note:
-// placed all-gather] in src/fsdp/fsdp_collectives.cpp); through Gloo's sockets (FSDP_SHM_TRANSPORT=0) it fills
-// an output that FSDP copies out. The same bytes either way: every step's loss, every full gradient and every
-// parameter after 3 AdamW steps equal bit for bit, on 2, 3 and 4 ranks (the Net's rows do not divide by 3: padded
-// shards), in fp32 and with bf16 param_dtype, resharding the blocks after forward, keeping them, or keeping
-// post-forward slices (reshard_after_forward=2 on 4 ranks). The flight recorder shows which path each
-// all-gather took.
+// placed all-gather] in src/fsdp/fsdp_collectives.cpp) and its reduce-scatter reads each rank's rows straight
+// from the gradients ([Note: placed reduce-scatter]); through Gloo's sockets (FSDP_SHM_TRANSPORT=0) the
+// all-gather fills an output that FSDP copies out and the reduce-scatter reads an input FSDP copied the
+// gradients into. The same bytes either way: every step's loss, every full gradient and every parameter after
+// 3 AdamW steps equal bit for bit, on 2, 3 and 4 ranks (the Net's rows do not divide by 3: padded shards), in
+// fp32, with bf16 param_dtype and an fp32 reduction (its reduce-scatter casts: the copy-in path on one host too)
+// and with bf16 param_dtype and reduction (placed), resharding the blocks after forward, keeping them, or
+// keeping post-forward slices (reshard_after_forward=2 on 4 ranks). The flight recorder shows which path each
+// collective took.
+enum class Precision { kFp32, kBf16ReduceFp32, kBf16ReduceBf16 };
+
 struct PlacedRun {
   std::vector<double> losses;
   std::map<std::string, torch::Tensor> grads, params;  // full tensors, rank 0's
   size_t placed = 0, all_gathers = 0;                  // rank 0's all-gathers of the first step, those placed
+  size_t rs_placed = 0, reduce_scatters = 0;           // and its reduce-scatters
 };
 
-PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, ReshardAfterForward reshard) {
+PlacedRun train_placed_or_not(int ws, bool shm, Precision precision, ReshardAfterForward reshard) {
   // FSDP_SHM_TRANSPORT is read by each group at its creation, before the rank threads start; unset again even
   // when a rank fails, so that later runs are not left on Gloo's sockets.
   struct SocketsOnly {
@@ -84,7 +90,10 @@ PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, ReshardAfterForward r
     Net net;
     load_full(*net, initial_weights());
     auto opts = FullyShardOptions().mesh(init_device_mesh(torch::kCPU, {ws}));
-    if (bf16) opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat32));
+    if (precision != Precision::kFp32) {
+      opts.mp_policy(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(
+          precision == Precision::kBf16ReduceBf16 ? torch::kBFloat16 : torch::kFloat32));
+    }
     auto bopts = opts;
     bopts.reshard_after_forward(reshard);
     for (auto& b : net->blocks) fully_shard(b, bopts);
@@ -99,9 +108,13 @@ PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, ReshardAfterForward r
       loss.backward();
       if (step == 0 && pg->rank() == 0) {  // the first step's FSDP collectives, before any full_tensor
         for (const auto& r : pg->flight_recorder().records()) {
-          if (r.op != "all_gather_into_tensor") continue;
-          ++out.all_gathers;
-          if (r.shapes.find("placed straight into") != std::string::npos) ++out.placed;
+          if (r.op == "all_gather_into_tensor") {
+            ++out.all_gathers;
+            if (r.shapes.find("placed straight into") != std::string::npos) ++out.placed;
+          } else if (r.op == "reduce_scatter_tensor") {
+            ++out.reduce_scatters;
+            if (r.shapes.find("read straight from its sources") != std::string::npos) ++out.rs_placed;
+          }
         }
       }
       auto global = loss.detach().clone();
@@ -121,20 +134,29 @@ PlacedRun train_placed_or_not(int ws, bool shm, bool bf16, ReshardAfterForward r
   return out;
 }
 
-TEST(PlacedAllGather, EqualsTheCopyOutPathBitForBit) {
+TEST(PlacedCollectives, EqualTheCopyPathsBitForBit) {
   for (int ws : {2, 3, 4}) {
-    for (bool bf16 : {false, true}) {
+    for (auto precision : {Precision::kFp32, Precision::kBf16ReduceFp32, Precision::kBf16ReduceBf16}) {
       std::vector<std::pair<ReshardAfterForward, std::string>> modes = {{ReshardAfterForward(true), "resharded"},
                                                                         {ReshardAfterForward(false), "blocks kept"}};
       // reshard_after_forward=2: the backward gathers the post-forward slices over 2 of the 4 ranks.
       if (ws == 4) modes.push_back({ReshardAfterForward(2), "post-forward slices over 2 ranks"});
       for (const auto& [reshard, mode] : modes) {
-        const std::string what = "world " + std::to_string(ws) + (bf16 ? ", bf16, " : ", fp32, ") + mode;
-        auto placed = train_placed_or_not(ws, /*shm=*/true, bf16, reshard);
-        auto copied = train_placed_or_not(ws, /*shm=*/false, bf16, reshard);
+        const std::string what = "world " + std::to_string(ws) +
+                                 (precision == Precision::kFp32           ? ", fp32, "
+                                  : precision == Precision::kBf16ReduceFp32 ? ", bf16 reduced in fp32, "
+                                                                            : ", bf16 reduced in bf16, ") +
+                                 mode;
+        auto placed = train_placed_or_not(ws, /*shm=*/true, precision, reshard);
+        auto copied = train_placed_or_not(ws, /*shm=*/false, precision, reshard);
         EXPECT_GT(placed.placed, 0u) << what;
         EXPECT_EQ(placed.placed, placed.all_gathers) << what << ": every all-gather of the first step placed";
+        EXPECT_GT(placed.reduce_scatters, 0u) << what;
+        // A cast into the reduction's dtype needs the copy-in.
+        EXPECT_EQ(placed.rs_placed, precision == Precision::kBf16ReduceFp32 ? 0u : placed.reduce_scatters)
+            << what << ": the first step's reduce-scatters placed";
         EXPECT_EQ(copied.placed, 0u) << what;
+        EXPECT_EQ(copied.rs_placed, 0u) << what;
         EXPECT_EQ(placed.losses, copied.losses) << what;
         for (const auto& [name, g] : copied.grads) {
           EXPECT_TRUE(torch::equal(placed.grads.at(name), g)) << what << ": gradient of " << name;

@@ -279,6 +279,7 @@ struct MeasuredConfig {
   int world_size;
   std::optional<torch::ScalarType> param_dtype;
   bool reshard_after_forward;
+  torch::ScalarType reduce_dtype = torch::kFloat32;  // with param_dtype
 };
 
 // Per-rank peak of live CPU bytes in a steady-state step (the second: AdamW state exists, zero_grad set
@@ -309,8 +310,8 @@ void expect_estimate_within_10_percent(const MeasuredConfig& c) {
         int64_t e = 4;
         if (c.param_dtype) {
           o.param_dtype = *c.param_dtype;
-          o.reduce_dtype = torch::kFloat32;
-          mp = mp.param_dtype(*c.param_dtype).reduce_dtype(torch::kFloat32);
+          o.reduce_dtype = c.reduce_dtype;
+          mp = mp.param_dtype(*c.param_dtype).reduce_dtype(c.reduce_dtype);
           e = static_cast<int64_t>(c10::elementSize(*c.param_dtype));
         }
         o.activation_bytes = (2 + kBlocks * 4) * kRows * kWide * e + kRows * kOut * 4;
@@ -345,7 +346,8 @@ void expect_estimate_within_10_percent(const MeasuredConfig& c) {
     const double err = (static_cast<double>(predicted.total_peak) - measured[r]) / measured[r];
     std::printf("[memory] %d rank(s), %s, reshard_after_forward %d: rank %d measured %.2f MiB, predicted %.2f MiB "
                 "(%+.1f%%)\n%s",
-                c.world_size, c.param_dtype ? "bf16" : "fp32", c.reshard_after_forward, r, measured[r] / 1048576.0,
+                c.world_size, !c.param_dtype ? "fp32" : c.reduce_dtype == torch::kBFloat16 ? "bf16 reduced in bf16" : "bf16",
+                c.reshard_after_forward, r, measured[r] / 1048576.0,
                 predicted.total_peak / 1048576.0, 100 * err, r == 0 ? format_memory_estimate(predicted).c_str() : "");
     EXPECT_LE(std::abs(err), 0.10) << "rank " << r << ": predicted " << predicted.total_peak << " bytes, measured "
                                    << measured[r];
@@ -359,6 +361,12 @@ TEST(MemoryEstimateVsMeasured, TwoRanksBf16ReshardFalse) {
 }
 
 TEST(MemoryEstimateVsMeasured, TwoRanksFp32) { expect_estimate_within_10_percent({2, std::nullopt, true}); }
+
+// Reduced in bf16: the reduce-scatter reads the gradients where they are ([Note: placed reduce-scatter]), no
+// input and no copy-in.
+TEST(MemoryEstimateVsMeasured, TwoRanksBf16ReducedInBf16ReshardFalse) {
+  expect_estimate_within_10_percent({2, torch::kBFloat16, false, torch::kBFloat16});
+}
 
 }  // namespace
 }  // namespace fsdp::testing

@@ -17,7 +17,8 @@
 //   a moment the group takes twice its unsharded size. The next group's all-gather (prefetch) is issued
 //   after the copy-out: its buffer is alive beside the current group's parameters. On one host's CPU
 //   ranks (cpu_shared_memory) the all-gather writes straight into the unsharded parameters, allocated at
-//   its issue: no buffer, only this rank's input (1 / world_size of them) while it runs.
+//   its issue: no buffer, only this rank's input (1 / world_size of them) while it runs, and not even that
+//   when the parameters gather in their own dtype (the shards are read where they are).
 // - Groups with reshard_after_forward=false (the root by default) stay unsharded from their forward to
 //   their post-backward; with reshard_after_forward=true a group is unsharded around its own forward and
 //   backward (plus the one prefetched).
@@ -25,8 +26,11 @@
 //   the group, then allocates the reduce-scatter input [N, M + P] (reduce_dtype), copies the gradients
 //   in (releasing them) and issues the reduce-scatter into a [M + P] output. The reduce-scatter is finished (its output
 //   copied out to the sharded gradients) at the next group's post-backward: one is in flight at a time.
-//   Until then the input and the backend's scratch stay (reduce_scatter_held_inputs). The root's group is the first to get gradients (the head) and the last
-//   to reduce them: its full-size gradients are counted throughout the backward.
+//   Until then the input and the backend's scratch stay (reduce_scatter_held_inputs). On one host's CPU
+//   ranks (cpu_shared_memory) with gradients already in the reduce dtype (fp32 or bf16) there is no input
+//   and no copy-in: the reduce-scatter reads the gradients where they are and holds them until then. The
+//   root's group is the first to get gradients (the head) and the last to reduce them: its full-size
+//   gradients are counted throughout the backward.
 // - Optimizer state is `optimizer_bytes_per_element` per shard element of each trainable parameter
 //   (AdamW with fp32 state: exp_avg + exp_avg_sq = 8). It exists from the first optimizer step on; the
 //   estimate is for a steady-state step (state present). Gradients are set to none by zero_grad and

@@ -121,7 +121,9 @@ class Manager {
  public:
   /// Registers this rank as a joiner (its replica group's rank 0 draws an incarnation id and broadcasts
   /// it over replica_group). Throws c10::Error naming the option when an option is missing or out of range,
-  /// and when replica_group's size differs from the job's other replica groups'.
+  /// and when replica_group's size differs from the job's other replica groups'. Sets SIGPIPE to ignored
+  /// unless the program installed a handler (a write to a dead peer's socket would otherwise kill this
+  /// process; Python ignores SIGPIPE from the start).
   explicit Manager(ManagerOptions options);
   ~Manager();
   Manager(const Manager&) = delete;
