@@ -277,9 +277,8 @@ uint32_t shm_reduce_arg(ReduceOp op, const torch::Tensor& t) {
 // ProcessGroupGloo reduces with gloo's C++ operators, for which at::add/mul/lt/where compute the same bits
 // (tests/c10d/test_shm_transport.cpp compares every one with Gloo). Anything else (bool, complex, int16,
 // float8, a non-contiguous or sparse tensor) stays on Gloo, so that it fails or succeeds exactly as before.
-bool shm_can_carry(const torch::Tensor& t) {
-  if (t.layout() != c10::kStrided || !t.is_contiguous()) return false;
-  switch (t.scalar_type()) {
+bool shm_can_carry_dtype(torch::ScalarType dtype) {
+  switch (dtype) {
     case at::kFloat:
     case at::kDouble:
     case at::kHalf:
@@ -292,6 +291,10 @@ bool shm_can_carry(const torch::Tensor& t) {
     default:
       return false;
   }
+}
+
+bool shm_can_carry(const torch::Tensor& t) {
+  return t.layout() == c10::kStrided && t.is_contiguous() && shm_can_carry_dtype(t.scalar_type());
 }
 
 }  // namespace
@@ -397,26 +400,31 @@ Work all_gather_placed(int64_t numel, torch::ScalarType dtype, ShmTransport::Row
                            c10::toString(dtype) + ", placed straight into its destinations (no output buffer)";
   const uint64_t ag_bytes = bytes * static_cast<uint64_t>(n - 1);
   add_bytes(ProcessGroupAccess::comm_stats(group).all_gather_into_tensor, ag_bytes, ag_bytes);
-  // The sources stay alive until the wait (the transport drops its own references when it is done).
-  std::function<void()> on_done;
-  if (!held.empty()) on_done = [held = std::move(held)]() mutable { held.clear(); };
+  // The sources stay alive while the transport reads them and until the wait, whichever ends last
+  // ([Note: borrowed sources]).
+  auto keep = std::make_shared<std::vector<torch::Tensor>>(std::move(held));
+  auto read = [keep, source = std::move(source)](int j, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
+    source(j, off, len, piece);
+  };
+  auto on_done = [keep]() mutable { keep.reset(); };
   return launch(group, "all_gather_into_tensor", seq, bytes * static_cast<uint64_t>(n), desc, async_op, nullptr,
                 nullptr, 0,
                 [&] {
                   return ProcessGroupAccess::shm(group)->all_gather_placed(
-                      bytes, std::move(source), std::move(place), seq, header("all_gather_into_tensor", group, seq));
+                      bytes, std::move(read), std::move(place), seq, header("all_gather_into_tensor", group, seq));
                 },
                 std::move(on_done));
 }
 
-bool can_reduce_scatter_placed(ProcessGroup& group, const torch::Tensor& output) {
+bool can_reduce_scatter_placed(ProcessGroup& group, torch::ScalarType dtype, int64_t numel) {
   return group.size() > 1 && !group.debug_backend() && ProcessGroupAccess::shm(group) != nullptr && is_gloo(group) &&
-         !gloo_reduce_scatter_via_all_reduce() && output.is_cpu() && output.numel() > 0 && shm_can_carry(output);
+         !gloo_reduce_scatter_via_all_reduce() && numel > 0 && shm_can_carry_dtype(dtype);
 }
 
 Work reduce_scatter_placed(const torch::Tensor& output, ShmTransport::RowPieces rows, std::vector<torch::Tensor> held,
                            ProcessGroup& group, ReduceOp op, bool async_op) {
-  TORCH_INTERNAL_ASSERT(can_reduce_scatter_placed(group, output) && output.is_contiguous());
+  TORCH_INTERNAL_ASSERT(can_reduce_scatter_placed(group, output.scalar_type(), output.numel()) && output.is_cpu() &&
+                        output.is_contiguous());
   uint64_t seq = ProcessGroupAccess::next_seq(group);
   const int n = group.size();
   const std::string desc = header("reduce_scatter_tensor", group, seq) + ": input [" +
@@ -424,10 +432,15 @@ Work reduce_scatter_placed(const torch::Tensor& output, ShmTransport::RowPieces 
                            " read straight from its sources (no input buffer), output " + describe(output);
   const uint64_t rs_bytes = output.nbytes() * static_cast<uint64_t>(n - 1);
   add_bytes(ProcessGroupAccess::comm_stats(group).reduce_scatter_tensor, rs_bytes, rs_bytes);
-  // The sources stay alive until the wait, as reduce_scatter_tensor's input does ([Note: Gloo reduce-scatter]).
-  auto on_done = [output, held = std::move(held), n, op]() mutable {
+  // The sources stay alive while the transport reads them and until the wait, whichever ends last ([Note:
+  // borrowed sources]), as reduce_scatter_tensor's input does.
+  auto keep = std::make_shared<std::vector<torch::Tensor>>(std::move(held));
+  auto read = [keep, rows = std::move(rows)](int j, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
+    rows(j, off, len, piece);
+  };
+  auto on_done = [output, keep, n, op]() mutable {
     if (op == ReduceOp::AVG) output.div_(n);
-    held.clear();
+    keep.reset();
   };
   const uint64_t total = output.nbytes() * static_cast<uint64_t>(n);
   return launch(
@@ -435,7 +448,7 @@ Work reduce_scatter_placed(const torch::Tensor& output, ShmTransport::RowPieces 
       [&] {
         auto out = output.view({-1});
         auto reduce = ring_reduce_round(out, static_cast<int64_t>(group.rank()) * out.numel(), n, op, total);
-        return ProcessGroupAccess::shm(group)->reduce_scatter(out, out.nbytes(), std::move(rows),
+        return ProcessGroupAccess::shm(group)->reduce_scatter(out, out.nbytes(), std::move(read),
                                                               shm_reduce_arg(op, output), std::move(reduce), seq,
                                                               header("reduce_scatter_tensor", group, seq));
       },

@@ -16,6 +16,16 @@
 // pieces (a gradient's chunk, zero padding, the presence flags) that the transport copies straight into its
 // slot, and reduces this rank's own row from the pieces themselves: one copy of the gradients fewer, and no
 // input as large as the unsharded group.
+//
+// [Note: borrowed sources]
+// The pieces are raw pointers, read by the transport's worker thread after the call returns. Their tensors
+// (`held`) are therefore kept by both the worker's function, which the transport drops when the collective
+// is done, and the Work, which drops them at the wait: whichever ends last frees them. So a Work destroyed
+// unwaited (an aborted backward, a model destroyed with a collective in flight) never leaves the worker
+// reading freed memory, and a waited one frees them at the wait, as the estimator counts. The values are
+// read while the collective runs, not at its issue: a source changed between the issue and the wait changes
+// what is sent (FSDP changes no shard or gradient then; a user's unshard(async_op=true) must be waited before
+// the optimizer steps, as on CUDA, where the copy-in runs on its own stream).
 #pragma once
 
 #include <torch/torch.h>
@@ -44,11 +54,11 @@ Work all_gather_placed(int64_t numel, torch::ScalarType dtype, ShmTransport::Row
                        std::vector<torch::Tensor> held, ShmTransport::PlaceRound place, ProcessGroup& group,
                        bool async_op);
 
-/// Whether reduce_scatter_placed can run on `group` into `output`: a one-host Gloo group of 2+ ranks with the
-/// shared-memory transport, not in debug mode, not sent back to Gloo's _reduce_scatter_base
-/// (FSDP_GLOO_REDUCE_SCATTER=allreduce), and an `output` the transport reduces (contiguous CPU, a dtype of
-/// all_reduce's, at least one element).
-bool can_reduce_scatter_placed(ProcessGroup& group, const torch::Tensor& output);
+/// Whether reduce_scatter_placed can run on `group` into an output of `numel` elements of `dtype` (contiguous
+/// CPU): a one-host Gloo group of 2+ ranks with the shared-memory transport, not in debug mode, not sent back to
+/// Gloo's _reduce_scatter_base (FSDP_GLOO_REDUCE_SCATTER=allreduce), a dtype the transport reduces (all_reduce's),
+/// at least one element.
+bool can_reduce_scatter_placed(ProcessGroup& group, torch::ScalarType dtype, int64_t numel);
 
 /// reduce_scatter_tensor(output, input, group, op) with no `input` tensor: `rows(j, offset, length, piece)` hands
 /// out bytes [offset, offset + length) of this rank's row j (the input's chunk j, output's bytes long) as

@@ -34,10 +34,10 @@ void ProgressPublisher::publish(uint64_t value) {
 
 bool ProgressPublisher::flush(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  flushing_ = true;
+  ++flushing_;
   wake_.notify_one();
   const bool ok = written_.wait_for(lock, timeout, [&] { return broken_ || published_ >= latest_.load(); });
-  flushing_ = false;
+  --flushing_;
   return ok && !broken_;
 }
 
@@ -49,7 +49,7 @@ void ProgressPublisher::run() {
     if (just_wrote) {
       // The interval between writes: collectives meanwhile only move latest_ (no wake-up), unless a flush or
       // the destructor asks for the latest mark now.
-      wake_.wait_for(lock, kInterval, [&] { return stop_ || (flushing_ && behind()); });
+      wake_.wait_for(lock, kInterval, [&] { return stop_ || (flushing_ > 0 && behind()); });
     }
     idle_.store(true);
     wake_.wait(lock, [&] { return stop_ || behind(); });

@@ -60,7 +60,8 @@ class ProgressPublisher {
   std::mutex mu_;
   std::condition_variable wake_, written_;
   uint64_t published_ = 0;                             // under mu_
-  bool stop_ = false, broken_ = false, flushing_ = false;  // under mu_; broken: the store failed, nothing more is written
+  bool stop_ = false, broken_ = false;  // under mu_; broken: the store failed, nothing more is written
+  int flushing_ = 0;                    // under mu_: callers in flush()
   std::thread thread_;                                 // started on the first publish
   std::once_flag started_;
 };

@@ -115,7 +115,8 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(at::Tensor output, u
           [&](char* mine) {
             for (int j = 0; j < size_; ++j) {
               if (j == rank_) continue;
-              char* dst = mine + j * region;
+              char* const start = mine + j * region;
+              char* dst = start;
               rows(j, off, len, [&](const char* src, uint64_t l) {
                 if (src) {
                   std::memcpy(dst, src, l);
@@ -124,6 +125,8 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(at::Tensor output, u
                 }
                 dst += l;
               });
+              TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(dst - start) == len, "reduce-scatter: row ", j, " gave ",
+                                    dst - start, " of ", len, " bytes");
             }
           },
           [&](const char* const* slots) {

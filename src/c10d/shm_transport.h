@@ -133,7 +133,8 @@ class ShmTransport {
   /// `rows`: other ranks' rows are copied piece by piece into this rank's slot, and this rank's own row is reduced
   /// straight from its pieces when they are large (at least 64 KiB on average), else gathered into a scratch of
   /// one round first. So the input need not exist as one tensor (FSDP: the rows are read straight from the
-  /// gradients). No scratch of N x output: the all-to-all then reduction it replaces gathered N x output's bytes
+  /// gradients). No piece may overlap `output` (it is written while they are read: pass a copy for an in-place
+  /// one). No scratch of N x output: the all-to-all then reduction it replaces gathered N x output's bytes
   /// first. `arg` as for all_reduce.
   c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, uint64_t row_bytes, RowPieces rows, uint32_t arg,
                                                 ReduceRound reduce, uint64_t seq, std::string what);

@@ -46,8 +46,11 @@ char* bytes_of(const torch::Tensor& t) { return static_cast<char*>(t.data_ptr())
 // unsharded parameters are allocated before it is issued (instead of at its wait) and the transport's worker
 // copies each rank's bytes out of its slot straight into them (c10d/placed_collectives.h). That removes the
 // copy-out (every gathered byte copied once instead of twice) and the [world x N] output, which the copy-out
-// held beside the unsharded parameters; the input is this rank's N elements alone. The wait then only marks
-// the unsharded data as changed (its version counter, as the copy-out's copy_ would). Taken when every piece is
+// held beside the unsharded parameters; the input is this rank's N elements alone, and when every shard is
+// already in the wire dtype (no param_dtype cast) there is no input either: the transport copies this rank's
+// bytes straight from the shards into its slot ([Note: borrowed sources] in c10d/placed_collectives.h). The
+// wait then only marks the unsharded data as changed (its version counter, as the copy-out's copy_ would).
+// Taken when every piece is
 // a plain shard of one dtype in parameter order: no extension ([Note: all-gather extension]), no mixed-dtype
 // bytes, dim-0 shards (or post-forward flat slices), contiguous CPU unsharded tensors of the piece's dtype and
 // world x its size, no custom AllGather, no debug-mode fingerprints; anything else takes the output and the
@@ -198,8 +201,8 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
       }
     };
     if (from_shards) {
-      // This rank's bytes, piece by piece from its shards. They are read while the all-gather runs, not at its
-      // issue: FSDP changes no shard while its all-gather is in flight (the optimizer steps after the waits).
+      // This rank's bytes, piece by piece from its shards, read while the all-gather runs ([Note: borrowed
+      // sources]: FSDP changes no shard while its all-gather is in flight, the optimizer steps after the waits).
       auto source = [pieces = std::move(pieces)](int, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
         uint64_t at = 0;  // where the current piece starts
         for (const auto& [src, bytes] : pieces) {
@@ -334,8 +337,8 @@ std::optional<ReduceScatterResult> reduce_scatter_placed(const std::vector<FSDPP
     if (g.defined() && !(plain_cpu(g) && g.scalar_type() == reduce_dtype)) return std::nullopt;
   }
   const int64_t np = static_cast<int64_t>(param_indices.size());
+  if (!can_reduce_scatter_placed(pg, reduce_dtype, m + np)) return std::nullopt;
   auto output = comm.empty({m + np}, reduce_dtype, device);
-  if (!can_reduce_scatter_placed(pg, output)) return std::nullopt;
   TORCH_INTERNAL_ASSERT(ws <= 256);
   // Row r's pieces, in order: (source or null for zeros, bytes). The presence flags are one tensor that every
   // row ends with.

@@ -19,7 +19,8 @@ namespace fsdp::detail {
 
 /// An all-gather in flight (issued by FSDPParamGroup::unshard, waited by wait_for_unshard).
 struct AllGatherResult {
-  torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out (`placed`: the input, [N])
+  torch::Tensor output;  // [world * N] in param_dtype; freed after the copy-out (`placed`: the input, [N], or
+                         // undefined when the transport reads the shards themselves)
   bool placed = false;   // gathered straight into the unsharded parameters: no copy-out ([Note: placed all-gather])
   Work work;
   int world;             // ranks gathered over (shard size, or k after a post-forward reshard)
@@ -49,7 +50,7 @@ void foreach_all_gather_copy_out(const AllGatherResult& ag, std::vector<FSDPPara
 
 /// A reduce-scatter in flight (issued by FSDPParamGroup::post_backward, waited by finish_reduce).
 struct ReduceScatterResult {
-  torch::Tensor input;   // unused (undefined): the backend's work keeps the input alive (see foreach_reduce)
+  torch::Tensor input;   // unused (undefined): the Work keeps the input (or the gradients read in place) alive
   torch::Tensor output;  // [M + P] in reduce dtype: P = presence counts of the reduced parameters
   Work work;
   std::vector<size_t> param_indices;  // params reduced, in order

@@ -247,7 +247,10 @@ struct StepWalk {
   // Every group is counted as placed with cpu_shared_memory: groups that take the copy-out path on one host
   // (an all-gather extension, mixed dtypes, Shard(d > 0), a custom AllGather, debug mode) are undercounted by
   // (1 - 1 / world_size) x their unsharded size at their copy-out, and a post-forward gather over k ranks
-  // keeps an input of 1 / k, not 1 / world_size.
+  // keeps an input of 1 / k, not 1 / world_size. Likewise every group whose gradients are in an fp32 or bf16
+  // reduce dtype counts its reduce-scatter as placed (rs_placed): one with Shard(d > 0), a custom
+  // ReduceScatter, debug mode or FSDP_GLOO_REDUCE_SCATTER=allreduce keeps the input and copy-in (undercounted by
+  // its input at the copy-in), and so does one whose reduction FSDP divides first (fp16).
   bool placed() const { return o.device_is_cpu && o.cpu_shared_memory && o.world_size > 1; }
   int64_t placed_input(size_t j) const { return gs[j].ag_from_shards ? 0 : gs[j].unsharded / o.world_size; }
   int64_t copy_out_extra(size_t j) const { return placed() ? placed_input(j) : gs[j].unsharded; }

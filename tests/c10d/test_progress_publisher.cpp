@@ -41,7 +41,11 @@ TEST(ProgressMarks, ManyCollectivesAreOneWritePerInterval) {
   const auto t0 = std::chrono::steady_clock::now();
   for (uint64_t v = 1; v <= 20000; ++v) pub.publish(v);
   const auto busy = std::chrono::steady_clock::now() - t0;
-  std::this_thread::sleep_for(ProgressPublisher::kSettle);
+  // The latest mark arrives within an interval or two (a loaded machine may take longer: polled, up to 10 s).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!(store->check({"mark"}) && store->value("mark") == "20000") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_EQ(store->value("mark"), "20000");
   // One write when the first mark arrives, then at most one per interval (plus the trailing one), counted
   // over the whole time so far (a loaded machine oversleeps).
@@ -63,8 +67,8 @@ TEST(ProgressMarks, FlushWritesTheLatestAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(pub.flush(std::chrono::seconds(5)));
   EXPECT_EQ(store->value("mark"), "7");
-  // Not a timing test: only that the flush did not sit out much more than the interval it cuts short.
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10 * ProgressPublisher::kInterval);
+  // Only that the flush returns promptly (the bound is 100 intervals, for loaded machines).
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
   // A late caller with an older number never moves the mark back.
   pub.publish(3);
   ASSERT_TRUE(pub.flush(std::chrono::seconds(5)));

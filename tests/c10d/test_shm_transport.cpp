@@ -193,6 +193,89 @@ TEST_P(ShmTransport, AllGatherPlacedEqualsAllGatherIntoTensor) {
   });
 }
 
+// A rank's data given as pieces (issue 37, [Note: placed reduce-scatter]): sources at offsets of one tensor and
+// runs of zeros (null sources), laid out as `layout` (element counts; negative = that many zeros).
+struct PieceLayout {
+  std::vector<int64_t> layout;
+  int64_t numel() const {
+    int64_t n = 0;
+    for (auto k : layout) n += std::abs(k);
+    return n;
+  }
+  // Row j (of `rows` rows) as pieces of `src` (row j's elements at j * numel()) and zeros.
+  detail::ShmTransport::RowPieces pieces(const torch::Tensor& src) const {
+    const uint64_t es = src.element_size(), row_bytes = numel() * es;
+    return [layout = layout, src, es, row_bytes](int j, uint64_t off, uint64_t len,
+                                                 const detail::ShmTransport::Piece& piece) {
+      const char* base = static_cast<const char*>(src.data_ptr()) + j * row_bytes;
+      uint64_t at = 0;
+      for (auto k : layout) {
+        const uint64_t bytes = std::abs(k) * es;
+        if (len > 0 && off < at + bytes) {
+          const uint64_t skip = off - at, take = std::min(len, bytes - skip);
+          piece(k < 0 ? nullptr : base + off, take);
+          off += take;
+          len -= take;
+        }
+        at += bytes;
+      }
+    };
+  }
+  // The row the pieces make: src's values with the zero runs zeroed.
+  torch::Tensor materialize(const torch::Tensor& src, int rows) const {
+    auto out = src.clone().view({rows, numel()});
+    int64_t at = 0;
+    for (auto k : layout) {
+      if (k < 0) out.narrow(1, at, -k).zero_();
+      at += std::abs(k);
+    }
+    return out.view({-1});
+  }
+};
+
+// reduce_scatter_placed over pieces equals reduce_scatter_tensor of the input they make, bit for bit: large pieces
+// (reduced where they are), many small ones (gathered into the round's scratch first), zero runs, pieces across
+// rounds, fp32 and bf16, SUM and MAX. all_gather_placed over pieces equals all_gather_into_tensor likewise.
+TEST_P(ShmTransport, PiecesEqualTheTensorPaths) {
+  const int n = GetParam();
+  std::vector<int64_t> small;
+  for (int i = 0; i < 300; ++i) small.push_back(i % 3 == 0 ? -7 : 11);
+  std::vector<PieceLayout> layouts = {
+      {{100000, -70000, 30, -3, 300001}},  // few large pieces: reduced where they are
+      {small},                             // 300 small ones: through the scratch
+  };
+  layouts[1].layout.push_back(400000);     // and one large piece after them, in the next round
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    ASSERT_TRUE(detail::can_all_gather_placed(*pg));
+    for (const auto& l : layouts) {
+      for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(41 + pg->rank());
+        auto src = torch::randn({n * l.numel()}, gen).to(dtype);
+        for (auto op : {ReduceOp::SUM, ReduceOp::MAX}) {
+          auto out = torch::full({l.numel()}, -1.0, src.options());
+          ASSERT_TRUE(detail::can_reduce_scatter_placed(*pg, dtype, out.numel()));
+          detail::reduce_scatter_placed(out, l.pieces(src), {src}, *pg, op, /*async_op=*/false);
+          auto expect = torch::empty({l.numel()}, src.options());
+          reduce_scatter_tensor(expect, l.materialize(src, n), *pg, op);
+          EXPECT_TRUE(bitwise_equal(out, expect)) << "N=" << n << " " << dtype << " " << l.layout.size() << " pieces";
+        }
+        // All-gather: this rank's one row of pieces (the transport asks for row j = this rank: that row of `src`).
+        auto gathered = torch::full({n, l.numel()}, -1.0, src.options());
+        char* base = static_cast<char*>(gathered.data_ptr());
+        const uint64_t row_bytes = l.numel() * src.element_size();
+        auto place = [&](int r, uint64_t off, uint64_t len, const char* from) {
+          std::memcpy(base + r * row_bytes + off, from, len);
+        };
+        detail::all_gather_placed(l.numel(), dtype, l.pieces(src), {src}, place, *pg, /*async_op=*/false);
+        auto expect = torch::empty({n * l.numel()}, src.options());
+        all_gather_into_tensor(expect, l.materialize(src, n).narrow(0, pg->rank() * l.numel(), l.numel()).contiguous(),
+                               *pg);
+        EXPECT_TRUE(bitwise_equal(gathered.view({-1}), expect)) << "all-gather, N=" << n << " " << dtype;
+      }
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ShmTransport, ::testing::Values(2, 3, 4));
 
 // FSDP_SHM_TRANSPORT=0 keeps every group on Gloo's sockets (the results are the same); a bad value is

@@ -104,6 +104,23 @@ TEST(MemoryEstimate, ReduceScatterPeakWithBf16ParamDtype) {
   EXPECT_EQ(estimate_memory(two_group_params(), two_groups(), o).peak_backward, e.peak_backward);
 }
 
+TEST(MemoryEstimate, PlacedReduceScatterHoldsTheGradientsNotAnInput) {
+  MemoryEstimateOptions o;
+  o.world_size = 3;  // fp32, one host's shared memory (the default)
+  auto e = estimate_memory(two_group_params(), two_groups(), o);
+  // a's reduce-scatter reads its gradients where they are ([Note: placed reduce-scatter]): no input [3, 20 + 2]
+  // (264 bytes) beside them, so the copy-in moment the copy path peaks at (the root's 48 unsharded, both groups'
+  // full-size gradients 40 + 200, the input 264: 552) is gone. The peak is the end of a's backward: the root (48)
+  // and a (240) unsharded, their gradients (40 + 200), nothing of the reduce-scatter yet.
+  EXPECT_EQ(e.peak_moment, "end of the backward of 'a'");
+  EXPECT_EQ(e.unsharded_grads, 40 + 200);
+  EXPECT_EQ(e.reduce_scatter, 0);
+  EXPECT_EQ(e.peak_backward, 96 + 192 + 48 + 240 + 40 + 200);
+  // With activations (1000) the same moment stays the peak.
+  o.activation_bytes = 1000;
+  EXPECT_EQ(estimate_memory(two_group_params(), two_groups(), o).peak_backward, 96 + 192 + 48 + 240 + 40 + 200 + 1000);
+}
+
 TEST(MemoryEstimate, ReshardFalseCostsOnlyUntilThePostBackward) {
   // root r [5, 2] kept and two [10, 4] groups a, b on 3 ranks: unsharded 48, 192, 192 bytes.
   std::vector<ParamInfo> params = {P("r", {5, 2}), P("a", {10, 4}), P("b", {10, 4})};
