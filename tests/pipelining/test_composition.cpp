@@ -288,7 +288,13 @@ TEST(PipelineFailures, ARankThatFailsMidStepFailsEveryRankNamingTheAction) {
   EXPECT_NE(errors[2].find("injected loss failure"), std::string::npos) << errors[2];
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("stage " + std::to_string(r) + ", action "), std::string::npos) << r << ": " << errors[r];
-    EXPECT_NE(errors[r].find("receiving"), std::string::npos) << r << ": " << errors[r];
+    // Waiting for a peer that is gone, or sending to the next stage after it failed and closed its connections
+    // (found under load on rank 1: 1F1B's stage 1 sends microbatch 3's activations before it waits for
+    // microbatch 2's gradient).
+    const bool receiving = errors[r].find("receiving") != std::string::npos;
+    const bool sending_to_the_dead = errors[r].find("isend of the activations") != std::string::npos &&
+                                     errors[r].find("to rank " + std::to_string(r + 1)) != std::string::npos;
+    EXPECT_TRUE(receiving || sending_to_the_dead) << r << ": " << errors[r];
   }
 }
 
