@@ -363,8 +363,8 @@ std::string kind_name(uint64_t kind, uint32_t arg) {
     case ShmTransport::kReduceScatter: {
       static const char* ops[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};  // fsdp::ReduceOp's order
       const uint32_t op = arg >> 8;
-      return std::string(kind == ShmTransport::kAllReduce ? "an all-reduce (" : "a reduce-scatter (") + (op < 5 ? ops[op] : "?") +
-             ", " + c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
+      return std::string(kind == ShmTransport::kAllReduce ? "an all-reduce (" : "a reduce-scatter (") +
+             (op < 5 ? ops[op] : "?") + ", " + c10::toString(static_cast<c10::ScalarType>(arg & 0xff)) + ")";
     }
     case ShmTransport::kBroadcast: return "a broadcast from rank " + std::to_string(arg);
   }
