@@ -294,6 +294,20 @@ Work all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 
 namespace detail {
 
+void visit_pieces(const PieceList& list, uint64_t offset, uint64_t length, const ShmTransport::Piece& piece) {
+  uint64_t at = 0;  // where the current piece starts
+  for (const auto& [src, bytes] : list) {
+    if (length == 0) break;
+    if (offset < at + bytes) {
+      const uint64_t skip = offset - at, take = std::min(length, bytes - skip);
+      piece(src ? src + skip : nullptr, take);
+      offset += take;
+      length -= take;
+    }
+    at += bytes;
+  }
+}
+
 bool can_all_gather_placed(ProcessGroup& group) {
   return group.size() > 1 && !group.debug_backend() && ProcessGroupAccess::shm(group) != nullptr;
 }

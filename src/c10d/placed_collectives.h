@@ -28,6 +28,9 @@
 // the optimizer steps, as on CUDA, where the copy-in runs on its own stream).
 #pragma once
 
+#include <utility>
+#include <vector>
+
 #include <torch/torch.h>
 
 #include "c10d/shm_transport.h"
@@ -53,6 +56,13 @@ Work all_gather_placed(const torch::Tensor& input, ShmTransport::PlaceRound plac
 Work all_gather_placed(int64_t numel, torch::ScalarType dtype, ShmTransport::RowPieces source,
                        std::vector<torch::Tensor> held, ShmTransport::PlaceRound place, ProcessGroup& group,
                        bool async_op);
+
+/// A row as contiguous pieces in order: (source, or null for that many bytes of zeros; bytes).
+using PieceList = std::vector<std::pair<const char*, uint64_t>>;
+
+/// Hands bytes [offset, offset + length) of `list` to `piece`, cut at the pieces' boundaries: the body of a
+/// ShmTransport::RowPieces over a fixed list (zero-length pieces skipped).
+void visit_pieces(const PieceList& list, uint64_t offset, uint64_t length, const ShmTransport::Piece& piece);
 
 /// Whether reduce_scatter_placed can run on `group` into an output of `numel` elements of `dtype` (contiguous
 /// CPU): a one-host Gloo group of 2+ ranks with the shared-memory transport, not in debug mode, not sent back to

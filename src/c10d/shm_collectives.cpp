@@ -8,6 +8,23 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp::detail {
+namespace {
+// Copies bytes [off, off + len) of row `j` (its pieces: a source, or zeros) into `dst`; `what` names the
+// collective if the pieces do not add up to `len`.
+void copy_row(const ShmTransport::RowPieces& rows, int j, uint64_t off, uint64_t len, char* dst, const char* what) {
+  char* at = dst;
+  rows(j, off, len, [&](const char* src, uint64_t l) {
+    if (src) {
+      std::memcpy(at, src, l);
+    } else {
+      std::memset(at, 0, l);
+    }
+    at += l;
+  });
+  TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(at - dst) == len, what, ": row ", j, " gave ", at - dst, " of ", len,
+                        " bytes");
+}
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(at::Tensor output, at::Tensor input, uint64_t seq,
                                                         std::string what) {
@@ -40,19 +57,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_placed(uint64_t bytes, R
     do {  // at least one round, so that ranks compare even an empty collective
       const uint64_t len = std::min(kSlotBytes, n - off);
       round(kAllGather, seq, n, 0,
-            [&](char* mine) {
-              char* dst = mine;
-              source(rank_, off, len, [&](const char* src, uint64_t l) {
-                if (src) {
-                  std::memcpy(dst, src, l);
-                } else {
-                  std::memset(dst, 0, l);
-                }
-                dst += l;
-              });
-              TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(dst - mine) == len, "all-gather: the source gave ",
-                                    dst - mine, " of ", len, " bytes");
-            },
+            [&](char* mine) { copy_row(source, rank_, off, len, mine, "all-gather"); },
             [&](const char* const* slots) {
               if (len == 0) return;
               // This rank's own part from its slot too, not from its source: an all-gather's `input` inside
@@ -114,19 +119,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(at::Tensor output, u
           kReduceScatter, seq, m, arg,
           [&](char* mine) {
             for (int j = 0; j < size_; ++j) {
-              if (j == rank_) continue;
-              char* const start = mine + j * region;
-              char* dst = start;
-              rows(j, off, len, [&](const char* src, uint64_t l) {
-                if (src) {
-                  std::memcpy(dst, src, l);
-                } else {
-                  std::memset(dst, 0, l);
-                }
-                dst += l;
-              });
-              TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(dst - start) == len, "reduce-scatter: row ", j, " gave ",
-                                    dst - start, " of ", len, " bytes");
+              if (j != rank_) copy_row(rows, j, off, len, mine + j * region, "reduce-scatter");
             }
           },
           [&](const char* const* slots) {

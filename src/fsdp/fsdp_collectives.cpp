@@ -186,7 +186,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
       dests.push_back({begin, bytes, bytes_of(params[i].unsharded_padded), params[i].unsharded_padded});
       begin += bytes;
     }
-    std::vector<std::pair<const char*, uint64_t>> pieces;  // from_shards: this rank's bytes, shard by shard
+    PieceList pieces;  // from_shards: this rank's bytes, shard by shard
     for (size_t i = 0; i < shards.size(); ++i) pieces.emplace_back(bytes_of(shards[i]), dests[i].bytes);
     auto place = [dests = std::move(dests)](int r, uint64_t off, uint64_t len, const char* src) {
       const uint64_t end = off + len;
@@ -204,17 +204,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam>& params, bool po
       // This rank's bytes, piece by piece from its shards, read while the all-gather runs ([Note: borrowed
       // sources]: FSDP changes no shard while its all-gather is in flight, the optimizer steps after the waits).
       auto source = [pieces = std::move(pieces)](int, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
-        uint64_t at = 0;  // where the current piece starts
-        for (const auto& [src, bytes] : pieces) {
-          if (len == 0) break;
-          if (off < at + bytes) {
-            const uint64_t skip = off - at, take = std::min(len, bytes - skip);
-            piece(src + skip, take);
-            off += take;
-            len -= take;
-          }
-          at += bytes;
-        }
+        visit_pieces(pieces, off, len, piece);
       };
       result.work = detail::all_gather_placed(n, wire, std::move(source), std::move(shards), std::move(place), pg,
                                               /*async_op=*/true);
@@ -342,14 +332,10 @@ std::optional<ReduceScatterResult> reduce_scatter_placed(const std::vector<FSDPP
   TORCH_INTERNAL_ASSERT(ws <= 256);
   // Row r's pieces, in order: (source or null for zeros, bytes). The presence flags are one tensor that every
   // row ends with.
-  struct Piece {
-    const char* src;
-    uint64_t bytes;
-  };
   const int64_t es = output.element_size();
   std::vector<float> present(static_cast<size_t>(np), 0.0f);
   std::vector<torch::Tensor> held;
-  auto rows = std::make_shared<std::vector<std::vector<Piece>>>(ws);
+  auto rows = std::make_shared<std::vector<PieceList>>(ws);
   for (size_t k = 0; k < param_indices.size(); ++k) {
     const auto& p = params[param_indices[k]];
     auto& g = grads[param_indices[k]];
@@ -372,17 +358,7 @@ std::optional<ReduceScatterResult> reduce_scatter_placed(const std::vector<FSDPP
   for (auto& row : *rows) row.push_back({bytes_of(flags), static_cast<uint64_t>(np * es)});
   held.push_back(flags);
   auto pieces = [rows](int j, uint64_t off, uint64_t len, const ShmTransport::Piece& piece) {
-    uint64_t at = 0;  // where the current piece starts in the row
-    for (const auto& pc : (*rows)[j]) {
-      if (len == 0) break;
-      if (off < at + pc.bytes) {
-        const uint64_t skip = off - at, take = std::min(len, pc.bytes - skip);
-        piece(pc.src ? pc.src + skip : nullptr, take);
-        off += take;
-        len -= take;
-      }
-      at += pc.bytes;
-    }
+    visit_pieces((*rows)[j], off, len, piece);
   };
   Work work = detail::reduce_scatter_placed(output, std::move(pieces), std::move(held), pg, ReduceOp::SUM,
                                             /*async_op=*/true);
